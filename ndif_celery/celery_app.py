@@ -1,0 +1,88 @@
+"""The Celery app shared by the web (which only sends) and the workers.
+
+Messages are JSON only: a pickle in the broker would be code execution for
+anyone who can write to Redis. The nnsight payload travels by reference (a
+Redis key) and is unpickled only by the executor.
+
+Every model key gets its own queue, so a worker consumes exactly the models it
+holds; ``ndif.control`` is consumed by every worker and carries farm-level
+work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import socket
+from typing import Optional
+
+from celery import Celery
+
+from . import config
+
+CONTROL_QUEUE = "ndif.control"
+RUN_JOB = "ndif.run_job"
+
+
+def queue_for(model_key: str) -> str:
+    """The queue name for a model key: readable, short, and unique.
+
+    Model keys are long JSON-bearing strings; the queue name keeps a slug of
+    the repo id for people reading Flower and a hash for uniqueness.
+    """
+    digest = hashlib.sha256(model_key.encode()).hexdigest()[:12]
+    match = re.search(r'"repo_id":\s*"([^"]+)"', model_key)
+    label = match.group(1) if match else model_key.split(":", 1)[-1]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", label).strip("-")[:48] or "model"
+    return f"ndif.model.{slug}.{digest}"
+
+
+def make_app(settings: Optional[config.Settings] = None) -> Celery:
+    settings = settings or config.load()
+    app = Celery("ndif_celery", broker=settings.redis_url, backend=None)
+    app.conf.update(
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        task_ignore_result=True,
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_default_queue=CONTROL_QUEUE,
+        task_create_missing_queues=True,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            # A job is redelivered only after this long without an ack; it must
+            # exceed the longest job, so a slow job is never run twice.
+            "visibility_timeout": settings.visibility_timeout_s,
+        },
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+    )
+    return app
+
+
+def default_worker_name() -> str:
+    return f"worker@{socket.gethostname()}"
+
+
+def worker_argv(settings: config.Settings, name: Optional[str] = None) -> list[str]:
+    """Arguments for ``celery worker``: one job at a time, in one resident process.
+
+    The thread pool with concurrency 1 keeps the model in the worker's own
+    process (so it stays resident between jobs) while the main thread keeps
+    answering control commands and sending heartbeats during a long job.
+    """
+    return [
+        "worker",
+        "--pool=threads",
+        "--concurrency=1",
+        "--prefetch-multiplier=1",
+        "--without-mingle",
+        "-E",
+        f"--hostname={name or default_worker_name()}",
+        f"--queues={CONTROL_QUEUE}",
+        f"--loglevel={settings.log_level}",
+    ]

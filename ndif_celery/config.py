@@ -1,0 +1,136 @@
+"""Every ``NDIF_*`` setting, its type and its default, read in one place.
+
+Each process (web, worker, CLI) calls :func:`load` once and passes the
+resulting :class:`Settings` around. Defaults run a whole farm on one host with
+nothing else configured: an embedded Redis, a filesystem result store served by
+the web app, and SQLite under ``NDIF_HOME``. Point the URLs at real services to
+run a farm across hosts.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping, Optional
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Settings:
+    home: Path
+    api_host: str
+    api_port: int
+    api_url: str
+    web_workers: int
+    web_threads: int
+    redis_url: str
+    embedded_redis: bool
+    embedded_redis_port: int
+    object_store_url: str
+    object_store_public_url: str
+    object_store_access_key: str
+    object_store_secret_key: str
+    object_store_bucket: str
+    object_store_region: str
+    object_store_verify: bool
+    results_dir: Path
+    secret_key: str
+    max_inline_bytes: int
+    result_url_ttl_s: int
+    job_ttl_s: int
+    visibility_timeout_s: int
+    database_url: str
+    flower_port: int
+    log_level: str
+
+    @property
+    def uses_s3(self) -> bool:
+        return bool(self.object_store_url)
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be a boolean (1/0, true/false), got {raw!r}")
+
+
+def _secret_key(env: Mapping[str, str], home: Path) -> str:
+    """The key that signs result URLs of the filesystem store.
+
+    Taken from ``NDIF_SECRET_KEY`` when set (several web hosts must share it);
+    otherwise made once and kept in ``NDIF_HOME/secret_key`` so every process
+    of a single-host stack agrees on it without anyone configuring one.
+    """
+    if env.get("NDIF_SECRET_KEY"):
+        return env["NDIF_SECRET_KEY"]
+    path = home / "secret_key"
+    home.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass  # another process of this stack made it first
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path.read_text().strip()
+
+
+def load(env: Optional[Mapping[str, str]] = None) -> Settings:
+    """Read the settings from ``env`` (default: the process environment)."""
+    env = os.environ if env is None else env
+    home = Path(env.get("NDIF_HOME") or "~/.ndif-celery").expanduser().resolve()
+    api_host = env.get("NDIF_API_HOST") or "127.0.0.1"
+    api_port = _int(env, "NDIF_API_PORT", 8001)
+    redis_port = _int(env, "NDIF_EMBEDDED_REDIS_PORT", 6380)
+    redis_url = env.get("NDIF_REDIS_URL", "")
+    object_store_url = env.get("NDIF_OBJECT_STORE_URL", "")
+    settings = Settings(
+        home=home,
+        api_host=api_host,
+        api_port=api_port,
+        api_url=(env.get("NDIF_API_URL") or f"http://{api_host}:{api_port}").rstrip("/"),
+        web_workers=_int(env, "NDIF_WEB_WORKERS", 2),
+        web_threads=_int(env, "NDIF_WEB_THREADS", 64),
+        redis_url=redis_url or f"redis://127.0.0.1:{redis_port}/0",
+        embedded_redis=not redis_url,
+        embedded_redis_port=redis_port,
+        object_store_url=object_store_url,
+        object_store_public_url=env.get("NDIF_OBJECT_STORE_PUBLIC_URL", "") or object_store_url,
+        object_store_access_key=env.get("NDIF_OBJECT_STORE_ACCESS_KEY", "minioadmin"),
+        object_store_secret_key=env.get("NDIF_OBJECT_STORE_SECRET_KEY", "minioadmin"),
+        object_store_bucket=env.get("NDIF_OBJECT_STORE_BUCKET", "ndif-results"),
+        object_store_region=env.get("NDIF_OBJECT_STORE_REGION", "us-east-1"),
+        object_store_verify=_bool(env, "NDIF_OBJECT_STORE_VERIFY", True),
+        results_dir=Path(env.get("NDIF_RESULTS_DIR") or home / "results").expanduser(),
+        secret_key=_secret_key(env, home),
+        max_inline_bytes=_int(env, "NDIF_MAX_INLINE_BYTES", 4 * MiB),
+        result_url_ttl_s=_int(env, "NDIF_RESULT_URL_TTL_S", 3600),
+        job_ttl_s=_int(env, "NDIF_JOB_TTL_S", 24 * 3600),
+        visibility_timeout_s=_int(env, "NDIF_VISIBILITY_TIMEOUT_S", 6 * 3600),
+        database_url=env.get("NDIF_DATABASE_URL") or f"sqlite:///{home / 'ndif.db'}",
+        flower_port=_int(env, "NDIF_FLOWER_PORT", 5555),
+        log_level=(env.get("NDIF_LOG_LEVEL") or "INFO").upper(),
+    )
+    for field in fields(Settings):
+        value = getattr(settings, field.name)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"NDIF_{field.name.upper()} must not be negative, got {value}")
+    return settings

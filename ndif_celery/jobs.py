@@ -1,0 +1,114 @@
+"""Job state in Redis: payloads, the latest status, and the live status channel.
+
+Everything the web needs to answer about a job lives here, written by whoever
+moves the job along (the web on intake, the worker afterwards):
+
+- ``ndif:job:<id>:payload``  the serialized nnsight request, until a worker takes it
+- ``ndif:job:<id>:status``   the latest non-LOG status as the JSON the client parses,
+                              for ``GET /response/<id>`` (non-blocking jobs, lost clients)
+- channel ``ndif:session:<session_id>``  every status of a blocking job, forwarded
+                              verbatim to its websocket
+
+All keys expire after ``NDIF_JOB_TTL_S``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import redis
+
+from . import wire
+
+
+def payload_key(job_id: str) -> str:
+    return f"ndif:job:{job_id}:payload"
+
+
+def status_key(job_id: str) -> str:
+    return f"ndif:job:{job_id}:status"
+
+
+def session_channel(session_id: str) -> str:
+    return f"ndif:session:{session_id}"
+
+
+@dataclass
+class Job:
+    """What a worker needs to run a job: the Celery message body (JSON only)."""
+
+    id: str
+    model_key: str
+    session_id: str = ""
+    compress: bool = False
+    env: dict = field(default_factory=dict)
+    received_at: float = 0.0
+    payload_bytes: int = 0
+
+    def to_message(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_message(cls, message: dict) -> "Job":
+        return cls(**{k: message[k] for k in cls.__dataclass_fields__ if k in message})
+
+
+def connect(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+
+
+class StatusChannel:
+    """Publishes a job's statuses where its client can see them.
+
+    A blocking client listens on its session channel; a non-blocking client
+    polls the latest-status key. Both are written for every non-LOG status, so a
+    blocking client that lost its socket can still poll.
+    """
+
+    def __init__(self, client: redis.Redis, job: Job, ttl_s: int) -> None:
+        self.redis = client
+        self.job = job
+        self.ttl_s = ttl_s
+
+    def send(
+        self,
+        status: str,
+        description: str = "",
+        data: Any = None,
+        meta: Optional[dict] = None,
+    ) -> None:
+        message = wire.response_json(self.job.id, status, description, data, meta)
+        pipe = self.redis.pipeline(transaction=False)
+        if status != wire.LOG:
+            pipe.set(status_key(self.job.id), message, ex=self.ttl_s)
+        if self.job.session_id:
+            pipe.publish(session_channel(self.job.session_id), message)
+        pipe.execute()
+
+    def send_binary(self, frame: bytes, latest: str) -> None:
+        """Publish a pickled COMPLETED frame (inline result) to the websocket.
+
+        ``latest`` is the JSON stored for pollers, who cannot receive bytes.
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(status_key(self.job.id), latest, ex=self.ttl_s)
+        pipe.publish(session_channel(self.job.session_id), frame)
+        pipe.execute()
+
+    def log(self, line: str) -> None:
+        self.send(wire.LOG, line)
+
+
+def latest_status(client: redis.Redis, job_id: str) -> Optional[bytes]:
+    return client.get(status_key(job_id))
+
+
+def now() -> float:
+    return time.time()
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))

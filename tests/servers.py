@@ -1,0 +1,130 @@
+"""Real servers for tests, each in its own process on loopback.
+
+Tests talk to these over HTTP exactly as production code talks to the real
+thing, and can stop and restart them to simulate an outage.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _loopback_env(**extra: str) -> dict:
+    """The current environment, minus proxies, plus ``extra``.
+
+    A proxy variable would send loopback traffic elsewhere; no test server
+    may reach beyond this host.
+    """
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost"
+    env.update(extra)
+    return env
+
+
+def wait_for_http(host: str, port: int, timeout_s: float, proc: Optional[subprocess.Popen] = None) -> None:
+    """Block until an HTTP server answers any request on host:port."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with code {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection(host, port, timeout=1)
+            try:
+                conn.request("GET", "/")
+                conn.getresponse().read()
+                return
+            finally:
+                conn.close()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing answered on {host}:{port} within {timeout_s}s") from None
+            time.sleep(0.05)
+
+
+class MotoServer:
+    """moto's S3-compatible HTTP server (``python -m moto.server``) on loopback.
+
+    The port is chosen once, so ``stop()`` then ``start()`` brings the server
+    back at the same ``url`` (with its state gone, as after a real crash).
+
+        with MotoServer() as s3:
+            store = S3Store(s3.url, ...)
+    """
+
+    access_key = "testing"
+    secret_key = "testing"
+    region = "us-east-1"
+
+    def __init__(self, port: Optional[int] = None, start_timeout_s: float = 20.0):
+        self.port = port or free_port()
+        self.host = "127.0.0.1"
+        self.url = f"http://{self.host}:{self.port}"
+        self.start_timeout_s = start_timeout_s
+        self._proc: Optional[subprocess.Popen] = None
+        # Append mode: the child shares the file offset, and log() seeks it.
+        self._log = tempfile.TemporaryFile(mode="a+b")
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> "MotoServer":
+        if self.running:
+            return self
+        env = _loopback_env(
+            AWS_ACCESS_KEY_ID=self.access_key,
+            AWS_SECRET_ACCESS_KEY=self.secret_key,
+            AWS_DEFAULT_REGION=self.region,
+            AWS_EC2_METADATA_DISABLED="true",
+            PYTHONUNBUFFERED="1",
+        )
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", self.host, "-p", str(self.port)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_for_http(self.host, self.port, self.start_timeout_s, self._proc)
+        except Exception as exc:
+            self.stop()
+            raise RuntimeError(f"moto server did not start: {exc}\n{self.log()}") from exc
+        return self
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+    def log(self) -> str:
+        """What the server printed so far (for failure messages)."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-4000:]
+
+    def __enter__(self) -> "MotoServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self._log.close()

@@ -1,0 +1,45 @@
+"""The Flask app factory: the API the nnsight client talks to.
+
+The web validates and enqueues; it never imports torch and never runs user
+code. Everything it knows about a job comes from Redis (see
+``ndif_celery.jobs``) and the result store.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+from ndif_celery import config, jobs
+from ndif_celery.celery_app import make_app
+from ndif_celery.store import open_store
+
+
+def create_app(settings: Optional[config.Settings] = None) -> Flask:
+    settings = settings or config.load()
+    app = Flask("ndif_celery.web")
+    app.config["NDIF_SETTINGS"] = settings
+    app.config["NDIF_REDIS"] = jobs.connect(settings.redis_url)
+    app.config["NDIF_CELERY"] = make_app(settings)
+    app.config["NDIF_STORE"] = open_store(settings)
+    app.json.sort_keys = False
+
+    from . import results, routes, subscribe
+
+    app.register_blueprint(routes.bp)
+    app.register_blueprint(results.bp)
+    subscribe.sock.init_app(app)
+
+    @app.errorhandler(HTTPException)
+    def http_error(error: HTTPException):
+        # The client reads body["detail"] of any failed request.
+        return jsonify(detail=error.description or error.name), error.code
+
+    @app.errorhandler(Exception)
+    def unhandled(error: Exception):
+        app.logger.exception("unhandled error")
+        return jsonify(detail="Internal server error."), 500
+
+    return app

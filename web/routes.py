@@ -1,0 +1,137 @@
+"""The HTTP endpoints nnsight 0.8.1 calls (and a few it doesn't: /ping, /env).
+
+``POST /request`` is the whole intake: validate the envelope, park the payload
+in Redis, enqueue a JSON-only Celery message on the model's queue, tell the
+client it is QUEUED. It answers RECEIVED in the HTTP body, as NDIF does.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import redis
+import zstandard
+from flask import Blueprint, Response, current_app, jsonify, request
+
+from ndif_celery import environment, jobs, registry, wire
+from ndif_celery.celery_app import RUN_JOB, queue_for
+
+bp = Blueprint("api", __name__)
+
+
+def _redis() -> redis.Redis:
+    return current_app.config["NDIF_REDIS"]
+
+
+def _settings():
+    return current_app.config["NDIF_SETTINGS"]
+
+
+def _fail(detail: str, status: int):
+    return jsonify(detail=detail), status
+
+
+@bp.get("/ping")
+def ping():
+    return jsonify("pong")
+
+
+@bp.post("/request")
+def submit():
+    try:
+        envelope = wire.parse_envelope(request.form.get("data"))
+    except wire.WireError as error:
+        return _fail(error.detail, error.status)
+    blob_file = request.files.get("blob")
+    if blob_file is None:
+        return _fail("Missing file part 'blob' (the serialized request payload).", 400)
+    blob = blob_file.read()
+    if not blob:
+        return _fail("The 'blob' part is empty: there is no request payload to run.", 400)
+    if envelope.compress:
+        problem = _zstd_problem(blob)
+        if problem:
+            return _fail(problem, 400)
+
+    job = jobs.Job(
+        id=uuid.uuid4().hex,
+        model_key=envelope.model_key,
+        session_id=envelope.session_id,
+        compress=envelope.compress,
+        env=envelope.env,
+        received_at=jobs.now(),
+        payload_bytes=len(blob),
+    )
+    settings = _settings()
+    client = _redis()
+    queue = queue_for(job.model_key)
+    client.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
+    received = wire.response_json(job.id, wire.RECEIVED, wire.RECEIVED_DESCRIPTION)
+    client.set(jobs.status_key(job.id), received, ex=settings.job_ttl_s)
+    _ensure_consumed(queue)
+    current_app.config["NDIF_CELERY"].send_task(
+        RUN_JOB, kwargs={"job": job.to_message()}, queue=queue, task_id=job.id
+    )
+    position = client.llen(queue)
+    jobs.StatusChannel(client, job, settings.job_ttl_s).send(
+        wire.QUEUED, f"Your job is queued for {wire.repo_fields(job.model_key)['repo_id']} (position {position})."
+    )
+    return Response(received, mimetype="application/json")
+
+
+def _zstd_problem(blob: bytes) -> str:
+    """Why a payload declared compressed is not a zstd frame, or ''."""
+    try:
+        params = zstandard.get_frame_parameters(blob)
+    except zstandard.ZstdError as error:
+        return f"The payload is declared compressed but is not a valid zstd frame ({error})."
+    if params.content_size in (0, zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+        return "The payload is declared compressed but its zstd frame has no content size."
+    return ""
+
+
+def _ensure_consumed(queue: str) -> None:
+    """Make sure some worker consumes ``queue``: the first request for a model deploys it.
+
+    A new queue is recorded (workers read the set when they start) and every
+    worker is told to consume it; the first to take a job loads the model.
+    """
+    if _redis().sadd(registry.QUEUES, queue):
+        current_app.config["NDIF_CELERY"].control.add_consumer(queue, reply=False)
+
+
+@bp.get("/response/<job_id>")
+def response(job_id: str):
+    latest = jobs.latest_status(_redis(), job_id) if wire.JOB_ID.match(job_id) else None
+    if latest is None:
+        return _fail(f"No response for request {job_id}.", 404)
+    return Response(latest, mimetype="application/json")
+
+
+@bp.get("/status")
+def status():
+    return jsonify(registry.status_document(_redis()))
+
+
+@bp.get("/env")
+def env():
+    raw = _redis().get(registry.ENV)
+    if raw is not None:
+        return Response(raw, mimetype="application/json")
+    return jsonify(environment.local_env())
+
+
+@bp.get("/whoami")
+def whoami():
+    # Auth is off in this slice: everyone is anonymous, as NDIF answers then.
+    return jsonify(email=None, tags=[])
+
+
+@bp.get("/connected")
+def connected():
+    try:
+        _redis().ping()
+    except redis.RedisError:
+        return _fail("Service temporarily unavailable: the broker cannot be reached.", 503)
+    return jsonify(status="connected")
+

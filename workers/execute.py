@@ -1,0 +1,148 @@
+"""Run one nnsight request against a resident model (the server recipe).
+
+Split into prepare (deserialize under this model), run (execute the block,
+collect the saves) and the hygiene around both, so the same steps can later
+run in an isolated child or over several jobs at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import linecache
+import os
+import site
+import sysconfig
+import traceback
+from typing import Any, Callable
+
+import torch
+from nnsight.intervention.serialization import UnknownPersistentIdError
+from nnsight.schema.request import RequestModel
+from nnsight.tracing import globals as nnsight_globals
+from nnsight.tracing.tracer import _saves, dec, inc
+from nnsight.tracing.util import clean_traceback
+
+
+class RequestError(Exception):
+    """A failure the user should read as one sentence, not a server traceback."""
+
+
+def payload_error(error: BaseException) -> RequestError:
+    return RequestError(
+        f"Your request payload could not be read ({type(error).__name__}: {error}). "
+        "It may be truncated or corrupted in transit, or compressed differently than the "
+        "request declared. If it persists, check that the client and server nnsight versions "
+        "match (nnsight.compare())."
+    )
+
+
+@contextlib.contextmanager
+def request_scope(model: Any):
+    """Leave no trace of a request in process-global state.
+
+    nnsight memoizes compiled blocks by (filename, line) and the payload
+    registers its source in ``linecache``; none of it is re-validated, so a
+    later request from the same trace site would run this one's block. Grads
+    left on the shared weights by a backward are dropped as well.
+    """
+    saved_linecache = dict(linecache.cache)
+    saved_sources = dict(nnsight_globals.SOURCES)
+    saved_blocks = dict(nnsight_globals.BLOCKS)
+    try:
+        yield
+    finally:
+        _restore(linecache.cache, saved_linecache)
+        _restore(nnsight_globals.SOURCES, saved_sources)
+        _restore(nnsight_globals.BLOCKS, saved_blocks)
+        model._module.zero_grad(set_to_none=True)
+
+
+def _restore(target: dict, snapshot: dict) -> None:
+    target.clear()
+    target.update(snapshot)
+
+
+def deserialize(model: Any, blob: bytes, compress: bool, env: dict) -> Any:
+    model._remoteable_set_env(env)
+    persistent = model._remoteable_persistent_objects()
+    try:
+        return RequestModel.deserialize(blob, persistent, compress=compress)
+    except UnknownPersistentIdError as error:
+        raise RequestError(
+            "The model architecture on this server doesn't match the one your code was traced "
+            f"against ({error}). Compare versions with `from nnsight import ndif; print(ndif.compare())`."
+        ) from None
+    except Exception as error:  # noqa: BLE001 - any unreadable payload is the same user error
+        raise payload_error(error) from None
+
+
+def run(tracer: Any, log: Callable[[str], None]) -> dict:
+    """Execute the block; return the values it saved, by variable name."""
+    stream = LogStream(log)
+    inc()
+    try:
+        with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+            try:
+                tracer.execute(tracer.info.code)
+            finally:
+                stream.flush_partial()
+        saves = _saves()
+        return {name: value for name, value in tracer.info.frame.f_locals.items() if id(value) in saves}
+    finally:
+        dec()
+
+
+def format_user_error(error: BaseException) -> str:
+    """The user's own traceback: only frames of code the user wrote and shipped.
+
+    Frames of installed libraries (nnsight, torch, transformers), of the
+    standard library and of this server are dropped; if that leaves nothing,
+    nnsight's own cleaning is used instead.
+    """
+    if isinstance(error, RequestError):
+        return str(error)
+    tb = clean_traceback(error.__traceback__)
+    frames = traceback.extract_tb(tb)
+    users = [frame for frame in frames if not frame.filename.startswith(_LIBRARY_DIRS)]
+    lines = ["Traceback (most recent call last):\n"]
+    lines.extend(traceback.format_list(users or frames))
+    lines.extend(traceback.format_exception_only(type(error), error))
+    return "".join(lines)
+
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIBRARY_DIRS = tuple(
+    {os.path.join(_ROOT, package) + os.sep for package in ("workers", "web", "ndif_celery")}
+    | {p for p in sysconfig.get_paths().values()}
+    | {p for p in site.getsitepackages()}
+    | {os.path.dirname(os.__file__)}
+)
+
+
+class LogStream(io.TextIOBase):
+    """A file whose every complete line becomes a LOG status for the client."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self._log = log
+        self._partial = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        lines = (self._partial + text).split("\n")
+        self._partial = lines.pop()
+        for line in lines:
+            self._log(line)
+        return len(text)
+
+    def flush_partial(self) -> None:
+        if self._partial:
+            self._log(self._partial)
+            self._partial = ""
+
+
+def no_grad_weights(module: torch.nn.Module) -> None:
+    """Resident weights never need grads; activations opt in with requires_grad_."""
+    module.requires_grad_(False)
