@@ -64,7 +64,7 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
 
     channel = jobs.StatusChannel(worker.redis, job, settings.job_ttl_s)
     started = time.time()
-    meta = {"worker": worker.name, "queue_ms": round((started - job.received_at) * 1000, 1)}
+    meta = {"job_id": job.id, "worker": worker.name, "queue_ms": round((started - job.received_at) * 1000, 1)}
     try:
         model = worker.models.get(job.model_key, lambda text: channel.send(wire.DEPLOYING, text))
         blob = worker.redis.get(jobs.payload_key(job.id))

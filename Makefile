@@ -1,0 +1,40 @@
+# make install   build .venv (CPU torch first, then the project with its test extras)
+# make run       run the whole farm on this host in the foreground (Ctrl-C stops it)
+# make test      run the test suite (extra pytest arguments: PYTEST_ARGS="-k cli -x")
+# make clean     remove build and test leftovers (make distclean also removes .venv)
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned by setup.cfg too; installing it first, alone, means the
+# project install finds the pin satisfied and never pulls a CUDA build.
+TORCH := torch==2.13.0
+STAMP := $(VENV)/.ndif-celery-installed
+PYTEST_ARGS ?=
+
+.PHONY: install run test clean distclean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Redone only when the venv is new or the requirements changed.
+$(STAMP): setup.cfg setup.py | $(BIN)/python
+	$(BIN)/python -m pip install --upgrade pip
+	$(BIN)/python -m pip install '$(TORCH)'
+	$(BIN)/python -m pip install -e '.[test]'
+	touch $@
+
+run: install
+	$(BIN)/ndif-celery up
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache tests/_out
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,627 @@
+"""Run a whole farm on one host: Redis, the web, a worker and Flower.
+
+``ndif-celery up`` is the only thing a user runs on a fresh machine, so this
+module owns the processes of a single-host stack: it starts each service as a
+child process with a log file under ``NDIF_HOME/logs``, records their pids in
+``NDIF_HOME/run/stack.json`` so a later ``down`` or ``status`` (a different
+process) can find them, decides when the stack is ready, and stops it.
+
+Each service runs in its own process group (its own session), so
+
+- a Ctrl-C in the terminal of ``up`` reaches only ``up``, which then stops the
+  services in order (Redis last, after the worker has let go of its jobs);
+- stopping a service signals its whole group, including the children it
+  forked (gunicorn's workers), and nothing else.
+
+A multi-host farm does not use this module's process management: each host
+runs ``ndif-celery worker`` (or ``web``, ``flower``) under its own supervisor,
+which :func:`exec_service` serves.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+import httpx
+import redis
+
+from . import config, registry
+from .celery_app import worker_argv
+from .redis_server import RedisServerNotFound, redis_argv, redis_dir
+
+# The directory that holds the ndif_celery, web and workers packages. Children
+# run from here so ``web.app`` and ``workers.tasks`` import even when the
+# project is used from a checkout without being installed.
+ROOT = Path(__file__).resolve().parent.parent
+
+SERVICES = ("redis", "web", "worker", "flower")
+CELERY_APP = "workers.tasks:app"
+
+# How long `start` waits for its own Redis before starting the services that
+# need it (a redis-server is up in milliseconds; this only bounds a failure).
+REDIS_START_TIMEOUT_S = 15.0
+
+
+class StackError(RuntimeError):
+    """A stack operation failed; the message is meant for the user as is."""
+
+
+# -- paths ------------------------------------------------------------------
+
+
+def state_path(settings: config.Settings) -> Path:
+    return settings.home / "run" / "stack.json"
+
+
+def _stopping_path(settings: config.Settings) -> Path:
+    # Present while `stop` runs, so a foreground `up` whose children are being
+    # stopped by `ndif-celery down` from another terminal exits quietly
+    # instead of reporting them as crashed.
+    return settings.home / "run" / "stopping"
+
+
+def log_path(settings: config.Settings, service: str) -> Path:
+    return settings.home / "logs" / f"{service}.log"
+
+
+# -- commands ---------------------------------------------------------------
+
+
+def default_services(settings: config.Settings) -> list[str]:
+    """The services of a single-host stack, in start order.
+
+    Redis only when no ``NDIF_REDIS_URL`` names one; it starts first because
+    everything else talks to it, and so stops last.
+    """
+    services = ["web", "worker", "flower"]
+    return (["redis"] + services) if settings.embedded_redis else services
+
+
+def command(settings: config.Settings, service: str, worker_name: Optional[str] = None) -> list[str]:
+    """The command line of one service.
+
+    Python services run as ``sys.executable -m ...`` so they use the same
+    interpreter (and virtual environment) as the CLI, whatever is on ``PATH``.
+    """
+    if service == "redis":
+        return redis_argv(settings)
+    if service == "web":
+        return [sys.executable, "-m", "gunicorn", "-c", "python:web.gunicorn_conf", "web.app:create_app()"]
+    if service == "worker":
+        return [sys.executable, "-m", "celery", "-A", CELERY_APP, *worker_argv(settings, worker_name)]
+    if service == "flower":
+        return [
+            sys.executable, "-m", "celery", "-A", CELERY_APP, "flower",
+            f"--port={settings.flower_port}", "--address=127.0.0.1",
+        ]
+    raise StackError(f"unknown service {service!r}; the services are {', '.join(SERVICES)}")
+
+
+def child_env(settings: config.Settings, base: Optional[dict] = None) -> dict:
+    """The environment of every service: the caller's, plus where the stack lives.
+
+    Everything passes through (``HF_HOME``, ``HF_HUB_OFFLINE``, every
+    ``NDIF_*``). ``NDIF_HOME`` and ``NDIF_REDIS_URL`` are set explicitly so all
+    services agree on them even when they were defaulted or given relative to
+    the caller's directory (services run from :data:`ROOT`); with
+    ``NDIF_REDIS_URL`` set, no service would ever start a Redis of its own.
+    """
+    env = dict(os.environ if base is None else base)
+    env["NDIF_HOME"] = str(settings.home)
+    env["NDIF_REDIS_URL"] = settings.redis_url
+    if env.get("NDIF_RESULTS_DIR"):
+        env["NDIF_RESULTS_DIR"] = str(settings.results_dir.resolve())
+    # Logs go to files; unbuffered output keeps a crash's last words in them.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def exec_service(settings: config.Settings, service: str, worker_name: Optional[str] = None) -> None:
+    """Replace this process with one service, for a supervisor (Procfile, systemd).
+
+    Same command, environment and directory as under ``up``, but in the
+    foreground of the caller and with no state file: the supervisor owns it.
+    """
+    try:
+        argv = command(settings, service, worker_name)
+    except RedisServerNotFound as exc:
+        raise StackError(str(exc)) from None
+    if service == "redis":
+        redis_dir(settings).mkdir(parents=True, exist_ok=True)
+    env = child_env(settings)
+    os.chdir(ROOT)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], argv, env)
+
+
+# -- state file ---------------------------------------------------------------
+
+
+def _read_state(settings: config.Settings) -> dict:
+    try:
+        return json.loads(state_path(settings).read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise StackError(f"cannot read {state_path(settings)}: {exc}; remove it if no stack is running") from None
+
+
+def _write_state(settings: config.Settings, state: dict) -> None:
+    path = state_path(settings)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+# -- processes ----------------------------------------------------------------
+
+# Children started by this process, so we reap them (no zombies while `up`
+# runs in the foreground) and can report their exit status.
+_CHILDREN: dict[int, subprocess.Popen] = {}
+
+
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """The fields of ``/proc/<pid>/stat`` after the command name, or None.
+
+    None where there is no /proc (macOS) or no such process.
+    """
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2:].split()
+
+
+def _start_ticks(pid: int) -> Optional[int]:
+    # Field 22 of stat (index 19 after the command): when the process started.
+    # Together with the pid it identifies a process; a pid alone may be reused.
+    fields = _proc_stat(pid)
+    return int(fields[19]) if fields and len(fields) > 19 else None
+
+
+def _alive(entry: dict) -> bool:
+    """Whether the process an entry of the state file names still runs.
+
+    A zombie is dead (a detached stack's children are reaped by whoever
+    adopted them, which may be never), and a pid now used by an unrelated
+    process is dead too: where /proc exists its start time must match the one
+    recorded, elsewhere it must still lead its own process group.
+    """
+    pid = int(entry.get("pid") or 0)
+    if pid <= 0:
+        return False
+    child = _CHILDREN.get(pid)
+    if child is not None and child.poll() is not None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else: the identity check decides
+    fields = _proc_stat(pid)
+    if fields is not None:
+        if fields[0] in ("Z", "X"):
+            return False
+        recorded = entry.get("start_ticks")
+        return recorded is None or int(fields[19]) == int(recorded)
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is left in a process group."""
+    child = _CHILDREN.get(pgid)
+    if child is not None:
+        child.poll()  # reap our own child so it does not count as a zombie
+    proc = Path("/proc")
+    if proc.is_dir():
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            fields = _proc_stat(int(entry.name))
+            if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+                return True
+        return False
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit_status(entry: dict) -> Optional[int]:
+    child = _CHILDREN.get(int(entry.get("pid") or 0))
+    return child.poll() if child is not None else None
+
+
+def _port_problem(host: str, port: int, variable: str, what: str) -> Optional[str]:
+    """Why ``what`` could not listen on ``host:port``, or None if it can.
+
+    Checked before anything starts: a service that cannot bind dies in its
+    log, which is a worse place to learn that the port is taken.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r} for {what}: {exc}"
+    family, socktype, proto, _, address = infos[0]
+    with socket.socket(family, socktype, proto) as sock:
+        # Like the services themselves: a port in TIME_WAIT is free to them.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return (
+                    f"port {port} is already in use by another process, so {what} cannot listen on "
+                    f"{host}:{port}. Stop that process, or choose a free port with {variable}=<port>."
+                )
+            return f"{what} cannot listen on {host}:{port} ({exc.strerror}); choose another with {variable}=<port>."
+    return None
+
+
+def _check_ports(settings: config.Settings, services: Iterable[str]) -> None:
+    wanted = {
+        "web": (settings.api_host, settings.api_port, "NDIF_API_PORT", "the web API"),
+        "redis": ("127.0.0.1", settings.embedded_redis_port, "NDIF_EMBEDDED_REDIS_PORT", "the embedded Redis"),
+        "flower": ("127.0.0.1", settings.flower_port, "NDIF_FLOWER_PORT", "Flower"),
+    }
+    problems = [p for s in services if s in wanted for p in [_port_problem(*wanted[s])] if p]
+    if problems:
+        raise StackError("\n".join(problems))
+
+
+def _local_host(host: str) -> str:
+    # A wildcard bind address is reachable on loopback.
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def ping_url(settings: config.Settings) -> str:
+    """The web's ``/ping`` on this host, where the stack's own web listens.
+
+    The bind address rather than ``NDIF_API_URL``: the latter may be a public
+    name behind a proxy, which says nothing about whether our web is up.
+    """
+    host = _local_host(settings.api_host)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{settings.api_port}/ping"
+
+
+def flower_url(settings: config.Settings) -> str:
+    return f"http://127.0.0.1:{settings.flower_port}"
+
+
+def api_answers(settings: config.Settings, timeout: float = 2.0) -> bool:
+    """Whether ``GET /ping`` of the web on this host answers 200."""
+    try:
+        with httpx.Client(timeout=timeout, trust_env=False) as http:
+            return http.get(ping_url(settings)).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def log_tail(settings: config.Settings, service: str, lines: int = 40, entry: Optional[dict] = None) -> str:
+    """The last lines a service logged, since it was started when ``entry`` says when.
+
+    Earlier runs append to the same file; their lines would only mislead.
+    """
+    path = log_path(settings, service)
+    try:
+        with open(path, "rb") as f:
+            if entry and entry.get("log_offset") is not None:
+                f.seek(int(entry["log_offset"]))
+            else:
+                f.seek(max(0, path.stat().st_size - 256 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return f"(no log at {path})"
+    tail = text.splitlines()[-lines:]
+    return "\n".join(tail) if tail else f"(nothing logged in {path})"
+
+
+def _failure(settings: config.Settings, service: str, entry: dict, what: str) -> StackError:
+    status = _exit_status(entry)
+    detail = f" with status {status}" if status is not None else ""
+    return StackError(
+        f"{service} (pid {entry.get('pid')}) {what}{detail}. "
+        f"Last lines of {log_path(settings, service)}:\n{log_tail(settings, service, entry=entry)}"
+    )
+
+
+# -- the operations -------------------------------------------------------------
+
+
+def status(settings: config.Settings) -> list[tuple[str, int, bool]]:
+    """Each recorded service, its pid, and whether it still runs, in start order."""
+    return [(service, int(entry["pid"]), _alive(entry)) for service, entry in _read_state(settings).items()]
+
+
+def first_dead(settings: config.Settings) -> Optional[tuple[str, str]]:
+    """The first recorded service that stopped, with the tail of its log; else None.
+
+    None as well while ``stop`` is stopping the stack on purpose.
+    """
+    if _stopping_path(settings).exists():
+        return None
+    for service, entry in _read_state(settings).items():
+        if not _alive(entry):
+            return service, str(_failure(settings, service, entry, "exited"))
+    return None
+
+
+def start(settings: config.Settings, services: Optional[Iterable[str]] = None) -> dict:
+    """Start the services (default: the whole stack) and record them; do not wait.
+
+    Refuses when the state file names running processes: two stacks in one
+    ``NDIF_HOME`` would share a Redis directory and a state file. Checks the
+    ports first, so a taken port is reported as such rather than as a crash.
+    If any service fails to launch, the ones already launched are stopped.
+    Returns the new state: service -> {pid, command, started_at, ...}.
+    """
+    services = list(default_services(settings) if services is None else services)
+    for service in services:
+        if service not in SERVICES:
+            raise StackError(f"unknown service {service!r}; the services are {', '.join(SERVICES)}")
+
+    running = [(service, pid) for service, pid, alive in status(settings) if alive]
+    if running:
+        listed = ", ".join(f"{service} pid {pid}" for service, pid in running)
+        raise StackError(
+            f"ndif-celery is already running; run `ndif-celery down` first "
+            f"(NDIF_HOME={settings.home}: {listed})"
+        )
+    if state_path(settings).exists():
+        stop(settings)  # stale: its leaders died; collect stragglers and the file
+    _check_ports(settings, services)
+
+    try:
+        argvs = {service: command(settings, service) for service in services}
+    except RedisServerNotFound as exc:
+        raise StackError(str(exc)) from None
+    (settings.home / "logs").mkdir(parents=True, exist_ok=True)
+    if "redis" in services:
+        redis_dir(settings).mkdir(parents=True, exist_ok=True)
+    env = child_env(settings)
+
+    state: dict = {}
+    try:
+        for service in services:
+            state[service] = _launch(settings, service, argvs[service], env)
+            _write_state(settings, state)
+            if service == "redis":
+                _wait_redis(settings, state["redis"])
+    except BaseException:
+        _write_state(settings, state)
+        stop(settings)
+        raise
+    return state
+
+
+def _launch(settings: config.Settings, service: str, argv: list[str], env: dict) -> dict:
+    path = log_path(settings, service)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    with open(path, "ab") as log:
+        offset = log.tell()
+        log.write(f"==== {started.isoformat(timespec='seconds')} ndif-celery starts {service}: "
+                  f"{' '.join(argv)}\n".encode())
+        log.flush()
+        try:
+            child = subprocess.Popen(
+                argv,
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: see the module docstring
+            )
+        except OSError as exc:
+            raise StackError(f"cannot start {service} ({argv[0]}): {exc}") from None
+    _CHILDREN[child.pid] = child
+    return {
+        "pid": child.pid,
+        "command": argv,
+        "started_at": started.isoformat(),
+        "start_ticks": _start_ticks(child.pid),
+        "log": str(path),
+        "log_offset": offset,
+    }
+
+
+def _wait_redis(settings: config.Settings, entry: dict) -> None:
+    """Wait for our own Redis, so the others find their broker on the first try."""
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=1, socket_connect_timeout=1)
+    deadline = time.monotonic() + REDIS_START_TIMEOUT_S
+    try:
+        while True:
+            if not _alive(entry):
+                raise _failure(settings, "redis", entry, "exited while starting")
+            try:
+                if client.ping():
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise _failure(settings, "redis", entry, f"did not answer PING within {REDIS_START_TIMEOUT_S:.0f}s")
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+def _worker_registered(client: redis.Redis, since: float) -> bool:
+    """Whether a worker has registered itself (workers write ``ndif:workers`` once ready).
+
+    An entry last seen before the stack started is a leftover of an earlier
+    run (the embedded Redis persists), not a worker of this one.
+    """
+    for raw in client.hvals(registry.WORKERS):
+        try:
+            last_seen = float(json.loads(raw).get("last_seen"))
+        except (ValueError, TypeError, AttributeError):
+            return True  # not the shape we know: take it at its word
+        if last_seen >= since - 1.0:
+            return True
+    return False
+
+
+class _NotYet(Exception):
+    pass
+
+
+def _answers_200(http: httpx.Client, url: str) -> bool:
+    response = http.get(url)
+    if response.status_code != 200:
+        raise _NotYet(f"answered {response.status_code}")
+    return True
+
+
+def wait_ready(settings: config.Settings, timeout: float) -> None:
+    """Wait until the stack serves: Redis answers PING, the web answers
+    ``GET /ping`` with 200, a worker has registered, and Flower answers.
+
+    Only the checks of services that were started apply (Redis always: nothing
+    works without it). If a service dies meanwhile, fail at once with the tail
+    of its log, rather than waiting out the timeout for something that
+    will never come.
+    """
+    state = _read_state(settings)
+    if not state:
+        raise StackError(f"no stack is running in {settings.home}; run `ndif-celery up`")
+    since = min(datetime.datetime.fromisoformat(e["started_at"]).timestamp() for e in state.values())
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=2, socket_connect_timeout=2)
+    http = httpx.Client(timeout=2.0, trust_env=False)  # loopback: never through a proxy
+
+    checks = {"redis": lambda: bool(client.ping())}
+    if "web" in state:
+        checks["web"] = lambda: _answers_200(http, ping_url(settings))
+    if "worker" in state:
+        checks["worker"] = lambda: _worker_registered(client, since)
+    if "flower" in state:
+        checks["flower"] = lambda: _answers_200(http, flower_url(settings) + "/healthcheck")
+    waiting_for = {
+        "redis": f"Redis at {settings.redis_url} to answer PING",
+        "web": f"GET {ping_url(settings)} to answer 200",
+        "worker": f"a worker to register in the Redis hash {registry.WORKERS}",
+        "flower": f"Flower at {flower_url(settings)}",
+    }
+    errors: dict[str, str] = {}
+    passed: set[str] = set()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            for service, entry in state.items():
+                if not _alive(entry):
+                    raise _failure(settings, service, entry, "exited while starting")
+            redis_ok = False
+            for name, check in checks.items():
+                if name in passed:
+                    continue
+                try:
+                    ok = check()
+                except (redis.RedisError, httpx.HTTPError, OSError, _NotYet) as exc:
+                    ok = False
+                    errors[name] = str(exc) if isinstance(exc, _NotYet) else f"{type(exc).__name__}: {exc}"
+                if not ok:
+                    continue
+                errors.pop(name, None)
+                if name == "redis":
+                    redis_ok = True  # checked every round: the others depend on it
+                else:
+                    passed.add(name)
+            if redis_ok and passed == set(checks) - {"redis"}:
+                return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+    finally:
+        client.close()
+        http.close()
+
+    pending = [name for name in checks if name not in passed and not (name == "redis" and redis_ok)]
+    lines = [f"the stack was not ready within {timeout:.0f}s; still waiting for:"]
+    for name in pending:
+        lines.append(f"- {waiting_for[name]}" + (f" (last error: {errors[name]})" if name in errors else ""))
+    for name in pending:
+        if name in state:
+            lines.append(f"Last lines of {log_path(settings, name)}:\n{log_tail(settings, name, entry=state[name])}")
+    raise StackError("\n".join(lines))
+
+
+def stop(settings: config.Settings, timeout: float = 10) -> dict:
+    """Stop every recorded service, last started first, and forget them.
+
+    Reverse order, one at a time: the worker finishes (or gives back) its job
+    while Redis is still there to take the acknowledgement. Each process group
+    gets SIGTERM, then SIGKILL if it is still there ``timeout`` seconds later.
+    Stopping what is not running is fine. Returns service -> what happened.
+    """
+    state = _read_state(settings)
+    outcome: dict[str, str] = {}
+    if not state:
+        state_path(settings).unlink(missing_ok=True)
+        return outcome
+    marker = _stopping_path(settings)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+    try:
+        for service in reversed(list(state)):
+            outcome[service] = _stop_one(state[service], timeout)
+        state_path(settings).unlink(missing_ok=True)
+    finally:
+        marker.unlink(missing_ok=True)
+    return outcome
+
+
+def _stop_one(entry: dict, timeout: float) -> str:
+    pgid = int(entry.get("pid") or 0)
+    if pgid <= 0:
+        return "not running"
+    current, recorded = _start_ticks(pgid), entry.get("start_ticks")
+    if current is not None and recorded is not None and current != int(recorded):
+        # The pid now belongs to an unrelated process, so our group is empty
+        # (the kernel reuses no pid while a process group of that id exists).
+        return "not running"
+    if not _group_alive(pgid):
+        return "not running"
+    if not _signal_group(pgid, signal.SIGTERM):
+        return "not running"
+    if _wait_group_gone(pgid, timeout):
+        return "stopped"
+    _signal_group(pgid, signal.SIGKILL)
+    _wait_group_gone(pgid, 5.0)
+    return "killed"
+
+
+def _signal_group(pgid: int, signum: int) -> bool:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_group_gone(pgid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -1,0 +1,173 @@
+"""Shared test setup: an offline Hugging Face cache holding the tiny GPT-2.
+
+At import time (before anything imports transformers / huggingface_hub, which
+read these variables once, at their own import):
+
+* ``HF_HUB_OFFLINE=1`` and ``TRANSFORMERS_OFFLINE=1`` (the hub is unreachable;
+  without them loading sits in retry backoff for minutes);
+* ``HF_HOME`` = ``tests/_out/hf`` (gitignored), unless ``HF_HOME`` already points
+  at a folder holding the tiny model;
+* the tiny model is built there once (`tiny_model.build_tiny_gpt2` is idempotent
+  and safe against concurrent builders).
+
+Fixtures: ``hf_home`` (the folder), ``tiny_model_factory`` (build more tiny
+models under it), ``model`` (the shared client model on ``REPO_ID``).
+Constants (``PROMPT``, ``HIDDEN``, ``VOCAB``, ``N_LAYER``, ``REPO_ID``) live in
+``tiny_model`` and are re-exported here and by ``conformance``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+OUT_DIR = TESTS_DIR / "_out"
+
+# `import tiny_model` / `conformance` and `from tests.x import ...` both work.
+for _path in (TESTS_DIR, TESTS_DIR.parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from tiny_model import (  # noqa: E402
+    HIDDEN,
+    N_LAYER,
+    PROMPT,
+    PROMPTS,
+    REPO_ID,
+    VOCAB,
+    build_tiny_gpt2,
+    client_model,
+    snapshot_dir,
+)
+
+__all__ = ["HIDDEN", "N_LAYER", "PROMPT", "PROMPTS", "REPO_ID", "VOCAB"]
+
+
+def _configure_offline_hf() -> Path:
+    """Point the HF libraries at a local cache and forbid network access."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    preset = os.environ.get("HF_HOME")
+    if preset and snapshot_dir(Path(preset), REPO_ID) is not None:
+        hf_home = Path(preset)
+    else:
+        hf_home = OUT_DIR / "hf"
+        os.environ["HF_HOME"] = str(hf_home)
+
+    # huggingface_hub freezes its cache path and offline flag at import.
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None and (
+        Path(constants.HF_HUB_CACHE).resolve() != (hf_home / "hub").resolve()
+        or not constants.HF_HUB_OFFLINE
+    ):
+        raise RuntimeError(
+            "huggingface_hub was imported before tests/conftest.py could set "
+            f"HF_HOME={hf_home} and HF_HUB_OFFLINE=1; set them in the environment "
+            "instead (e.g. HF_HOME=tests/_out/hf HF_HUB_OFFLINE=1 pytest ...)."
+        )
+    return hf_home
+
+
+HF_HOME = _configure_offline_hf()
+build_tiny_gpt2(HF_HOME, REPO_ID)
+
+
+@pytest.fixture(scope="session")
+def hf_home() -> Path:
+    """The offline HF cache folder (``$HF_HOME``) the tiny models live in."""
+    return HF_HOME
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(hf_home):
+    """``make(repo_id, **sizes) -> snapshot dir``: build another tiny model once."""
+
+    def make(repo_id: str, **kwargs) -> Path:
+        return build_tiny_gpt2(hf_home, repo_id, **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def model():
+    """The shared nnsight client model (``TransformersModel``) on ``REPO_ID``."""
+    return client_model(REPO_ID)
+
+
+# --- the real stack ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def stack_pool(tmp_path_factory, hf_home):
+    """Real stacks (redis, gunicorn web, celery worker, flower) started through
+    the CLI on first use, one per kind, stopped at the end of the session."""
+    from tests.stack_pool import StackPool
+
+    pool = StackPool(
+        tmp_path_factory.mktemp("stacks"),
+        {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
+    )
+    yield pool
+    pool.close()
+
+
+@contextlib.contextmanager
+def _client_pointed_at(url: str, compress: bool = True):
+    import nnsight
+
+    saved = (nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS)
+    nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = url, compress
+    try:
+        yield
+    finally:
+        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
+
+
+@pytest.fixture(scope="session")
+def fs_stack(stack_pool):
+    return stack_pool.get("fs")
+
+
+@pytest.fixture
+def on_fs_stack(fs_stack):
+    """The client pointed at the default stack (inline results, filesystem store)."""
+    with _client_pointed_at(fs_stack.url):
+        yield fs_stack
+
+
+def _variant_params():
+    from tests.remote import VARIANTS
+
+    return [pytest.param(v, id=v.id) for v in VARIANTS]
+
+
+@pytest.fixture(scope="session", params=_variant_params())
+def variant(request, stack_pool):
+    """One way of reaching the farm; the client is pointed at its stack."""
+    v = request.param
+    stack = stack_pool.get(v.stack)
+    with _client_pointed_at(stack.url, compress=v.compress):
+        yield v
+
+
+@pytest.fixture
+def stack_for_variant(variant, stack_pool):
+    return stack_pool.get(variant.stack)
+
+
+@pytest.fixture(scope="session")
+def local_results(model, tmp_path_factory):
+    """``results(case)``: what a conformance case gives run locally, computed once."""
+    cache = {}
+
+    def results(case):
+        if case not in cache:
+            cache[case] = case(model, lambda m: {}, tmp_path_factory.mktemp("local"))
+        return cache[case]
+
+    return results

@@ -1,0 +1,71 @@
+"""How the end-to-end tests point the real nnsight client at a running stack.
+
+A *variant* is one way a researcher can reach us: blocking (websocket) or
+non-blocking (submit, then poll ``/response``), compressed or not, against a
+stack whose results come back inline, through the filesystem store or through
+S3. The conformance cases take a ``remote(model)`` callable; a variant builds it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from nnsight.intervention.backends.remote import RemoteBackend
+
+
+class PollUntilDone(RemoteBackend):
+    """The real non-blocking client path (POST without a websocket, then GET
+    ``/response/<id>`` until COMPLETED), with the saves pushed back into the
+    caller's frame afterwards so the same conformance cases can read them."""
+
+    timeout_s = 60.0
+    interval_s = 0.02
+
+    def __init__(self, model, **kwargs) -> None:
+        super().__init__(model.to_model_key(), env=model._remoteable_get_env(), blocking=False, **kwargs)
+
+    def __call__(self, tracer=None):
+        self.job_id = None
+        super().__call__(tracer)  # submit: stores job_id, returns None
+        assert self.job_id, "submit did not return a job id"
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            result = super().__call__(tracer)  # poll
+            if result is not None:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.job_id} did not complete in {self.timeout_s} s")
+            time.sleep(self.interval_s)
+        self._push(result, tracer)
+        return result
+
+
+@dataclass(frozen=True)
+class Variant:
+    stack: str  # which stack kind serves it (see conftest.STACK_KINDS)
+    blocking: bool
+    compress: bool
+    inline: bool  # whether results are expected inline on the websocket
+
+    @property
+    def id(self) -> str:
+        mode = "blocking" if self.blocking else "nonblocking"
+        return f"{self.stack}-{mode}-{'zstd' if self.compress else 'raw'}"
+
+    def remote(self, model) -> dict:
+        if self.blocking:
+            return {"remote": True}
+        return {"backend": PollUntilDone(model)}
+
+
+VARIANTS = [
+    Variant("fs", blocking=True, compress=True, inline=True),
+    Variant("fs", blocking=True, compress=False, inline=True),
+    Variant("fs", blocking=False, compress=True, inline=False),
+    Variant("fs", blocking=False, compress=False, inline=False),
+    Variant("fs-noinline", blocking=True, compress=False, inline=False),
+    Variant("s3", blocking=True, compress=True, inline=False),
+    Variant("s3", blocking=True, compress=False, inline=False),
+    Variant("s3", blocking=False, compress=True, inline=False),
+]

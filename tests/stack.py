@@ -1,0 +1,156 @@
+"""Run the real single-host stack through the real CLI, for end-to-end tests.
+
+    with Stack(tmp_path / "home") as stack:
+        httpx.get(stack.url + "/ping")
+
+Every stack gets its own ``NDIF_HOME`` and free loopback ports, so tests (and
+a developer's own stack on the default ports) never meet. The stack runs
+detached (``ndif-celery up --detach``), exactly as a user would run it, and is
+stopped with ``ndif-celery down``.
+
+Import it as ``from stack import Stack`` (pytest puts ``tests/`` on
+``sys.path`` for test modules of a directory without ``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Inherited settings that would point the stack at someone else's services or
+# files; a test that wants one passes it in ``env``.
+_NOT_INHERITED = (
+    "NDIF_HOME", "NDIF_REDIS_URL", "NDIF_API_URL", "NDIF_API_HOST", "NDIF_API_PORT",
+    "NDIF_EMBEDDED_REDIS_PORT", "NDIF_FLOWER_PORT", "NDIF_RESULTS_DIR", "NDIF_DATABASE_URL",
+)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the kernel picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def free_ports(count: int) -> list[int]:
+    # Hold all sockets at once so the kernel cannot hand out one port twice.
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on ``host:port``."""
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex((host, port)) == 0
+
+
+class StackFailed(RuntimeError):
+    pass
+
+
+class Stack:
+    """One single-host stack in ``home``, driven through ``python -m ndif_celery.cli``."""
+
+    def __init__(self, home: Path, env: Optional[dict] = None):
+        self.home = Path(home).resolve()
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = dict(env or {})
+        base = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+        api, redis_port, flower = free_ports(3)
+        base.update(
+            NDIF_HOME=str(self.home),
+            NDIF_API_PORT=str(api),
+            NDIF_EMBEDDED_REDIS_PORT=str(redis_port),
+            NDIF_FLOWER_PORT=str(flower),
+        )
+        base.update({k: str(v) for k, v in env.items()})
+        self.env = base
+        self.api_port = int(self.env["NDIF_API_PORT"])
+        self.redis_port = int(self.env["NDIF_EMBEDDED_REDIS_PORT"])
+        self.flower_port = int(self.env["NDIF_FLOWER_PORT"])
+        self.started = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def redis_url(self) -> str:
+        return self.env.get("NDIF_REDIS_URL") or f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def flower_url(self) -> str:
+        return f"http://127.0.0.1:{self.flower_port}"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    def cli(self, *args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess:
+        """Run ``ndif-celery <args>`` against this stack; output captured as text."""
+        result = subprocess.run(
+            [sys.executable, "-m", "ndif_celery.cli", *args],
+            cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout,
+        )
+        if check and result.returncode != 0:
+            raise StackFailed(self._report(f"`ndif-celery {' '.join(args)}` exited {result.returncode}", result))
+        return result
+
+    def start(self, timeout: float = 180) -> "Stack":
+        """``up --detach``: returns once the stack is ready, else raises with every log."""
+        try:
+            result = self.cli("up", "--detach", "--timeout", str(timeout), timeout=timeout + 60)
+        except subprocess.TimeoutExpired as exc:
+            self.stop()
+            raise StackFailed(f"`ndif-celery up` did not return within {timeout + 60:.0f}s\n{self.logs()}") from exc
+        if result.returncode != 0:
+            raise StackFailed(self._report(f"`ndif-celery up --detach` exited {result.returncode}", result))
+        self.started = True
+        return self
+
+    def stop(self, timeout: float = 10) -> subprocess.CompletedProcess:
+        """``down`` (fine when nothing runs)."""
+        self.started = False
+        return self.cli("down", "--timeout", str(timeout), timeout=timeout * 5 + 60)
+
+    def pids(self) -> dict[str, int]:
+        """service -> pid, as recorded in the state file (empty when stopped)."""
+        import json
+
+        try:
+            state = json.loads((self.home / "run" / "stack.json").read_text())
+        except FileNotFoundError:
+            return {}
+        return {service: int(entry["pid"]) for service, entry in state.items()}
+
+    def logs(self, lines: int = 60) -> str:
+        """The last lines of every service's log, one block per service."""
+        blocks = []
+        for path in sorted(self.logs_dir.glob("*.log")) if self.logs_dir.is_dir() else []:
+            text = path.read_text(errors="replace").splitlines()[-lines:]
+            blocks.append(f"==> {path} <==\n" + "\n".join(text))
+        return "\n\n".join(blocks) or f"(no logs under {self.logs_dir})"
+
+    def _report(self, what: str, result: subprocess.CompletedProcess) -> str:
+        return f"{what}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}\n--- logs\n{self.logs()}"
+
+    def __enter__(self) -> "Stack":
+        if not self.started:
+            self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,70 @@
+"""Real stacks for the end-to-end tests, started on demand and shared per session.
+
+Each *kind* is a whole single-host stack (embedded Redis, gunicorn web, Celery
+worker, Flower) started through the real CLI, differing only in where results
+go: inline when small with the filesystem store (the default), always through
+the filesystem store, or always through S3 (moto's S3-protocol server, run as
+a separate process on loopback).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.servers import MotoServer
+from tests.stack import Stack
+
+STACK_KINDS = ("fs", "fs-noinline", "s3")
+
+
+class StackPool:
+    def __init__(self, root: Path, base_env: dict) -> None:
+        self.root = root
+        self.base_env = dict(base_env)
+        self.stacks: dict[str, Stack] = {}
+        self.moto: MotoServer | None = None
+
+    def get(self, kind: str) -> Stack:
+        if kind not in self.stacks:
+            stack = Stack(self.root / kind, env={**self.base_env, **self._env_for(kind)})
+            stack.start()
+            self.stacks[kind] = stack
+        return self.stacks[kind]
+
+    def _env_for(self, kind: str) -> dict:
+        if kind == "fs":
+            return {}
+        if kind == "fs-noinline":
+            return {"NDIF_MAX_INLINE_BYTES": "0"}
+        if kind == "s3":
+            if self.moto is None:
+                self.moto = MotoServer()
+                self.moto.start()
+            return {
+                "NDIF_MAX_INLINE_BYTES": "0",
+                "NDIF_OBJECT_STORE_URL": self.moto.url,
+                "NDIF_OBJECT_STORE_ACCESS_KEY": self.moto.access_key,
+                "NDIF_OBJECT_STORE_SECRET_KEY": self.moto.secret_key,
+                "NDIF_OBJECT_STORE_REGION": self.moto.region,
+                "NDIF_OBJECT_STORE_BUCKET": "ndif-test-results",
+            }
+        raise KeyError(f"unknown stack kind {kind!r}; known: {STACK_KINDS}")
+
+    def stored_result_exists(self, stack: Stack, job_id: str) -> bool:
+        """Whether the stack's own result store holds the job's result."""
+        from ndif_celery import config
+        from ndif_celery.store import open_store
+
+        store = open_store(config.load(stack.env))
+        try:
+            return len(store.get(f"results/{job_id}.pt")) > 0
+        except FileNotFoundError:
+            return False
+
+    def close(self) -> None:
+        for stack in self.stacks.values():
+            stack.stop()
+        self.stacks.clear()
+        if self.moto is not None:
+            self.moto.stop()
+            self.moto = None
