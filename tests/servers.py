@@ -23,6 +23,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    # Hold all sockets at once so the kernel cannot hand out one port twice.
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts connections on ``host:port``."""
+    with socket.socket() as sock:
+        sock.settimeout(1.0)
+        return sock.connect_ex((host, port)) == 0
+
+
 def _loopback_env(**extra: str) -> dict:
     """The current environment, minus proxies, plus ``extra``.
 

@@ -8,18 +8,18 @@ a developer's own stack on the default ports) never meet. The stack runs
 detached (``ndif-celery up --detach``), exactly as a user would run it, and is
 stopped with ``ndif-celery down``.
 
-Import it as ``from stack import Stack`` (pytest puts ``tests/`` on
-``sys.path`` for test modules of a directory without ``__init__.py``).
+Import it as ``from tests.stack import Stack``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
+
+from tests.servers import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,32 +29,6 @@ _NOT_INHERITED = (
     "NDIF_HOME", "NDIF_REDIS_URL", "NDIF_API_URL", "NDIF_API_HOST", "NDIF_API_PORT",
     "NDIF_EMBEDDED_REDIS_PORT", "NDIF_FLOWER_PORT", "NDIF_RESULTS_DIR", "NDIF_DATABASE_URL",
 )
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the kernel picks it)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def free_ports(count: int) -> list[int]:
-    # Hold all sockets at once so the kernel cannot hand out one port twice.
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
-def port_open(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether something accepts connections on ``host:port``."""
-    with socket.socket() as sock:
-        sock.settimeout(1.0)
-        return sock.connect_ex((host, port)) == 0
 
 
 class StackFailed(RuntimeError):

@@ -19,7 +19,8 @@ import pytest
 import redis
 
 from ndif_celery import cli, config, redis_server, registry
-from tests.stack import ROOT, Stack, free_ports, port_open
+from tests.servers import free_ports, port_open
+from tests.stack import ROOT, Stack
 
 SERVICES = ("redis", "web", "worker", "flower")
 

@@ -72,7 +72,7 @@ def submit():
     current_app.config["NDIF_CELERY"].send_task(
         RUN_JOB, kwargs={"job": job.to_message()}, queue=queue, task_id=job.id
     )
-    position = client.llen(queue)
+    position = max(client.llen(queue), 1)  # 1: next in line (or already taken)
     jobs.StatusChannel(client, job, settings.job_ttl_s).send(
         wire.QUEUED, f"Your job is queued for {wire.repo_fields(job.model_key)['repo_id']} (position {position})."
     )
