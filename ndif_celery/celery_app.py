@@ -5,8 +5,8 @@ anyone who can write to Redis. The nnsight payload travels by reference (a
 Redis key) and is unpickled only by the executor.
 
 Every model key gets its own queue, so a worker consumes exactly the models it
-holds; ``ndif.control`` is consumed by every worker and carries farm-level
-work.
+holds; every worker also has its own queue (``ndif.worker.<name>``) on which
+the controller sends it loads and evictions, in line with its jobs.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from celery import Celery
 
 from . import config
 
-CONTROL_QUEUE = "ndif.control"
 RUN_JOB = "ndif.run_job"
+LOAD_MODEL = "ndif.load_model"
+EVICT_MODEL = "ndif.evict_model"
 
 
 def queue_for(model_key: str) -> str:
@@ -48,7 +49,7 @@ def make_app(settings: Optional[config.Settings] = None) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        task_default_queue=CONTROL_QUEUE,
+        task_default_queue="ndif.default",
         task_create_missing_queues=True,
         worker_send_task_events=True,
         task_send_sent_event=True,
@@ -64,8 +65,15 @@ def make_app(settings: Optional[config.Settings] = None) -> Celery:
     return app
 
 
-def default_worker_name() -> str:
-    return f"worker@{socket.gethostname()}"
+def worker_queue(name: str) -> str:
+    """The queue only the worker ``name`` consumes."""
+    return f"ndif.worker.{name}"
+
+
+def default_worker_name(gpus: str = "") -> str:
+    """Named by host and GPUs, so a farm's Flower reads like its hardware."""
+    devices = "gpu" + "-".join(g.strip() for g in gpus.split(",") if g.strip()) if gpus.strip() else "cpu"
+    return f"{devices}@{socket.gethostname()}"
 
 
 def worker_argv(settings: config.Settings, name: Optional[str] = None) -> list[str]:
@@ -75,6 +83,7 @@ def worker_argv(settings: config.Settings, name: Optional[str] = None) -> list[s
     process (so it stays resident between jobs) while the main thread keeps
     answering control commands and sending heartbeats during a long job.
     """
+    name = name or default_worker_name(settings.worker_gpus)
     return [
         "worker",
         "--pool=threads",
@@ -82,7 +91,7 @@ def worker_argv(settings: config.Settings, name: Optional[str] = None) -> list[s
         "--prefetch-multiplier=1",
         "--without-mingle",
         "-E",
-        f"--hostname={name or default_worker_name()}",
-        f"--queues={CONTROL_QUEUE}",
+        f"--hostname={name}",
+        f"--queues={worker_queue(name)}",
         f"--loglevel={settings.log_level}",
     ]

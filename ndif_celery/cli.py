@@ -8,6 +8,7 @@ foreground, for a Procfile, systemd or a container, on any number of hosts.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -156,9 +157,17 @@ def _exec(service: str, worker_name: Optional[str] = None) -> None:
 
 
 @main.command()
-@click.option("--name", default=None, help="Celery node name (default: worker@<hostname>); unique per farm.")
-def worker(name: Optional[str]) -> None:
-    """Run one worker in the foreground (one per GPU host of a farm)."""
+@click.option("--name", default=None,
+              help="Celery node name, unique per farm (default: gpu<ids>@<host>, or cpu@<host>).")
+@click.option("--gpus", default=None, help="GPUs this worker owns, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES).")
+@click.option("--memory", type=float, default=None,
+              help="Memory budget for models in GiB (default: the GPUs' memory, or half the RAM).")
+def worker(name: Optional[str], gpus: Optional[str], memory: Optional[float]) -> None:
+    """Run one worker in the foreground (one per GPU or GPU group of a farm)."""
+    if gpus is not None:
+        os.environ["NDIF_WORKER_GPUS"] = gpus
+    if memory is not None:
+        os.environ["NDIF_WORKER_MEMORY_GIB"] = str(memory)
     _exec("worker", name)
 
 

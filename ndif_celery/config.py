@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,15 @@ class Settings:
     database_url: str
     flower_port: int
     log_level: str
+    worker_gpus: str
+    worker_memory_bytes: int
+    padding_factor: float
+    padding_bytes: int
+    max_replicas: int
+    replica_wait_s: float
+    replica_idle_s: float
+    autoscale_backoff_s: float
+    controller_interval_s: float
 
     @property
     def uses_s3(self) -> bool:
@@ -59,6 +69,16 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
 
 def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
@@ -128,9 +148,19 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         database_url=env.get("NDIF_DATABASE_URL") or f"sqlite:///{home / 'ndif.db'}",
         flower_port=_int(env, "NDIF_FLOWER_PORT", 5555),
         log_level=(env.get("NDIF_LOG_LEVEL") or "INFO").upper(),
+        worker_gpus=env.get("NDIF_WORKER_GPUS", ""),
+        # 0 = measure: the GPUs' memory, or half the host's RAM on a CPU worker.
+        worker_memory_bytes=int(_float(env, "NDIF_WORKER_MEMORY_GIB", 0) * GiB),
+        padding_factor=_float(env, "NDIF_PADDING_FACTOR", 0.15),
+        padding_bytes=_int(env, "NDIF_PADDING_BYTES", 256 * MiB),
+        max_replicas=_int(env, "NDIF_MAX_REPLICAS", 3),
+        replica_wait_s=_float(env, "NDIF_REPLICA_WAIT_S", 30.0),
+        replica_idle_s=_float(env, "NDIF_REPLICA_IDLE_S", 600.0),
+        autoscale_backoff_s=_float(env, "NDIF_AUTOSCALE_BACKOFF_S", 30.0),
+        controller_interval_s=_float(env, "NDIF_CONTROLLER_INTERVAL_S", 0.5),
     )
     for field in fields(Settings):
         value = getattr(settings, field.name)
-        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
-            raise ValueError(f"NDIF_{field.name.upper()} must not be negative, got {value}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+            raise ValueError(f"{field.name} must not be negative, got {value}")
     return settings

@@ -1,14 +1,19 @@
-"""Which workers are alive and which models they hold, kept in Redis.
+"""The farm's shared picture, kept in Redis: workers, deployments, wishes.
 
-Workers write; the web reads (for ``GET /status``) and the CLI reads. A worker
-refreshes its entry every few seconds; an entry older than ``STALE_S`` belongs
-to a dead worker and is ignored, together with the models it claimed, so a
-killed worker disappears from ``/status`` without anyone cleaning up.
+Workers write their own entries; the controller (one worker at a time, see
+``workers.controller``) decides placements; the web and the CLI read. A
+worker refreshes its entry every few seconds; an entry older than ``STALE_S``
+belongs to a dead worker and is ignored, together with the models it claimed,
+so a killed worker disappears from ``/status`` without anyone cleaning up.
 
-- hash ``ndif:workers``      worker name -> JSON {name, host, pid, started_at, last_seen, queues}
-- hash ``ndif:deployments``  "<worker>|<model_key>" -> JSON {model_key, worker, state, loaded_at, ...}
-- set  ``ndif:queues``       every model queue a request has named
-- key  ``ndif:env``          the workers' Python and package versions, for ``GET /env``
+- hash ``ndif:workers``       worker name -> JSON {name, host, pid, gpus, memory_bytes, last_seen, current_job, ...}
+- hash ``ndif:deployments``   "<worker>|<model_key>" -> JSON {model_key, worker, state, size_bytes, pinned, last_used, ...}
+- hash ``ndif:desired``       model_key -> JSON {pinned, replicas, dtype}: what operators deployed
+- hash ``ndif:sizes``         "<model_key>|<dtype>" -> estimated weight bytes
+- set  ``ndif:queues``        every model queue a request has named
+- hash ``ndif:queue_models``  queue -> model_key
+- key  ``ndif:env``           the workers' Python and package versions, for ``GET /env``
+- channel ``ndif:controller`` wakes the controller (a new queue, a deploy, an evict)
 """
 
 from __future__ import annotations
@@ -23,10 +28,18 @@ from . import wire
 
 WORKERS = "ndif:workers"
 DEPLOYMENTS = "ndif:deployments"
+DESIRED = "ndif:desired"
+SIZES = "ndif:sizes"
 QUEUES = "ndif:queues"
+QUEUE_MODELS = "ndif:queue_models"
 ENV = "ndif:env"
-HEARTBEAT_S = 3.0
-STALE_S = 15.0
+WAKE = "ndif:controller"
+HEARTBEAT_S = 2.0
+STALE_S = 10.0
+
+# Deployment states, as nnsight.status() reads `application_state`.
+DEPLOYING = "DEPLOYING"
+RUNNING = "RUNNING"
 
 
 def register_worker(client: redis.Redis, info: dict) -> None:
@@ -43,14 +56,30 @@ def unregister_worker(client: redis.Redis, name: str) -> None:
     pipe.execute()
 
 
+def _deployment_field(worker: str, model_key: str) -> str:
+    return f"{worker}|{model_key}"
+
+
 def set_deployment(client: redis.Redis, worker: str, model_key: str, state: str, **extra) -> None:
-    entry = {"model_key": model_key, "worker": worker, "state": state, "updated_at": time.time()}
-    entry.update(extra)
-    client.hset(DEPLOYMENTS, f"{worker}|{model_key}", json.dumps(entry))
+    field = _deployment_field(worker, model_key)
+    raw = client.hget(DEPLOYMENTS, field)
+    entry = json.loads(raw) if raw else {"model_key": model_key, "worker": worker, "created_at": time.time()}
+    entry.update(extra, state=state, updated_at=time.time())
+    client.hset(DEPLOYMENTS, field, json.dumps(entry))
+
+
+def touch_deployment(client: redis.Redis, worker: str, model_key: str) -> None:
+    """Record a use, for least-recently-used eviction and idle replicas."""
+    set_deployment(client, worker, model_key, RUNNING, last_used=time.time())
+
+
+def get_deployment(client: redis.Redis, worker: str, model_key: str) -> Optional[dict]:
+    raw = client.hget(DEPLOYMENTS, _deployment_field(worker, model_key))
+    return json.loads(raw) if raw else None
 
 
 def remove_deployment(client: redis.Redis, worker: str, model_key: str) -> None:
-    client.hdel(DEPLOYMENTS, f"{worker}|{model_key}")
+    client.hdel(DEPLOYMENTS, _deployment_field(worker, model_key))
 
 
 def live_workers(client: redis.Redis, now: Optional[float] = None) -> dict:
@@ -73,27 +102,49 @@ def live_deployments(client: redis.Redis, workers: Optional[dict] = None) -> lis
     return entries
 
 
+def desired(client: redis.Redis) -> dict:
+    return {k.decode(): json.loads(v) for k, v in client.hgetall(DESIRED).items()}
+
+
+def wake_controller(client: redis.Redis, reason: str = "") -> None:
+    client.publish(WAKE, reason)
+
+
 def status_document(client: redis.Redis) -> dict:
-    """``GET /status`` in the shape ``nnsight.status()`` parses: one entry per replica."""
+    """``GET /status`` in the shape ``nnsight.status()`` parses: one entry per replica,
+    plus the cluster: each worker with its GPUs and memory used and free."""
     workers = live_workers(client)
-    deployments = {}
-    for entry in live_deployments(client, workers):
-        name = f"{entry['worker']}:{entry['model_key']}"
-        deployments[name] = {
-            "model_key": entry["model_key"],
-            **wire.repo_fields(entry["model_key"]),
+    deployments = live_deployments(client, workers)
+    wishes = desired(client)
+    entries = {}
+    used: dict[str, int] = {}
+    for entry in deployments:
+        key = entry["model_key"]
+        used[entry["worker"]] = used.get(entry["worker"], 0) + entry.get("size_bytes", 0)
+        entries[f"{entry['worker']}:{key}"] = {
+            "model_key": key,
+            **wire.repo_fields(key),
             "deployment_level": "HOT",
             "application_state": entry["state"],
             "worker": entry["worker"],
+            "pinned": bool(wishes.get(key, {}).get("pinned")),
+            "size_bytes": entry.get("size_bytes"),
+            "dtype": entry.get("dtype"),
             "loaded_at": entry.get("loaded_at"),
             "load_seconds": entry.get("load_seconds"),
+            "last_used": entry.get("last_used"),
         }
-    return {
-        "deployments": deployments,
-        "cluster": {
-            "workers": {
-                name: {k: info.get(k) for k in ("host", "pid", "started_at", "last_seen", "queues")}
-                for name, info in workers.items()
-            }
-        },
-    }
+    cluster = {}
+    for name, info in workers.items():
+        budget = info.get("memory_bytes", 0)
+        cluster[name] = {
+            "host": info.get("host"),
+            "pid": info.get("pid"),
+            "gpus": info.get("gpus", []),
+            "memory_bytes": budget,
+            "memory_used_bytes": used.get(name, 0),
+            "memory_free_bytes": max(0, budget - used.get(name, 0)),
+            "current_job": info.get("current_job"),
+            "last_seen": info.get("last_seen"),
+        }
+    return {"deployments": entries, "cluster": {"workers": cluster}}

@@ -65,17 +65,21 @@ def submit():
     settings = _settings()
     client = _redis()
     queue = queue_for(job.model_key)
-    client.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
     received = wire.response_json(job.id, wire.RECEIVED, wire.RECEIVED_DESCRIPTION)
-    client.set(jobs.status_key(job.id), received, ex=settings.job_ttl_s)
-    _ensure_consumed(queue)
-    current_app.config["NDIF_CELERY"].send_task(
-        RUN_JOB, kwargs={"job": job.to_message()}, queue=queue, task_id=job.id
-    )
-    position = max(client.llen(queue), 1)  # 1: next in line (or already taken)
+    pipe = client.pipeline(transaction=False)
+    pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
+    pipe.set(jobs.status_key(job.id), received, ex=settings.job_ttl_s)
+    pipe.llen(queue)
+    position = pipe.execute()[-1] + 1
+    # QUEUED before the job is visible to anyone, so it is the first status the
+    # client sees after RECEIVED, whatever the farm does next.
     jobs.StatusChannel(client, job, settings.job_ttl_s).send(
         wire.QUEUED, f"Your job is queued for {wire.repo_fields(job.model_key)['repo_id']} (position {position})."
     )
+    current_app.config["NDIF_CELERY"].send_task(
+        RUN_JOB, kwargs={"job": job.to_message()}, queue=queue, task_id=job.id
+    )
+    _announce(queue, job.model_key)
     return Response(received, mimetype="application/json")
 
 
@@ -90,14 +94,13 @@ def _zstd_problem(blob: bytes) -> str:
     return ""
 
 
-def _ensure_consumed(queue: str) -> None:
-    """Make sure some worker consumes ``queue``: the first request for a model deploys it.
-
-    A new queue is recorded (workers read the set when they start) and every
-    worker is told to consume it; the first to take a job loads the model.
-    """
-    if _redis().sadd(registry.QUEUES, queue):
-        current_app.config["NDIF_CELERY"].control.add_consumer(queue, reply=False)
+def _announce(queue: str, model_key: str) -> None:
+    """Make the model's queue known and wake the controller, which deploys the
+    model if no worker holds it (see ``workers.controller``)."""
+    client = _redis()
+    if client.sadd(registry.QUEUES, queue):
+        client.hset(registry.QUEUE_MODELS, queue, model_key)
+    registry.wake_controller(client, queue)
 
 
 @bp.get("/response/<job_id>")

@@ -55,6 +55,7 @@ def request_scope(model: Any):
         _restore(linecache.cache, saved_linecache)
         _restore(nnsight_globals.SOURCES, saved_sources)
         _restore(nnsight_globals.BLOCKS, saved_blocks)
+        model.interleaver.cancel()  # unwind anything a failed or cancelled run left parked
         model._module.zero_grad(set_to_none=True)
 
 

@@ -1,54 +1,64 @@
 """The models this worker keeps loaded, by model key.
 
+The controller decides what a worker holds; this module only loads and drops.
 A model is built once from its model key (from the HF cache, or the hub when
-reachable) and stays resident for every later job; the farm's placement and
-eviction build on this.
+reachable) and stays resident for every later job until it is evicted.
 """
 
 from __future__ import annotations
 
+import gc
 import time
-from typing import Any, Callable
-
-from ndif_celery import registry, wire
+from typing import Any, Optional
 
 from .execute import RequestError, no_grad_weights
 
 
 class ResidentModels:
-    def __init__(self, redis_client, worker_name: str) -> None:
-        self.redis = redis_client
-        self.worker = worker_name
+    def __init__(self) -> None:
         self.models: dict[str, Any] = {}
 
-    def get(self, model_key: str, deploying: Callable[[str], None]) -> Any:
-        """The resident model for ``model_key``, loading it first if needed."""
-        model = self.models.get(model_key)
-        if model is None:
-            model = self._load(model_key, deploying)
-            self.models[model_key] = model
-        return model
+    def get(self, model_key: str) -> Optional[Any]:
+        return self.models.get(model_key)
 
-    def _load(self, model_key: str, deploying: Callable[[str], None]) -> Any:
+    def load(self, model_key: str, dtype: Optional[str] = None) -> float:
+        """Load ``model_key`` (if not already here); return the seconds it took."""
+        if model_key in self.models:
+            return 0.0
         from nnsight.modeling.mixins.remotable import Remotable
 
-        repo = wire.repo_fields(model_key)["repo_id"]
-        deploying(f"Loading {repo} onto {self.worker} (first request for this model here).")
-        registry.set_deployment(self.redis, self.worker, model_key, "DEPLOYING")
+        from ndif_celery.wire import repo_fields
+
         started = time.monotonic()
+        kwargs = {"dispatch": True}
+        if dtype:
+            kwargs["dtype"] = dtype
         try:
-            model = Remotable.from_model_key(model_key, dispatch=True)
-        except Exception as error:  # noqa: BLE001 - any load failure is reported to the job
-            registry.remove_deployment(self.redis, self.worker, model_key)
+            model = Remotable.from_model_key(model_key, **kwargs)
+        except Exception as error:  # noqa: BLE001 - any load failure is reported to the jobs
             raise RequestError(
-                f"Could not load model {repo!r} ({model_key}): {type(error).__name__}: {error}"
+                f"Could not load model {repo_fields(model_key)['repo_id']!r} ({model_key}): "
+                f"{type(error).__name__}: {error}"
             ) from None
         no_grad_weights(model._module)
-        seconds = round(time.monotonic() - started, 3)
-        registry.set_deployment(
-            self.redis, self.worker, model_key, "RUNNING", loaded_at=time.time(), load_seconds=seconds
-        )
-        return model
+        self.models[model_key] = model
+        return round(time.monotonic() - started, 3)
+
+    def evict(self, model_key: str) -> bool:
+        model = self.models.pop(model_key, None)
+        if model is None:
+            return False
+        del model
+        gc.collect()
+        _empty_cuda_cache()
+        return True
 
     def keys(self) -> list[str]:
         return list(self.models)
+
+
+def _empty_cuda_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

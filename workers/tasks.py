@@ -1,9 +1,15 @@
-"""The Celery worker: one job at a time against models that stay resident.
+"""The Celery worker: one thing at a time, against models that stay resident.
 
-``run_job`` is the short story of a job's life on a worker: make sure the model
-is here (DEPLOYING), fetch the payload, RUNNING, execute, then COMPLETED with
-the result inline or as a URL, or ERROR with the user's own traceback. Nothing
-a job does may take the worker down or leak into the next job.
+Three tasks, all run by the worker's single pool thread, so a load, an
+eviction and a job never overlap on one worker:
+
+- ``run_job`` (on a model's queue) is the short story of a job's life: fetch the
+  payload, RUNNING, execute, then COMPLETED with the result inline or as a URL,
+  or ERROR with the user's own traceback. Nothing a job does may take the
+  worker down or leak into the next job.
+- ``load_model`` / ``evict_model`` (on this worker's own queue) are sent by the
+  controller (``workers.controller``), which runs in every worker's background
+  thread and decides placements for the whole farm.
 
 torch and nnsight are imported only inside the worker process, never at import
 time, so Flower and the web can import this module cheaply.
@@ -11,6 +17,7 @@ time, so Flower and the web can import this module cheaply.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
@@ -19,13 +26,22 @@ import time
 from typing import Optional
 
 from celery.signals import worker_ready, worker_shutdown
+from celery.worker.control import control_command
 
-from ndif_celery import config, jobs, registry, wire
-from ndif_celery.celery_app import RUN_JOB, make_app
+from ndif_celery import config, jobs, queues, registry, wire
+from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, RUN_JOB, make_app, queue_for
 
 settings = config.load()
+if settings.worker_gpus:
+    # Before anything imports torch: this process sees only its own GPUs.
+    os.environ["CUDA_VISIBLE_DEVICES"] = settings.worker_gpus
 app = make_app(settings)
 log = logging.getLogger("ndif_celery.worker")
+
+
+class JobCancelled(BaseException):
+    """Raised in the job's thread by ``ndif-celery kill``; BaseException so user
+    code's ``except Exception`` cannot swallow it."""
 
 
 class WorkerState:
@@ -39,7 +55,31 @@ class WorkerState:
         self.name = name
         self.redis = jobs.connect(settings.redis_url)
         self.store = open_store(settings)
-        self.models = ResidentModels(self.redis, name)
+        self.models = ResidentModels()
+        self.info: dict = {"name": name, "host": socket.gethostname(), "pid": os.getpid()}
+        self.current_job: Optional[str] = None
+        self.job_thread: Optional[int] = None
+        self.controller = None
+
+    def heartbeat(self) -> None:
+        registry.register_worker(
+            self.redis, dict(self.info, models=self.models.keys(), current_job=self.current_job)
+        )
+
+    def begin(self, job_id: str) -> None:
+        self.current_job, self.job_thread = job_id, threading.get_ident()
+        self.heartbeat()
+
+    def end(self) -> None:
+        self.current_job, self.job_thread = None, None
+
+    def cancel(self, job_id: str) -> bool:
+        """Interrupt the running job ``job_id`` (at its next Python bytecode)."""
+        thread = self.job_thread
+        if self.current_job != job_id or thread is None:
+            return False
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(JobCancelled))
+        return True
 
 
 _state: Optional[WorkerState] = None
@@ -54,6 +94,9 @@ def state(name: Optional[str] = None) -> WorkerState:
         return _state
 
 
+# --- jobs -----------------------------------------------------------------------
+
+
 @app.task(name=RUN_JOB, bind=True)
 def run_job(self, job: dict) -> None:
     run(state(self.request.hostname), jobs.Job.from_message(job))
@@ -62,11 +105,18 @@ def run_job(self, job: dict) -> None:
 def run(worker: WorkerState, job: jobs.Job) -> None:
     from . import execute, results
 
+    model = worker.models.get(job.model_key)
+    if model is None:
+        # Evicted between the broker handing us the job and now: back to the
+        # queue, for whichever worker holds (or will hold) the model.
+        app.send_task(RUN_JOB, kwargs={"job": job.to_message()}, queue=queue_for(job.model_key), task_id=job.id)
+        registry.wake_controller(worker.redis, "requeued")
+        return
     channel = jobs.StatusChannel(worker.redis, job, settings.job_ttl_s)
     started = time.time()
     meta = {"job_id": job.id, "worker": worker.name, "queue_ms": round((started - job.received_at) * 1000, 1)}
+    worker.begin(job.id)
     try:
-        model = worker.models.get(job.model_key, lambda text: channel.send(wire.DEPLOYING, text))
         blob = worker.redis.get(jobs.payload_key(job.id))
         if blob is None:
             raise execute.RequestError(
@@ -87,13 +137,17 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         meta["result_bytes"] = len(data)
         meta["payload_bytes"] = job.payload_bytes
         _deliver(worker, channel, job, data, meta)
+    except JobCancelled:
+        channel.send(wire.ERROR, "Your job was cancelled by the operator.", meta=meta)
     except execute.RequestError as error:
         channel.send(wire.ERROR, str(error), meta=meta)
     except Exception as error:  # noqa: BLE001 - a server fault still ends the job visibly
         log.exception("job %s failed on the server", job.id)
         channel.send(wire.ERROR, f"Server error while running your job: {type(error).__name__}: {error}", meta=meta)
     finally:
+        worker.end()
         worker.redis.delete(jobs.payload_key(job.id))
+        registry.touch_deployment(worker.redis, worker.name, job.model_key)
 
 
 def _deliver(worker: WorkerState, channel: jobs.StatusChannel, job: jobs.Job, data: bytes, meta: dict) -> None:
@@ -120,37 +174,92 @@ def _ms_since(start: float) -> float:
     return round((time.perf_counter() - start) * 1000, 1)
 
 
+# --- deployments (sent by the controller to this worker's own queue) -------------
+
+
+@app.task(name=LOAD_MODEL, bind=True)
+def load_model(self, model_key: str, dtype: Optional[str] = None, size_bytes: int = 0, evict: tuple = ()) -> None:
+    from .controller import fail_waiting
+    from .execute import RequestError
+
+    worker = state(self.request.hostname)
+    for key in evict:
+        _evict(worker, key)
+    queue = queue_for(model_key)
+    repo = wire.repo_fields(model_key)["repo_id"]
+    text = f"Loading {repo} onto {worker.name}."
+    for entry in queues.waiting(worker.redis, queue):
+        jobs.StatusChannel(worker.redis, entry.job, settings.job_ttl_s).send(wire.DEPLOYING, text)
+    registry.set_deployment(worker.redis, worker.name, model_key, registry.DEPLOYING, size_bytes=size_bytes, dtype=dtype)
+    try:
+        seconds = worker.models.load(model_key, dtype)
+    except RequestError as error:
+        registry.remove_deployment(worker.redis, worker.name, model_key)
+        fail_waiting(worker.redis, queue, str(error), settings.job_ttl_s)
+        return
+    registry.set_deployment(
+        worker.redis, worker.name, model_key, registry.RUNNING,
+        size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,
+    )
+    worker.heartbeat()
+    app.control.add_consumer(queue, destination=[worker.name], reply=True, timeout=10)
+    log.info("%s loaded in %.2f s; consuming %s", repo, seconds, queue)
+
+
+@app.task(name=EVICT_MODEL, bind=True)
+def evict_model(self, model_key: str) -> None:
+    _evict(state(self.request.hostname), model_key)
+
+
+def _evict(worker: WorkerState, model_key: str) -> None:
+    """Stop taking the model's jobs first, then let go of it."""
+    app.control.cancel_consumer(queue_for(model_key), destination=[worker.name], reply=True, timeout=10)
+    worker.models.evict(model_key)
+    registry.remove_deployment(worker.redis, worker.name, model_key)
+    worker.heartbeat()
+    registry.wake_controller(worker.redis, "evicted")
+    log.info("evicted %s", model_key)
+
+
+@control_command(args=[("job_id", str)], signature="<job_id>")
+def ndif_kill(panel, job_id: str) -> dict:
+    """Cancel a running job on this worker (``ndif-celery kill``)."""
+    cancelled = _state is not None and _state.cancel(job_id)
+    return {"ok": "cancelling" if cancelled else "not running here"}
+
+
 # --- worker lifecycle -----------------------------------------------------------
 
 
 @worker_ready.connect
 def _on_ready(sender, **_) -> None:
-    """Register, consume every known model queue, and keep a heartbeat."""
+    """Import the heavy stack, register, start the heartbeat and the controller."""
+    from . import memory
+    from .controller import Controller
+
     worker = state(sender.hostname)
-    # Import the heavy stack now, not during the first job.
-    import nnsight.modeling.transformers  # noqa: F401
+    import nnsight.modeling.transformers  # noqa: F401 - now, not during the first job
     import torch  # noqa: F401
 
-    for queue in worker.redis.smembers(registry.QUEUES):
-        sender.add_task_queue(queue.decode())
+    worker.info.update(
+        gpus=[g for g in settings.worker_gpus.split(",") if g.strip()],
+        memory_bytes=memory.budget_bytes(settings),
+        started_at=time.time(),
+    )
     worker.redis.set(registry.ENV, _env_json())
-    info = {
-        "name": worker.name,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "started_at": time.time(),
-    }
-    registry.register_worker(worker.redis, info)
-    thread = threading.Thread(target=_heartbeat, args=(worker, info), name="ndif-heartbeat", daemon=True)
-    thread.start()
-    log.info("worker %s ready", worker.name)
+    worker.heartbeat()
+    threading.Thread(target=_heartbeat, args=(worker,), name="ndif-heartbeat", daemon=True).start()
+    worker.controller = Controller(worker.name, worker.redis, app, settings)
+    worker.controller.start()
+    registry.wake_controller(worker.redis, "worker ready")
+    log.info("worker %s ready (%d bytes for models)", worker.name, worker.info["memory_bytes"])
 
 
-def _heartbeat(worker: WorkerState, info: dict) -> None:
+def _heartbeat(worker: WorkerState) -> None:
     while True:
         time.sleep(registry.HEARTBEAT_S)
         try:
-            registry.register_worker(worker.redis, dict(info, models=worker.models.keys()))
+            worker.heartbeat()
         except Exception:  # noqa: BLE001 - a broker blip must not kill the heartbeat
             log.warning("heartbeat failed", exc_info=True)
 
@@ -158,6 +267,8 @@ def _heartbeat(worker: WorkerState, info: dict) -> None:
 @worker_shutdown.connect
 def _on_shutdown(**_) -> None:
     if _state is not None:
+        if _state.controller is not None:
+            _state.controller.stop()
         registry.unregister_worker(_state.redis, _state.name)
 
 

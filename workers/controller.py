@@ -1,0 +1,232 @@
+"""The farm controller: decides which worker holds which model.
+
+Every worker runs this loop in a background thread, and one of them at a time
+leads (a Redis lease that expires when its holder dies, so another worker takes
+over within seconds). The leader, on every tick or when woken:
+
+1. places models that have jobs waiting and no worker holding them (the first
+   request for a model deploys it), or fails every waiting job with the reason
+   when nothing can hold the model;
+2. keeps operator deployments (``ndif-celery deploy``) at their replica count;
+3. adds a replica when a model's oldest waiting job has waited too long, and
+   removes extra replicas that sat idle;
+4. tells waiting clients their new queue position when it changes.
+
+It only decides and sends: loading and evicting run on the chosen worker as
+tasks on that worker's own queue, one thing at a time with its jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from typing import Optional
+
+from ndif_celery import config, jobs, queues, registry, wire
+from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
+
+from . import placement, sizing
+
+log = logging.getLogger("ndif_celery.controller")
+LEADER = "ndif:controller:leader"
+LEASE_MS = 5000
+
+
+class Controller(threading.Thread):
+    def __init__(self, name: str, redis_client, celery_app, settings: config.Settings) -> None:
+        super().__init__(name="ndif-controller", daemon=True)
+        self.worker = name
+        self.redis = redis_client
+        self.app = celery_app
+        self.settings = settings
+        self.positions: dict[str, int] = {}
+        self.last_scaled: dict[str, float] = {}
+        self.wishes: dict[str, dict] = {}
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(registry.WAKE)
+        while not self.stopping.is_set():
+            try:
+                if self.lead():
+                    self.tick()
+            except Exception:  # noqa: BLE001 - the controller must outlive any one bad tick
+                log.exception("controller tick failed")
+            try:
+                if pubsub.get_message(timeout=self.settings.controller_interval_s):
+                    while pubsub.get_message(timeout=0):
+                        pass  # several wake-ups, one tick
+            except Exception:  # noqa: BLE001 - broker blip: sleep and retry
+                time.sleep(self.settings.controller_interval_s)
+                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(registry.WAKE)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.redis.get(LEADER) == self.worker.encode():
+            self.redis.delete(LEADER)
+
+    def lead(self) -> bool:
+        if self.redis.set(LEADER, self.worker, nx=True, px=LEASE_MS):
+            return True
+        if self.redis.get(LEADER) == self.worker.encode():
+            self.redis.pexpire(LEADER, LEASE_MS)
+            return True
+        return False
+
+    # -- one look at the farm ------------------------------------------------
+
+    def tick(self) -> None:
+        now = time.time()
+        farm = Farm.read(self.redis)
+        wishes = self.wishes = registry.desired(self.redis)
+        waiting_ids = set()
+        for queue in queues.model_queues(self.redis):
+            entries = queues.waiting(self.redis, queue)
+            waiting_ids.update(entry.job.id for entry in entries)
+            if not entries:
+                continue
+            self.tell_positions(entries)
+            model_key = entries[0].job.model_key
+            wish = wishes.get(model_key, {})
+            holders = farm.holders(model_key)
+            if not holders:
+                self.place(farm, model_key, wish, fail_queue=queue)
+            elif self.needs_replica(model_key, holders, now - entries[0].job.received_at, now):
+                if self.place(farm, model_key, wish):
+                    self.last_scaled[model_key] = now
+        for model_key, wish in wishes.items():
+            if len(farm.holders(model_key)) < wish.get("replicas", 1):
+                self.place(farm, model_key, wish)
+        self.retire_idle(farm, wishes, now)
+        self.positions = {k: v for k, v in self.positions.items() if k in waiting_ids}
+
+    def needs_replica(self, model_key: str, holders: list[dict], head_wait: float, now: float) -> bool:
+        return (
+            head_wait > self.settings.replica_wait_s
+            and len(holders) < self.settings.max_replicas
+            and all(h["state"] == registry.RUNNING for h in holders)
+            and now - self.last_scaled.get(model_key, 0) > self.settings.autoscale_backoff_s
+        )
+
+    def tell_positions(self, entries: list[queues.Waiting]) -> None:
+        """QUEUED again when a waiting job's position changed (the web told the first)."""
+        for position, entry in enumerate(entries, start=1):
+            known = self.positions.get(entry.job.id)
+            self.positions[entry.job.id] = position
+            if known is not None and known != position:
+                channel = jobs.StatusChannel(self.redis, entry.job, self.settings.job_ttl_s)
+                channel.send(wire.QUEUED, _queued_text(entry.job.model_key, position))
+
+    # -- decisions -------------------------------------------------------------
+
+    def place(self, farm: "Farm", model_key: str, wish: dict, fail_queue: Optional[str] = None) -> bool:
+        """Send a load to the best worker; on no room, fail ``fail_queue``'s jobs."""
+        dtype = wish.get("dtype")
+        repo = wire.repo_fields(model_key)["repo_id"]
+        try:
+            weights = sizing.weight_bytes(model_key, dtype, self.redis)
+            size = sizing.padded(weights, self.settings.padding_factor, self.settings.padding_bytes)
+            chosen = placement.place(model_key, size, farm.views(self.wishes))
+        except sizing.SizingError as error:
+            return self.cannot(fail_queue, str(error))
+        except placement.NoRoom as error:
+            return self.cannot(fail_queue, f"Could not deploy {repo}: {error}.")
+        log.info("placing %s (%d bytes) on %s, evicting %s", repo, size, chosen.worker, chosen.evict or "nothing")
+        registry.set_deployment(
+            self.redis, chosen.worker, model_key, registry.DEPLOYING,
+            size_bytes=size, dtype=dtype, assigned_at=time.time(),
+        )
+        farm.add(chosen.worker, model_key, size)
+        for evicted in chosen.evict:
+            farm.remove(chosen.worker, evicted)
+        self.app.send_task(
+            LOAD_MODEL,
+            kwargs={"model_key": model_key, "dtype": dtype, "size_bytes": size, "evict": chosen.evict},
+            queue=worker_queue(chosen.worker),
+        )
+        return True
+
+    def cannot(self, fail_queue: Optional[str], reason: str) -> bool:
+        log.warning("%s", reason)
+        if fail_queue is not None:
+            fail_waiting(self.redis, fail_queue, reason, self.settings.job_ttl_s)
+        return False
+
+    def retire_idle(self, farm: "Farm", wishes: dict, now: float) -> None:
+        """Evict replicas beyond the wanted count that nobody used for a while."""
+        for model_key in farm.model_keys():
+            holders = [h for h in farm.holders(model_key) if h["state"] == registry.RUNNING]
+            keep = max(1, wishes.get(model_key, {}).get("replicas", 1))
+            idle = sorted(
+                (h for h in holders if now - _last_activity(h) > self.settings.replica_idle_s),
+                key=_last_activity,
+            )
+            for holder in idle[: max(0, len(holders) - keep)]:
+                log.info("retiring idle replica of %s on %s", model_key, holder["worker"])
+                self.app.send_task(EVICT_MODEL, kwargs={"model_key": model_key}, queue=worker_queue(holder["worker"]))
+                farm.remove(holder["worker"], model_key)
+
+
+def fail_waiting(redis_client, queue: str, reason: str, ttl_s: int) -> int:
+    """End every job waiting in ``queue`` with ERROR ``reason``: nobody waits forever."""
+    failed = queues.drain(redis_client, queue)
+    for job in failed:
+        jobs.StatusChannel(redis_client, job, ttl_s).send(wire.ERROR, reason)
+    return len(failed)
+
+
+def _last_activity(holder: dict) -> float:
+    return holder.get("last_used") or holder.get("loaded_at") or holder.get("created_at") or 0.0
+
+
+def _queued_text(model_key: str, position: int) -> str:
+    return f"Your job is queued for {wire.repo_fields(model_key)['repo_id']} (position {position})."
+
+
+class Farm:
+    """The live workers and what each holds, as one tick sees them."""
+
+    def __init__(self, workers: dict, deployments: list[dict]) -> None:
+        self.workers = workers
+        self.by_worker: dict[str, dict[str, dict]] = defaultdict(dict)
+        for entry in deployments:
+            self.by_worker[entry["worker"]][entry["model_key"]] = entry
+
+    @classmethod
+    def read(cls, redis_client) -> "Farm":
+        workers = registry.live_workers(redis_client)
+        return cls(workers, registry.live_deployments(redis_client, workers))
+
+    def holders(self, model_key: str) -> list[dict]:
+        return [held[model_key] for held in self.by_worker.values() if model_key in held]
+
+    def model_keys(self) -> set[str]:
+        return {key for held in self.by_worker.values() for key in held}
+
+    def add(self, worker: str, model_key: str, size: int) -> None:
+        self.by_worker[worker][model_key] = {
+            "model_key": model_key, "worker": worker, "state": registry.DEPLOYING, "size_bytes": size,
+        }
+
+    def remove(self, worker: str, model_key: str) -> None:
+        self.by_worker[worker].pop(model_key, None)
+
+    def views(self, wishes: dict) -> list[placement.WorkerView]:
+        views = []
+        for name, info in self.workers.items():
+            holdings = [
+                placement.Holding(
+                    model_key=key,
+                    size_bytes=entry.get("size_bytes", 0),
+                    pinned=bool(wishes.get(key, {}).get("pinned")),
+                    loading=entry["state"] != registry.RUNNING,
+                    last_used=_last_activity(entry),
+                )
+                for key, entry in self.by_worker.get(name, {}).items()
+            ]
+            views.append(placement.WorkerView(name, info.get("memory_bytes", 0), holdings))
+        return views

@@ -1,0 +1,107 @@
+"""Where a model should go: best fit, evicting least-recently-used models if needed.
+
+Pure functions over the farm's picture (no Redis, no torch), so every rule is
+easy to read and to test:
+
+- a worker whose whole budget is smaller than the model can never take it;
+- a worker with enough free memory takes it without evicting anything, and
+  among those the tightest fit wins (big holes stay free for big models);
+- otherwise a worker may evict its unpinned, fully loaded models, least
+  recently used first; the placement that evicts fewest models, and among
+  those the least recently used ones, wins;
+- pinned models are never evicted, nor models still loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+GiB = 1024**3
+
+
+@dataclass
+class Holding:
+    model_key: str
+    size_bytes: int
+    pinned: bool = False
+    loading: bool = False
+    last_used: float = 0.0
+
+
+@dataclass
+class WorkerView:
+    name: str
+    memory_bytes: int
+    holdings: list[Holding] = field(default_factory=list)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(h.size_bytes for h in self.holdings)
+
+    @property
+    def free_bytes(self) -> int:
+        return self.memory_bytes - self.used_bytes
+
+    def holds(self, model_key: str) -> bool:
+        return any(h.model_key == model_key for h in self.holdings)
+
+
+@dataclass
+class Placement:
+    worker: str
+    evict: list[str]
+
+
+class NoRoom(Exception):
+    """No worker can take the model; the message says why, for the user."""
+
+
+def place(model_key: str, size_bytes: int, workers: Iterable[WorkerView], exclude: Iterable[str] = ()) -> Placement:
+    workers = [w for w in workers if w.name not in set(exclude) and not w.holds(model_key)]
+    if not workers:
+        raise NoRoom("no live worker can take another replica of it")
+    options = []
+    for worker in workers:
+        if worker.memory_bytes < size_bytes:
+            continue
+        evict = _evictions(worker, size_bytes)
+        if evict is None:
+            continue
+        newest_evicted = max((h.last_used for h in evict), default=0.0)
+        leftover = worker.free_bytes + sum(h.size_bytes for h in evict) - size_bytes
+        options.append(((len(evict), newest_evicted, leftover, worker.name), worker.name, evict))
+    if not options:
+        raise NoRoom(_why_not(size_bytes, workers))
+    _, name, evict = min(options, key=lambda option: option[0])
+    return Placement(worker=name, evict=[h.model_key for h in evict])
+
+
+def _evictions(worker: WorkerView, size_bytes: int) -> Optional[list[Holding]]:
+    """The least-recently-used models to evict so ``size_bytes`` fits, or None."""
+    free = worker.free_bytes
+    chosen: list[Holding] = []
+    candidates = sorted((h for h in worker.holdings if not h.pinned and not h.loading), key=lambda h: h.last_used)
+    for holding in candidates:
+        if free >= size_bytes:
+            break
+        chosen.append(holding)
+        free += holding.size_bytes
+    return chosen if free >= size_bytes else None
+
+
+def _why_not(size_bytes: int, workers: list[WorkerView]) -> str:
+    largest = max(w.memory_bytes for w in workers)
+    if size_bytes > largest:
+        return (
+            f"it needs {_gib(size_bytes)} (weights plus padding) but the largest worker "
+            f"has {_gib(largest)} in all"
+        )
+    return (
+        f"it needs {_gib(size_bytes)} and every worker large enough is full of pinned "
+        "or still-loading models"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.3g} GiB" if n >= GiB / 100 else f"{n / 1024**2:.3g} MiB"
