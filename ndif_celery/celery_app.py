@@ -83,7 +83,7 @@ def worker_argv(settings: config.Settings, name: Optional[str] = None) -> list[s
     process (so it stays resident between jobs) while the main thread keeps
     answering control commands and sending heartbeats during a long job.
     """
-    name = name or default_worker_name(settings.worker_gpus)
+    name = name or settings.worker_name or default_worker_name(settings.worker_gpus)
     return [
         "worker",
         "--pool=threads",

@@ -8,6 +8,7 @@ foreground, for a Procfile, systemd or a container, on any number of hosts.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -15,8 +16,10 @@ import time
 from typing import Optional
 
 import click
+import redis
 
 from . import config, stack
+from .wire import repo_fields
 
 
 class _Interrupted(Exception):
@@ -130,9 +133,16 @@ def down(timeout: float) -> None:
 
 
 @main.command()
-def status() -> None:
-    """Show each service of the stack and whether the web answers."""
+@click.option("--json", "as_json", is_flag=True, help="Print the farm as JSON (the /status document).")
+def status(as_json: bool) -> None:
+    """Show this host's services, and the farm: workers and the models they hold."""
     settings = _settings()
+    farm = _farm_status(settings)
+    if as_json:
+        if farm is None:
+            raise click.ClickException(f"cannot reach the broker at {settings.redis_url}")
+        click.echo(json.dumps(farm, indent=2))
+        return
     try:
         rows = stack.status(settings)
     except stack.StackError as exc:
@@ -143,6 +153,126 @@ def status() -> None:
         click.echo(f"{service:<8}{pid if pid else '-':>8}  {'running' if alive else 'stopped'}")
     answers = stack.api_answers(settings)
     click.echo(f"{'api':<8}{stack.ping_url(settings)}  {'answers' if answers else 'not answering'}")
+    if farm is None:
+        click.echo(f"farm: broker at {settings.redis_url} not reachable")
+        return
+    click.echo("\nworkers:")
+    for name, info in sorted(farm["cluster"]["workers"].items()):
+        gpus = ",".join(info["gpus"]) or "cpu"
+        click.echo(
+            f"  {name:<28} gpus={gpus:<6} used {_mib(info['memory_used_bytes'])} of "
+            f"{_mib(info['memory_bytes'])}  job={info['current_job'] or '-'}"
+        )
+    click.echo("deployments:")
+    for entry in sorted(farm["deployments"].values(), key=lambda e: (e["repo_id"], e["worker"])):
+        pin = " pinned" if entry["pinned"] else ""
+        click.echo(f"  {entry['repo_id']:<36} {entry['application_state']:<10} on {entry['worker']}{pin}")
+
+
+def _mib(n: int) -> str:
+    return f"{(n or 0) / 1024**2:.1f} MiB"
+
+
+def _farm_status(settings: config.Settings) -> Optional[dict]:
+    from . import jobs, registry
+
+    try:
+        return registry.status_document(jobs.connect(settings.redis_url))
+    except (redis.RedisError, OSError):
+        return None
+
+
+def _farm():
+    """(settings, redis client, celery app) for the farm commands."""
+    from . import jobs
+    from .celery_app import make_app
+
+    settings = _settings()
+    client = jobs.connect(settings.redis_url)
+    try:
+        client.ping()
+    except (redis.RedisError, OSError):
+        raise click.ClickException(f"cannot reach the broker at {settings.redis_url} (NDIF_REDIS_URL)") from None
+    return settings, client, make_app(settings)
+
+
+@main.command()
+@click.argument("model")
+@click.option("--pin", is_flag=True, help="Never evict it to make room for another model.")
+@click.option("--replicas", default=1, show_default=True, type=int, help="How many workers hold it.")
+@click.option("--dtype", default=None, help="Load the weights as this dtype (e.g. bfloat16).")
+@click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until every replica runs.")
+@click.option("--timeout", default=600.0, show_default=True, type=float)
+def deploy(model: str, pin: bool, replicas: int, dtype: Optional[str], task: str, wait: bool, timeout: float) -> None:
+    """Deploy MODEL (a repo id or a full model key) and keep it deployed."""
+    from . import farm
+
+    _, client, _ = _farm()
+    try:
+        key = farm.model_key_for(model, task=task)
+        farm.deploy(client, key, pin, replicas, dtype)
+        if wait:
+            running = farm.wait_running(client, key, replicas, timeout)
+            click.echo(f"{model}: running on {', '.join(sorted(d['worker'] for d in running))}")
+        else:
+            click.echo(f"{model}: deployment requested")
+    except (farm.FarmError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.argument("model")
+@click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--wait/--no-wait", default=True, show_default=True)
+@click.option("--timeout", default=120.0, show_default=True, type=float)
+def evict(model: str, task: str, wait: bool, timeout: float) -> None:
+    """Evict MODEL from every worker (pinned or not) and forget its deployment."""
+    from . import farm
+
+    _, client, app = _farm()
+    try:
+        key = farm.model_key_for(model, task=task)
+        workers = farm.evict(client, app, key)
+        if not workers:
+            click.echo(f"{model}: not deployed")
+            return
+        if wait:
+            farm.wait_evicted(client, key, timeout)
+        click.echo(f"{model}: evicted from {', '.join(sorted(workers))}")
+    except (farm.FarmError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the queues as JSON.")
+def queue(as_json: bool) -> None:
+    """Depth and head wait of every model's queue."""
+    from . import queues
+
+    _, client, _ = _farm()
+    rows = queues.summary(client)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no model queues yet")
+    for row in rows:
+        repo = repo_fields(row["model_key"])["repo_id"] if row["model_key"] else row["queue"]
+        click.echo(f"{repo:<40} depth {row['depth']:>4}  head wait {row['head_wait_s']:>8.1f} s")
+
+
+@main.command()
+@click.argument("job_id")
+def kill(job_id: str) -> None:
+    """End JOB_ID: remove it from its queue, or cancel it where it runs."""
+    from . import farm
+
+    settings, client, app = _farm()
+    try:
+        click.echo(f"{job_id}: {farm.kill(client, app, job_id, settings.job_ttl_s)}")
+    except farm.FarmError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _exec(service: str, worker_name: Optional[str] = None) -> None:

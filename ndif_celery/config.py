@@ -47,6 +47,7 @@ class Settings:
     flower_port: int
     log_level: str
     worker_gpus: str
+    worker_name: str
     worker_memory_bytes: int
     padding_factor: float
     padding_bytes: int
@@ -149,6 +150,7 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         flower_port=_int(env, "NDIF_FLOWER_PORT", 5555),
         log_level=(env.get("NDIF_LOG_LEVEL") or "INFO").upper(),
         worker_gpus=env.get("NDIF_WORKER_GPUS", ""),
+        worker_name=env.get("NDIF_WORKER_NAME", ""),
         # 0 = measure: the GPUs' memory, or half the host's RAM on a CPU worker.
         worker_memory_bytes=int(_float(env, "NDIF_WORKER_MEMORY_GIB", 0) * GiB),
         padding_factor=_float(env, "NDIF_PADDING_FACTOR", 0.15),

@@ -14,8 +14,10 @@ Import it as ``from tests.stack import Stack``.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -56,6 +58,7 @@ class Stack:
         self.redis_port = int(self.env["NDIF_EMBEDDED_REDIS_PORT"])
         self.flower_port = int(self.env["NDIF_FLOWER_PORT"])
         self.started = False
+        self.extra_workers: dict[str, subprocess.Popen] = {}
 
     @property
     def url(self) -> str:
@@ -96,9 +99,34 @@ class Stack:
         return self
 
     def stop(self, timeout: float = 10) -> subprocess.CompletedProcess:
-        """``down`` (fine when nothing runs)."""
+        """``down`` (fine when nothing runs), and any extra workers."""
         self.started = False
+        for proc in self.extra_workers.values():
+            _stop_process(proc, timeout)
+        self.extra_workers.clear()
         return self.cli("down", "--timeout", str(timeout), timeout=timeout * 5 + 60)
+
+    def add_worker(self, name: str, gpus: str, memory_gib: float, timeout: float = 120) -> subprocess.Popen:
+        """Start one more worker through ``ndif-celery worker``, as a second GPU
+        (or host) would join the farm, and wait until it has registered."""
+        import redis
+
+        from ndif_celery import registry
+
+        log = (self.logs_dir / f"worker-{name.replace('@', '-')}.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ndif_celery.cli", "worker", "--name", name, "--gpus", gpus,
+             "--memory", str(memory_gib)],
+            cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.extra_workers[name] = proc
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout
+        while not client.hexists(registry.WORKERS, name):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise StackFailed(f"worker {name} did not register\n{self.logs()}")
+            time.sleep(0.2)
+        return proc
 
     def pids(self) -> dict[str, int]:
         """service -> pid, as recorded in the state file (empty when stopped)."""
@@ -121,6 +149,12 @@ class Stack:
     def _report(self, what: str, result: subprocess.CompletedProcess) -> str:
         return f"{what}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}\n--- logs\n{self.logs()}"
 
+    def farm(self) -> dict:
+        """``GET /status``."""
+        import httpx
+
+        return httpx.get(f"{self.url}/status", timeout=10).json()
+
     def __enter__(self) -> "Stack":
         if not self.started:
             self.start()
@@ -128,3 +162,17 @@ class Stack:
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
+
+
+def _stop_process(proc: subprocess.Popen, timeout: float) -> None:
+    """SIGTERM the process group, SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass

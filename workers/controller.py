@@ -96,11 +96,13 @@ class Controller(threading.Thread):
             if not holders:
                 self.place(farm, model_key, wish, fail_queue=queue)
             elif self.needs_replica(model_key, holders, now - entries[0].job.received_at, now):
-                if self.place(farm, model_key, wish):
+                if self.place(farm, model_key, wish, evict=False):
                     self.last_scaled[model_key] = now
         for model_key, wish in wishes.items():
+            # A pinned deployment takes its room back; an unpinned one evicted
+            # for another model waits for free room (or its next request).
             if len(farm.holders(model_key)) < wish.get("replicas", 1):
-                self.place(farm, model_key, wish)
+                self.place(farm, model_key, wish, evict=bool(wish.get("pinned")))
         self.retire_idle(farm, wishes, now)
         self.positions = {k: v for k, v in self.positions.items() if k in waiting_ids}
 
@@ -123,14 +125,16 @@ class Controller(threading.Thread):
 
     # -- decisions -------------------------------------------------------------
 
-    def place(self, farm: "Farm", model_key: str, wish: dict, fail_queue: Optional[str] = None) -> bool:
+    def place(
+        self, farm: "Farm", model_key: str, wish: dict, fail_queue: Optional[str] = None, evict: bool = True
+    ) -> bool:
         """Send a load to the best worker; on no room, fail ``fail_queue``'s jobs."""
         dtype = wish.get("dtype")
         repo = wire.repo_fields(model_key)["repo_id"]
         try:
             weights = sizing.weight_bytes(model_key, dtype, self.redis)
             size = sizing.padded(weights, self.settings.padding_factor, self.settings.padding_bytes)
-            chosen = placement.place(model_key, size, farm.views(self.wishes))
+            chosen = placement.place(model_key, size, farm.views(self.wishes), evict=evict)
         except sizing.SizingError as error:
             return self.cannot(fail_queue, str(error))
         except placement.NoRoom as error:

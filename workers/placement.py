@@ -9,7 +9,9 @@ easy to read and to test:
 - otherwise a worker may evict its unpinned, fully loaded models, least
   recently used first; the placement that evicts fewest models, and among
   those the least recently used ones, wins;
-- pinned models are never evicted, nor models still loading.
+- pinned models are never evicted, nor models still loading;
+- some placements (extra replicas, restoring an unpinned deployment) may only
+  use free room, so two models never take turns evicting each other.
 """
 
 from __future__ import annotations
@@ -57,24 +59,25 @@ class NoRoom(Exception):
     """No worker can take the model; the message says why, for the user."""
 
 
-def place(model_key: str, size_bytes: int, workers: Iterable[WorkerView], exclude: Iterable[str] = ()) -> Placement:
-    workers = [w for w in workers if w.name not in set(exclude) and not w.holds(model_key)]
+def place(model_key: str, size_bytes: int, workers: Iterable[WorkerView], evict: bool = True) -> Placement:
+    """The best worker for the model; with ``evict=False`` only free room counts."""
+    workers = [w for w in workers if not w.holds(model_key)]
     if not workers:
         raise NoRoom("no live worker can take another replica of it")
     options = []
     for worker in workers:
         if worker.memory_bytes < size_bytes:
             continue
-        evict = _evictions(worker, size_bytes)
-        if evict is None:
+        evicted = _evictions(worker, size_bytes) if evict else ([] if worker.free_bytes >= size_bytes else None)
+        if evicted is None:
             continue
-        newest_evicted = max((h.last_used for h in evict), default=0.0)
-        leftover = worker.free_bytes + sum(h.size_bytes for h in evict) - size_bytes
-        options.append(((len(evict), newest_evicted, leftover, worker.name), worker.name, evict))
+        newest_evicted = max((h.last_used for h in evicted), default=0.0)
+        leftover = worker.free_bytes + sum(h.size_bytes for h in evicted) - size_bytes
+        options.append(((len(evicted), newest_evicted, leftover, worker.name), worker.name, evicted))
     if not options:
         raise NoRoom(_why_not(size_bytes, workers))
-    _, name, evict = min(options, key=lambda option: option[0])
-    return Placement(worker=name, evict=[h.model_key for h in evict])
+    _, name, evicted = min(options, key=lambda option: option[0])
+    return Placement(worker=name, evict=[h.model_key for h in evicted])
 
 
 def _evictions(worker: WorkerView, size_bytes: int) -> Optional[list[Holding]]:

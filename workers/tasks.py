@@ -116,6 +116,9 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
     started = time.time()
     meta = {"job_id": job.id, "worker": worker.name, "queue_ms": round((started - job.received_at) * 1000, 1)}
     worker.begin(job.id)
+    # Marked at the start, so a placement decided while this job finishes
+    # already counts the model as just used.
+    registry.touch_deployment(worker.redis, worker.name, job.model_key)
     try:
         blob = worker.redis.get(jobs.payload_key(job.id))
         if blob is None:
@@ -147,7 +150,6 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
     finally:
         worker.end()
         worker.redis.delete(jobs.payload_key(job.id))
-        registry.touch_deployment(worker.redis, worker.name, job.model_key)
 
 
 def _deliver(worker: WorkerState, channel: jobs.StatusChannel, job: jobs.Job, data: bytes, meta: dict) -> None:

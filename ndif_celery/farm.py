@@ -1,0 +1,94 @@
+"""Operator actions on a running farm, as the CLI offers them.
+
+Each one writes the operator's wish where the controller reads it (Redis) or
+sends a worker a task on its own queue, then wakes the controller; none of
+them needs torch. ``deploy`` records a wish the controller keeps true (pinned,
+replica count, dtype), so it survives worker restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Optional
+
+import redis
+
+from . import jobs, queues, registry, wire
+from .celery_app import EVICT_MODEL, worker_queue
+
+DEFAULT_CLASS = "nnsight.modeling.transformers.TransformersModel"
+
+
+class FarmError(Exception):
+    """An operator action that cannot be done; the message says why."""
+
+
+def model_key_for(model: str, task: str = "text-generation", revision: Optional[str] = None) -> str:
+    """A full model key from a repo id, exactly as the nnsight client builds it."""
+    if ":" in model:
+        wire.check_model_key(model)
+        return model
+    suffix = json.dumps({"repo_id": model, "revision": revision, "task": task})
+    return f"{DEFAULT_CLASS}:{suffix}"
+
+
+def deploy(client: redis.Redis, model_key: str, pinned: bool, replicas: int, dtype: Optional[str]) -> None:
+    if replicas < 1:
+        raise FarmError("--replicas must be at least 1")
+    client.hset(registry.DESIRED, model_key, json.dumps({"pinned": pinned, "replicas": replicas, "dtype": dtype}))
+    registry.wake_controller(client, "deploy")
+
+
+def wait_running(client: redis.Redis, model_key: str, replicas: int, timeout: float) -> list[dict]:
+    """Wait until ``replicas`` workers hold the model, RUNNING."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [d for d in holders(client, model_key) if d["state"] == registry.RUNNING]
+        if len(running) >= replicas:
+            return running
+        if time.monotonic() > deadline:
+            raise FarmError(
+                f"{len(running)} of {replicas} replicas running after {timeout:.0f} s; "
+                "see `ndif-celery status` and the worker logs"
+            )
+        time.sleep(0.2)
+
+
+def holders(client: redis.Redis, model_key: str) -> list[dict]:
+    return [d for d in registry.live_deployments(client) if d["model_key"] == model_key]
+
+
+def evict(client: redis.Redis, celery_app, model_key: str) -> list[str]:
+    """Forget the wish and tell every worker holding the model to let it go."""
+    client.hdel(registry.DESIRED, model_key)
+    workers = [d["worker"] for d in holders(client, model_key)]
+    for worker in workers:
+        celery_app.send_task(EVICT_MODEL, kwargs={"model_key": model_key}, queue=worker_queue(worker))
+    return workers
+
+
+def wait_evicted(client: redis.Redis, model_key: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while holders(client, model_key):
+        if time.monotonic() > deadline:
+            raise FarmError(f"still held after {timeout:.0f} s (a worker finishes its running job first)")
+        time.sleep(0.2)
+
+
+CANCELLED = "Request cancelled by operator."
+
+
+def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
+    """End a job: take it out of its queue, or interrupt it where it runs."""
+    for queue in queues.model_queues(client):
+        job = queues.remove(client, queue, job_id)
+        if job is not None:
+            jobs.StatusChannel(client, job, ttl_s).send(wire.ERROR, CANCELLED)
+            return "removed from the queue"
+    replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, reply=True, timeout=2)
+    for reply in replies or []:
+        for worker, answer in reply.items():
+            if answer.get("ok") == "cancelling":
+                return f"cancelling on {worker}"
+    raise FarmError(f"no job {job_id} is waiting or running")
