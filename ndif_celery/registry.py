@@ -13,6 +13,7 @@ so a killed worker disappears from ``/status`` without anyone cleaning up.
 - set  ``ndif:queues``        every model queue a request has named
 - hash ``ndif:queue_models``  queue -> model_key
 - key  ``ndif:env``           the workers' Python and package versions, for ``GET /env``
+- key  ``ndif:status``        the ``GET /status`` document, rewritten by the controller every tick
 - channel ``ndif:controller`` wakes the controller (a new queue, a deploy, an evict)
 """
 
@@ -33,6 +34,8 @@ SIZES = "ndif:sizes"
 QUEUES = "ndif:queues"
 QUEUE_MODELS = "ndif:queue_models"
 ENV = "ndif:env"
+STATUS = "ndif:status"
+STATUS_TTL_S = 5
 WAKE = "ndif:controller"
 HEARTBEAT_S = 2.0
 STALE_S = 10.0
@@ -148,3 +151,15 @@ def status_document(client: redis.Redis) -> dict:
             "last_seen": info.get("last_seen"),
         }
     return {"deployments": entries, "cluster": {"workers": cluster}}
+
+
+def publish_status(client: redis.Redis) -> None:
+    """Refresh the cached ``/status`` document (the controller does, every tick)."""
+    client.set(STATUS, json.dumps(status_document(client)), ex=STATUS_TTL_S)
+
+
+def cached_status(client: redis.Redis) -> bytes:
+    """The ``/status`` document as JSON: the controller's copy, or computed now
+    when no controller has written one lately (no worker alive)."""
+    raw = client.get(STATUS)
+    return raw if raw is not None else json.dumps(status_document(client)).encode()

@@ -113,7 +113,7 @@ def response(job_id: str):
 
 @bp.get("/status")
 def status():
-    return jsonify(registry.status_document(_redis()))
+    return Response(registry.cached_status(_redis()), mimetype="application/json")
 
 
 @bp.get("/env")

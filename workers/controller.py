@@ -104,6 +104,7 @@ class Controller(threading.Thread):
             if len(farm.holders(model_key)) < wish.get("replicas", 1):
                 self.place(farm, model_key, wish, evict=bool(wish.get("pinned")))
         self.retire_idle(farm, wishes, now)
+        registry.publish_status(self.redis)
         self.positions = {k: v for k, v in self.positions.items() if k in waiting_ids}
 
     def needs_replica(self, model_key: str, holders: list[dict], head_wait: float, now: float) -> bool:

@@ -107,4 +107,4 @@ def _why_not(size_bytes: int, workers: list[WorkerView]) -> str:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GiB:.3g} GiB" if n >= GiB / 100 else f"{n / 1024**2:.3g} MiB"
+    return f"{n / GiB:.3g} GiB" if n >= GiB else f"{n / 1024**2:.3g} MiB"

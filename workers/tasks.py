@@ -204,6 +204,7 @@ def load_model(self, model_key: str, dtype: Optional[str] = None, size_bytes: in
         size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,
     )
     worker.heartbeat()
+    registry.publish_status(worker.redis)
     app.control.add_consumer(queue, destination=[worker.name], reply=True, timeout=10)
     log.info("%s loaded in %.2f s; consuming %s", repo, seconds, queue)
 
@@ -219,6 +220,7 @@ def _evict(worker: WorkerState, model_key: str) -> None:
     worker.models.evict(model_key)
     registry.remove_deployment(worker.redis, worker.name, model_key)
     worker.heartbeat()
+    registry.publish_status(worker.redis)
     registry.wake_controller(worker.redis, "evicted")
     log.info("evicted %s", model_key)
 
