@@ -252,7 +252,8 @@ def test_cli_evict_then_two_replicas_in_nnsight_status(farm, monkeypatch):
 def test_a_killed_worker_disappears_and_its_models_redeploy_elsewhere(farm):
     stack = farm.stack
     _cli(stack, "evict", SMALL[2])
-    _cli(stack, "deploy", SMALL[0])  # fits best on W1, the one-model worker
+    _, meta = _run(SMALL[0])  # not deployed by anyone: the request places it, best fit on W1
+    assert meta["worker"] == W1
     assert _holders(stack) == {SMALL[0]: {W1}}
     pid = stack.farm()["cluster"]["workers"][W1]["pid"]
     os.kill(pid, signal.SIGKILL)
@@ -264,7 +265,7 @@ def test_a_killed_worker_disappears_and_its_models_redeploy_elsewhere(farm):
             break
         assert time.monotonic() - killed < 20, "the dead worker is still in /status"
         time.sleep(0.5)
-    # Its model comes back on the surviving worker (it is still wanted).
+    # A new request for its model deploys it on the surviving worker.
     _, meta = _run(SMALL[0])
     assert meta["worker"] == W0
 
@@ -276,4 +277,4 @@ def test_flower_shows_the_workers_and_its_metrics(farm):
     assert "flower_events_total" in metrics.text
     assert W0 in metrics.text
     page = httpx.get(f"{flower}/workers", timeout=10)
-    assert page.status_code == 200
+    assert page.status_code == 200 and W0 in page.text
