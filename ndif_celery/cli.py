@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 import click
-import redis
+import redis as redis_py
 
 from . import config, stack
 from .wire import repo_fields
@@ -178,7 +178,7 @@ def _farm_status(settings: config.Settings) -> Optional[dict]:
 
     try:
         return registry.status_document(jobs.connect(settings.redis_url))
-    except (redis.RedisError, OSError):
+    except (redis_py.RedisError, OSError):
         return None
 
 
@@ -191,7 +191,7 @@ def _farm():
     client = jobs.connect(settings.redis_url)
     try:
         client.ping()
-    except (redis.RedisError, OSError):
+    except (redis_py.RedisError, OSError):
         raise click.ClickException(f"cannot reach the broker at {settings.redis_url} (NDIF_REDIS_URL)") from None
     return settings, client, make_app(settings)
 

@@ -57,7 +57,7 @@ class Job:
 
 
 def connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True)
+    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=5)
 
 
 class StatusChannel:
