@@ -164,7 +164,8 @@ def status(as_json: bool) -> None:
             f"{_mib(info['memory_bytes'])}  job={info['current_job'] or '-'}"
         )
     click.echo("deployments:")
-    for entry in sorted(farm["deployments"].values(), key=lambda e: (e["repo_id"], e["worker"])):
+    hot = [e for e in farm["deployments"].values() if e["deployment_level"] == "HOT"]
+    for entry in sorted(hot, key=lambda e: (e["repo_id"], e["worker"])):
         pin = " pinned" if entry["pinned"] else ""
         click.echo(f"  {entry['repo_id']:<36} {entry['application_state']:<10} on {entry['worker']}{pin}")
 

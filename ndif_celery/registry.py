@@ -137,6 +137,12 @@ def status_document(client: redis.Redis) -> dict:
             "load_seconds": entry.get("load_seconds"),
             "last_used": entry.get("last_used"),
         }
+    hot = {entry["repo_id"] for entry in entries.values()}
+    for info in workers.values():
+        for repo in info.get("cached", []):
+            if repo not in hot:
+                # As NDIF lists them: on a worker's disk, loaded nowhere (nnsight.status skips them).
+                entries[repo] = {"repo_id": repo, "deployment_level": "COLD"}
     cluster = {}
     for name, info in workers.items():
         budget = info.get("memory_bytes", 0)

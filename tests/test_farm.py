@@ -74,7 +74,7 @@ def _holders(stack) -> dict[str, set]:
     """repo id -> the workers holding it (RUNNING), per /status."""
     held: dict[str, set] = {}
     for entry in stack.farm()["deployments"].values():
-        if entry["application_state"] == "RUNNING":
+        if entry.get("application_state") == "RUNNING":
             held.setdefault(entry["repo_id"], set()).add(entry["worker"])
     return held
 
@@ -184,8 +184,10 @@ def _wait_status(stack, job_id, status, timeout=60, contains=""):
 def test_cli_status_queue_and_kill(farm):
     stack = farm.stack
     status = json.loads(_cli(stack, "status", "--json").stdout)
-    pinned = [e for e in status["deployments"].values() if e["repo_id"] == SMALL[0]]
+    pinned = [e for e in status["deployments"].values() if e["repo_id"] == SMALL[0] and e["deployment_level"] == "HOT"]
     assert pinned and pinned[0]["pinned"] is True and pinned[0]["worker"] == W1
+    # Cached on the workers' disk, loaded nowhere: listed COLD, as NDIF does.
+    assert status["deployments"][HUGE] == {"repo_id": HUGE, "deployment_level": "COLD"}
     workers = status["cluster"]["workers"]
     assert set(workers) == {W0, W1}
     assert workers[W1]["gpus"] == ["1"] and workers[W0]["gpus"] == ["0"]
@@ -260,7 +262,7 @@ def test_a_killed_worker_disappears_and_its_models_redeploy_elsewhere(farm):
     killed = time.monotonic()
     while True:
         status = stack.farm()
-        on_dead = [e for e in status["deployments"].values() if e["worker"] == W1]
+        on_dead = [e for e in status["deployments"].values() if e.get("worker") == W1]
         if W1 not in status["cluster"]["workers"] and not on_dead:
             break
         assert time.monotonic() - killed < 20, "the dead worker is still in /status"

@@ -40,7 +40,7 @@ def stack(tmp_path_factory, hf_home):
 def _replicas(stack) -> set:
     return {
         e["worker"] for e in stack.farm()["deployments"].values()
-        if e["repo_id"] == REPO and e["application_state"] == "RUNNING"
+        if e["repo_id"] == REPO and e.get("application_state") == "RUNNING"
     }
 
 

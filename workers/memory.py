@@ -48,3 +48,13 @@ def host_memory_bytes() -> int:
             if line.startswith("MemTotal:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def cached_repos() -> list[str]:
+    """Model repos in this host's Hugging Face cache: COLD in ``/status``."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        return sorted(repo.repo_id for repo in scan_cache_dir().repos if repo.repo_type == "model")
+    except Exception:  # noqa: BLE001 - no cache yet is not an error
+        return []

@@ -248,6 +248,7 @@ def _on_ready(sender, **_) -> None:
     worker.info.update(
         gpus=[g for g in settings.worker_gpus.split(",") if g.strip()],
         memory_bytes=memory.budget_bytes(settings),
+        cached=memory.cached_repos(),
         started_at=time.time(),
     )
     worker.redis.set(registry.ENV, _env_json())
