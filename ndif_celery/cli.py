@@ -276,6 +276,61 @@ def kill(job_id: str) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+@main.group()
+def keys() -> None:
+    """API keys (users, tags, per-key limits) in NDIF_DATABASE_URL."""
+
+
+def _engine():
+    from . import db
+
+    return db.engine_for(_settings().database_url)
+
+
+@keys.command("create")
+@click.option("--email", required=True, help="The key's owner (created if new).")
+@click.option("--trusted", is_flag=True, help="Run this key's jobs in the worker's process (no isolation).")
+@click.option("--priority", is_flag=True, help="Tag the key `priority`.")
+@click.option("--rate-limit", type=int, default=None, help="Requests per minute (default NDIF_RATE_LIMIT_PER_MIN).")
+@click.option("--max-concurrent", type=int, default=None,
+              help="Jobs queued or running at once (default NDIF_MAX_CONCURRENT_JOBS).")
+def keys_create(email: str, trusted: bool, priority: bool, rate_limit: Optional[int], max_concurrent: Optional[int]) -> None:
+    """Make a key; it is printed once, alone on the last line."""
+    from . import db
+
+    tags = tuple(t for t, on in (("trusted", trusted), ("priority", priority)) if on)
+    key = db.create_key(_engine(), email, tags, rate_limit_per_min=rate_limit, max_concurrent_jobs=max_concurrent)
+    click.echo(f"key for {email} ({', '.join(tags) or 'untrusted'}); it is not shown again:")
+    click.echo(key)
+
+
+@keys.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def keys_list(as_json: bool) -> None:
+    """Every key by prefix, owner, tags and state (never the key itself)."""
+    from . import db
+
+    rows = db.list_keys(_engine())
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        state = "revoked" if row["revoked"] else "active"
+        click.echo(f"{row['prefix']}  {row['email']:<32} {','.join(row['tags']) or '-':<18} {state}")
+
+
+@keys.command("revoke")
+@click.argument("key")
+def keys_revoke(key: str) -> None:
+    """Revoke KEY (the key, or its 8-character prefix from `keys list`)."""
+    from . import db
+
+    count = db.revoke_key(_engine(), key)
+    if not count:
+        raise click.ClickException("no such key")
+    click.echo(f"revoked {count} key{'s' if count > 1 else ''}")
+
+
 def _exec(service: str, worker_name: Optional[str] = None) -> None:
     settings = _settings()
     if service == "redis" and not settings.embedded_redis:

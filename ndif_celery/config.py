@@ -56,6 +56,28 @@ class Settings:
     replica_idle_s: float
     autoscale_backoff_s: float
     controller_interval_s: float
+    auth: bool
+    default_trusted: bool
+    auth_cache_s: float
+    execution_timeout_s: float
+    job_memory_bytes: int
+    job_disk_bytes: int
+    max_result_bytes: int
+    max_payload_bytes: int
+    rate_limit_per_min: int
+    max_concurrent_jobs: int
+    max_queue_depth: int
+
+    def secrets(self) -> tuple:
+        """Values an untrusted child must not be able to read."""
+        return tuple(
+            value
+            for value in (
+                self.secret_key, self.object_store_access_key, self.object_store_secret_key,
+                self.redis_url, self.database_url,
+            )
+            if value
+        )
 
     @property
     def uses_s3(self) -> bool:
@@ -160,6 +182,17 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         replica_idle_s=_float(env, "NDIF_REPLICA_IDLE_S", 600.0),
         autoscale_backoff_s=_float(env, "NDIF_AUTOSCALE_BACKOFF_S", 30.0),
         controller_interval_s=_float(env, "NDIF_CONTROLLER_INTERVAL_S", 0.5),
+        auth=_bool(env, "NDIF_AUTH", False),
+        default_trusted=_bool(env, "NDIF_DEFAULT_TRUSTED", True),
+        auth_cache_s=_float(env, "NDIF_AUTH_CACHE_S", 5.0),
+        execution_timeout_s=_float(env, "NDIF_EXECUTION_TIMEOUT_S", 3600.0),
+        job_memory_bytes=int(_float(env, "NDIF_JOB_MEMORY_GIB", 8) * GiB),
+        job_disk_bytes=_int(env, "NDIF_JOB_DISK_MB", 256) * MiB,
+        max_result_bytes=_int(env, "NDIF_MAX_RESULT_BYTES", 4 * GiB),
+        max_payload_bytes=_int(env, "NDIF_MAX_PAYLOAD_BYTES", 256 * MiB),
+        rate_limit_per_min=_int(env, "NDIF_RATE_LIMIT_PER_MIN", 0),
+        max_concurrent_jobs=_int(env, "NDIF_MAX_CONCURRENT_JOBS", 0),
+        max_queue_depth=_int(env, "NDIF_MAX_QUEUE_DEPTH", 0),
     )
     for field in fields(Settings):
         value = getattr(settings, field.name)

@@ -6,8 +6,9 @@ moves the job along (the web on intake, the worker afterwards):
 - ``ndif:job:<id>:payload``  the serialized nnsight request, until a worker takes it
 - ``ndif:job:<id>:status``   the latest non-LOG status as the JSON the client parses,
                               for ``GET /response/<id>`` (non-blocking jobs, lost clients)
+- ``ndif:job:<id>:owner``    who submitted it (``key:<id>`` or ``anonymous``)
 - channel ``ndif:session:<session_id>``  every status of a blocking job, forwarded
-                              verbatim to its websocket
+                              verbatim to its websocket (``...:owner``: who opened it)
 
 All keys expire after ``NDIF_JOB_TTL_S``.
 """
@@ -36,6 +37,14 @@ def session_channel(session_id: str) -> str:
     return f"ndif:session:{session_id}"
 
 
+def session_owner_key(session_id: str) -> str:
+    return f"ndif:session:{session_id}:owner"
+
+
+def owner_key(job_id: str) -> str:
+    return f"ndif:job:{job_id}:owner"
+
+
 @dataclass
 class Job:
     """What a worker needs to run a job: the Celery message body (JSON only)."""
@@ -47,6 +56,8 @@ class Job:
     env: dict = field(default_factory=dict)
     received_at: float = 0.0
     payload_bytes: int = 0
+    trusted: bool = True  # stamped by the web from the key; never from the client
+    owner: str = "anonymous"
 
     def to_message(self) -> dict:
         return asdict(self)

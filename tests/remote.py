@@ -68,4 +68,6 @@ VARIANTS = [
     Variant("s3", blocking=True, compress=True, inline=False),
     Variant("s3", blocking=True, compress=False, inline=False),
     Variant("s3", blocking=False, compress=True, inline=False),
+    Variant("isolated", blocking=True, compress=True, inline=True),
+    Variant("isolated", blocking=False, compress=False, inline=False),
 ]

@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.servers import MotoServer
 from tests.stack import Stack
 
-STACK_KINDS = ("fs", "fs-noinline", "s3")
+STACK_KINDS = ("fs", "fs-noinline", "s3", "isolated")
 
 
 class StackPool:
@@ -36,6 +36,9 @@ class StackPool:
             return {}
         if kind == "fs-noinline":
             return {"NDIF_MAX_INLINE_BYTES": "0"}
+        if kind == "isolated":
+            # Auth off, but every request untrusted: the fork-per-request jail.
+            return {"NDIF_DEFAULT_TRUSTED": "0"}
         if kind == "s3":
             if self.moto is None:
                 self.moto = MotoServer()

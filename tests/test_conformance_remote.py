@@ -24,5 +24,9 @@ def test_results_take_the_expected_path(variant, model, stack_for_variant, stack
         model.output.logits.save()
     meta = tracer.backend.meta
     assert meta["inline"] is variant.inline
+    assert meta["isolated"] is (variant.stack == "isolated")
+    if meta["isolated"]:
+        # This machine's kernel has every layer; the child ran as nobody.
+        assert meta["jail"]["dropped_to_nobody"] is True and meta["jail"]["landlock_abi"] >= 4
     if not variant.inline:
         assert stack_pool.stored_result_exists(stack_for_variant, meta["job_id"])

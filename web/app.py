@@ -13,6 +13,7 @@ from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
 from ndif_celery import config, jobs
+from ndif_celery.auth import AuthError, Authenticator
 from ndif_celery.celery_app import make_app
 from ndif_celery.store import open_store
 
@@ -24,6 +25,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.config["NDIF_REDIS"] = jobs.connect(settings.redis_url)
     app.config["NDIF_CELERY"] = make_app(settings)
     app.config["NDIF_STORE"] = open_store(settings)
+    app.config["NDIF_AUTH"] = Authenticator(settings)
     app.json.sort_keys = False
 
     from . import results, routes, subscribe
@@ -31,6 +33,11 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.register_blueprint(routes.bp)
     app.register_blueprint(results.bp)
     subscribe.sock.init_app(app)
+    app.before_request(subscribe.refuse_unknown_keys)
+
+    @app.errorhandler(AuthError)
+    def refused(error: AuthError):
+        return jsonify(detail=error.detail), error.status
 
     @app.errorhandler(HTTPException)
     def http_error(error: HTTPException):

@@ -13,7 +13,7 @@ import redis
 import zstandard
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery import environment, jobs, registry, wire
+from ndif_celery import auth, environment, jobs, registry, wire
 from ndif_celery.celery_app import RUN_JOB, queue_for
 
 bp = Blueprint("api", __name__)
@@ -36,12 +36,21 @@ def ping():
     return jsonify("pong")
 
 
+def identify() -> auth.Identity:
+    """The caller's identity; raises AuthError (turned into its JSON refusal)."""
+    return current_app.config["NDIF_AUTH"].identify(request.headers.get(auth.HEADER))
+
+
 @bp.post("/request")
 def submit():
+    identity = identify()
     try:
         envelope = wire.parse_envelope(request.form.get("data"))
     except wire.WireError as error:
         return _fail(error.detail, error.status)
+    client = _redis()
+    if envelope.session_id and client.get(jobs.session_owner_key(envelope.session_id)) != identity.owner.encode():
+        return _fail("session_id was not opened by this API key (open /subscribe with the same key).", 403)
     blob_file = request.files.get("blob")
     if blob_file is None:
         return _fail("Missing file part 'blob' (the serialized request payload).", 400)
@@ -61,14 +70,16 @@ def submit():
         env=envelope.env,
         received_at=jobs.now(),
         payload_bytes=len(blob),
+        trusted=identity.trusted,
+        owner=identity.owner,
     )
     settings = _settings()
-    client = _redis()
     queue = queue_for(job.model_key)
     received = wire.response_json(job.id, wire.RECEIVED, wire.RECEIVED_DESCRIPTION)
     pipe = client.pipeline(transaction=False)
     pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
     pipe.set(jobs.status_key(job.id), received, ex=settings.job_ttl_s)
+    pipe.set(jobs.owner_key(job.id), job.owner, ex=settings.job_ttl_s)
     pipe.llen(queue)
     position = pipe.execute()[-1] + 1
     # QUEUED before the job is visible to anyone, so it is the first status the
@@ -105,9 +116,13 @@ def _announce(queue: str, model_key: str) -> None:
 
 @bp.get("/response/<job_id>")
 def response(job_id: str):
-    latest = jobs.latest_status(_redis(), job_id) if wire.JOB_ID.match(job_id) else None
+    identity = identify()
+    client = _redis()
+    latest = jobs.latest_status(client, job_id) if wire.JOB_ID.match(job_id) else None
     if latest is None:
         return _fail(f"No response for request {job_id}.", 404)
+    if client.get(jobs.owner_key(job_id)) != identity.owner.encode():
+        return _fail(f"Request {job_id} was submitted with another API key.", 403)
     return Response(latest, mimetype="application/json")
 
 
@@ -126,8 +141,14 @@ def env():
 
 @bp.get("/whoami")
 def whoami():
-    # Auth is off in this slice: everyone is anonymous, as NDIF answers then.
-    return jsonify(email=None, tags=[])
+    # As NDIF: anything short of an unreachable database answers, anonymously if need be.
+    try:
+        identity = identify()
+    except auth.AuthError as error:
+        if error.status == 503:
+            raise
+        identity = auth.Identity()
+    return jsonify(email=identity.email, tags=list(identity.tags))
 
 
 @bp.get("/connected")

@@ -28,6 +28,12 @@ class RequestError(Exception):
     """A failure the user should read as one sentence, not a server traceback."""
 
 
+def result_too_big(size: int, limit: int) -> RequestError:
+    return RequestError(
+        f"Your job's result is {size} bytes, over this server's limit of {limit} bytes (NDIF_MAX_RESULT_BYTES)."
+    )
+
+
 def payload_error(error: BaseException) -> RequestError:
     return RequestError(
         f"Your request payload could not be read ({type(error).__name__}: {error}). "

@@ -103,7 +103,7 @@ def run_job(self, job: dict) -> None:
 
 
 def run(worker: WorkerState, job: jobs.Job) -> None:
-    from . import execute, results
+    from . import execute
 
     model = worker.models.get(job.model_key)
     if model is None:
@@ -127,18 +127,15 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
             )
         channel.send(wire.RUNNING, "Your job has started running.")
         run_started = time.perf_counter()
-        with execute.request_scope(model):
-            try:
-                tracer = execute.deserialize(model, blob, job.compress, job.env)
-                meta["deserialize_ms"] = _ms_since(run_started)
-                saved = execute.run(tracer, channel.log)
-            except Exception as error:  # noqa: BLE001 - user code may raise anything
-                # Formatted inside the scope: linecache still holds the user's source.
-                raise execute.RequestError(execute.format_user_error(error)) from None
+        if job.trusted:
+            data = _run_in_process(model, job, blob, channel, meta, run_started)
+        else:
+            data = _run_isolated(model, job, blob, channel, meta)
         meta["run_ms"] = _ms_since(run_started)
-        data = results.encode(saved, job.compress)
         meta["result_bytes"] = len(data)
         meta["payload_bytes"] = job.payload_bytes
+        if settings.max_result_bytes and len(data) > settings.max_result_bytes:
+            raise execute.result_too_big(len(data), settings.max_result_bytes)
         _deliver(worker, channel, job, data, meta)
     except JobCancelled:
         channel.send(wire.ERROR, "Your job was cancelled by the operator.", meta=meta)
@@ -150,6 +147,39 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
     finally:
         worker.end()
         worker.redis.delete(jobs.payload_key(job.id))
+
+
+def _run_in_process(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel, meta: dict, started: float) -> bytes:
+    """Trusted: run in this process, against the resident model itself."""
+    from . import execute, results
+
+    meta["isolated"] = False
+    with execute.request_scope(model):
+        try:
+            tracer = execute.deserialize(model, blob, job.compress, job.env)
+            meta["deserialize_ms"] = _ms_since(started)
+            saved = execute.run(tracer, channel.log)
+        except Exception as error:  # noqa: BLE001 - user code may raise anything
+            # Formatted inside the scope: linecache still holds the user's source.
+            raise execute.RequestError(execute.format_user_error(error)) from None
+    return results.encode(saved, job.compress)
+
+
+def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel, meta: dict) -> bytes:
+    """Untrusted: a fresh jailed child per request (``workers.isolate``)."""
+    from . import isolate
+
+    meta["isolated"] = True
+    policy = isolate.Policy(
+        timeout_s=settings.execution_timeout_s,
+        memory_bytes=settings.job_memory_bytes,
+        disk_bytes=settings.job_disk_bytes,
+        secrets=settings.secrets(),
+        max_result_bytes=settings.max_result_bytes,
+    )
+    outcome = isolate.run(model, blob, job.compress, job.env, policy, channel.log)
+    meta.update(outcome.meta)
+    return outcome.data
 
 
 def _deliver(worker: WorkerState, channel: jobs.StatusChannel, job: jobs.Job, data: bytes, meta: dict) -> None:

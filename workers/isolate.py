@@ -1,0 +1,220 @@
+"""Untrusted requests run in a fresh, jailed child forked per request.
+
+The worker keeps the model resident and forks: the child shares the weights
+copy-on-write (an in-place edit copies the page into the child and dies with
+it), deserializes and runs the user's block inside the jail (``workers.jail``)
+and hands back only bytes: LOG lines, the result blob, a JSON error. The
+parent never unpickles anything the child sends. At the deadline the child's
+whole process group is killed.
+
+Frames on the pipe: one type byte, an 8-byte big-endian length, the body.
+``L`` a LOG line (UTF-8), ``R`` the result blob, ``E`` an error message
+(UTF-8), ``M`` meta (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import struct
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from . import jail
+from .execute import RequestError, result_too_big
+
+_HEADER = struct.Struct(">cQ")
+
+
+@dataclass
+class Outcome:
+    data: bytes
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Policy:
+    timeout_s: float
+    memory_bytes: int
+    disk_bytes: int
+    secrets: tuple = ()
+    max_result_bytes: int = 0
+
+
+def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log: Callable[[str], None]) -> Outcome:
+    """Run one request in a jailed child; return its result bytes or raise RequestError."""
+    workdir = tempfile.mkdtemp(prefix="ndif-job-")
+    read_fd, write_fd = os.pipe()
+    started = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:  # the child never returns
+        os.close(read_fd)
+        _child(model, blob, compress, env, policy, write_fd, workdir)
+    os.close(write_fd)
+    try:
+        outcome = _collect(pid, read_fd, policy, log)
+        outcome.meta["fork_ms"] = outcome.meta.get("fork_ms", 0.0)
+        outcome.meta["isolated_ms"] = round((time.perf_counter() - started) * 1000, 1)
+        return outcome
+    finally:
+        os.close(read_fd)
+        _kill_group(pid)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _collect(pid: int, fd: int, policy: Policy, log: Callable[[str], None]) -> Outcome:
+    deadline = time.monotonic() + policy.timeout_s
+    buffer = bytearray()
+    result, error, meta = None, None, {}
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            _kill_group(pid)
+            raise RequestError(f"Your job exceeded the execution timeout of {policy.timeout_s:g}s.")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            continue
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            break
+        buffer += chunk
+        if policy.max_result_bytes and len(buffer) > policy.max_result_bytes + (1 << 20):
+            _kill_group(pid)
+            raise result_too_big(len(buffer), policy.max_result_bytes)
+        while len(buffer) >= _HEADER.size:
+            kind, length = _HEADER.unpack_from(buffer)
+            if len(buffer) < _HEADER.size + length:
+                break
+            body = bytes(buffer[_HEADER.size : _HEADER.size + length])
+            del buffer[: _HEADER.size + length]
+            if kind == b"L":
+                log(body.decode("utf-8", "replace"))
+            elif kind == b"R":
+                result = body
+            elif kind == b"E":
+                error = body.decode("utf-8", "replace")
+            elif kind == b"M":
+                meta.update(json.loads(body))
+    status = _reap(pid, deadline)
+    if error is not None:
+        raise RequestError(error)
+    if result is None:
+        raise RequestError(_died(status, policy))
+    return Outcome(result, meta)
+
+
+def _reap(pid: int, deadline: float) -> int:
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            _kill_group(pid)
+        time.sleep(0.001)
+
+
+def _died(status: int, policy: Policy) -> str:
+    if os.WIFSIGNALED(status):
+        sig = signal.Signals(os.WTERMSIG(status)).name
+        hint = {
+            "SIGXCPU": f" (it used its {policy.timeout_s:g} s of CPU time)",
+            "SIGKILL": " (killed: over a limit, or it tried to take down its own jail)",
+            "SIGSEGV": " (a crash, possibly from running out of its memory allowance)",
+        }.get(sig, "")
+        return f"Your job's isolated process died of {sig}{hint} before it returned a result."
+    return f"Your job's isolated process exited (status {os.WEXITSTATUS(status)}) before it returned a result."
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+# --- the child --------------------------------------------------------------------
+
+
+def _send(fd: int, kind: bytes, body: bytes) -> None:
+    view = memoryview(_HEADER.pack(kind, len(body)) + body)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _child(model, blob, compress, env, policy, fd, workdir) -> None:
+    code = 1
+    try:
+        os.setsid()  # its own process group: killed as one, and it cannot signal ours
+        jail.die_with_parent()
+        jail.close_inherited_fds(keep=fd)
+        try:
+            jail.enter_namespaces()
+        except (jail.JailError, OSError) as error:
+            _send(fd, b"E", _refuse(error).encode())
+            os._exit(0)
+        inner = os.fork()  # PID 1 of the new PID namespace runs the code
+        if inner == 0:
+            _run_jailed(model, blob, compress, env, policy, fd, workdir)
+        os.close(fd)
+        _, status = os.waitpid(inner, 0)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:
+            os.kill(os.getpid(), -code)  # die the same way, so the parent can say why
+    except BaseException:  # noqa: BLE001 - nothing may escape a forked child
+        code = 1
+    finally:
+        os._exit(code if code >= 0 else 1)
+
+
+def _refuse(error: BaseException) -> str:
+    return (
+        "This worker cannot isolate untrusted code, so it did not run your job: "
+        f"{error}. Ask the operator (the worker needs Linux namespaces; see docs/security.md)."
+    )
+
+
+def _run_jailed(model, blob, compress, env, policy, fd, workdir) -> None:
+    from . import execute, results
+
+    try:
+        jail.die_with_parent()
+        os.setsid()
+        jail.private_mounts(workdir, policy.disk_bytes)
+        jail.set_limits(
+            jail.Limits(memory_bytes=policy.memory_bytes, cpu_seconds=int(policy.timeout_s) + 1,
+                        file_bytes=policy.disk_bytes)
+        )
+        jail.scrub_secrets(list(policy.secrets))
+        layers = {"landlock_abi": jail.landlock(workdir), "dropped_to_nobody": jail.drop_privileges()}
+        jail.no_new_privs()
+        os.chdir(workdir)
+        os.environ.update(HOME=workdir, TMPDIR=workdir)
+        tempfile.tempdir = workdir
+    except BaseException as error:  # noqa: BLE001
+        _send(fd, b"E", _refuse(error).encode())
+        os._exit(0)
+    try:
+        tracer = execute.deserialize(model, blob, compress, env)
+        saved = execute.run(tracer, lambda line: _send(fd, b"L", line.encode("utf-8", "replace")))
+        data = results.encode(saved, compress)
+        if policy.max_result_bytes and len(data) > policy.max_result_bytes:
+            raise result_too_big(len(data), policy.max_result_bytes)
+        _send(fd, b"M", json.dumps({"jail": layers}).encode())
+        _send(fd, b"R", data)
+    except BaseException as error:  # noqa: BLE001 - user code may raise anything, SystemExit included
+        message = str(error) if isinstance(error, RequestError) else execute.format_user_error(error)
+        try:
+            _send(fd, b"E", message.encode("utf-8", "replace"))
+        except BaseException:  # noqa: BLE001
+            pass
+    os._exit(0)

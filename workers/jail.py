@@ -1,0 +1,248 @@
+"""Kernel-enforced confinement for a forked child that runs untrusted code.
+
+Each layer is a Linux primitive that user code cannot undo from inside, with
+or without C extensions (``ctypes`` included):
+
+- namespaces: a private network (only a downed loopback: no connection to any
+  service, loopback included), mount, PID (the worker and every other process
+  are invisible and unsignalable), IPC and UTS namespace;
+- a fresh ``tmpfs`` as the only writable place, mounted ``noexec`` (nothing
+  written there can be executed or loaded as a library), with a size cap;
+- Landlock: writes anywhere else are refused, TCP bind/connect refused, and
+  signals to processes outside the jail refused (where the kernel has them);
+- rlimits: address space, CPU seconds, open files, processes, file size, no core;
+- privileges dropped to ``nobody`` when the worker runs as root, and
+  ``no_new_privs`` so nothing can gain them back;
+- no secrets: the environment is replaced by a short allowlist and the
+  process's original environment block is zeroed, and known secret strings
+  held by this process are overwritten in place.
+
+``apply`` raises ``JailError`` if a required layer cannot be set up; the
+caller then refuses to run the code rather than run it unconfined.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import resource
+import signal
+import sys
+from dataclasses import dataclass
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWUSER = 0x10000000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+NOBODY = 65534
+
+# Landlock (linux/landlock.h)
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
+_RULE_PATH_BENEATH = 1
+_FS_WRITE_ABI1 = (1 << 1) | (1 << 4) | (1 << 5) | sum(1 << b for b in range(6, 13))  # write, remove, make *
+_FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2
+_SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
+
+ENV_ALLOWLIST = ("PATH", "LANG", "LC_ALL", "TZ", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS")
+
+
+class JailError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_bytes: int  # address space on top of what the process already maps
+    cpu_seconds: int
+    open_files: int = 256
+    processes: int = 256
+    file_bytes: int = 256 * 1024 * 1024
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        err = ctypes.get_errno()
+        raise JailError(f"{what} failed: {errno.errorcode.get(err, err)} ({os.strerror(err)})")
+    return result
+
+
+def enter_namespaces() -> None:
+    """New mount, network, PID, IPC and UTS namespaces (user namespace if not root).
+
+    The PID namespace applies to children: the caller must fork once more and
+    run the code in that child, which is PID 1 of the new namespace.
+    """
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    uid, gid = os.getuid(), os.getgid()
+    if uid != 0:
+        flags |= CLONE_NEWUSER
+    _check(libc.unshare(flags), "unshare(namespaces)")
+    if uid != 0:
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"0 {uid} 1")
+        _write("/proc/self/gid_map", f"0 {gid} 1")
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def die_with_parent() -> None:
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def private_mounts(workdir: str, size_bytes: int) -> None:
+    """Mount changes stay in this namespace; ``workdir`` becomes a private tmpfs
+    (noexec, nosuid, nodev, capped) owned by the user the code will run as; a
+    fresh /proc shows only this PID namespace."""
+    _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount(make-rprivate /)")
+    owner = NOBODY if os.getuid() == 0 and _real_root() else 0
+    options = f"size={max(size_bytes, 1 << 20)},mode=0700,uid={owner},gid={owner}".encode()
+    _check(
+        libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, options),
+        f"mount(tmpfs {workdir})",
+    )
+    # Best effort: without it /proc still lists the host's processes, which the
+    # dropped user can neither read nor signal.
+    libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+
+
+def _real_root() -> bool:
+    """Root outside any user namespace (so dropping to nobody means something)."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            inside, outside, _ = f.read().split()[:3]
+        return outside == "0"
+    except (OSError, ValueError):
+        return False
+
+
+def set_limits(limits: Limits) -> None:
+    vm = _vm_size_bytes()
+    pairs = [
+        (resource.RLIMIT_AS, vm + limits.memory_bytes),
+        (resource.RLIMIT_CPU, limits.cpu_seconds),
+        (resource.RLIMIT_NOFILE, limits.open_files),
+        (resource.RLIMIT_NPROC, limits.processes),
+        (resource.RLIMIT_FSIZE, limits.file_bytes),
+        (resource.RLIMIT_CORE, 0),
+    ]
+    for which, value in pairs:
+        resource.setrlimit(which, (value, value))
+
+
+def _vm_size_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def close_inherited_fds(keep: int) -> None:
+    """Only stdio (to /dev/null) and ``keep`` survive: inherited sockets to Redis
+    or the object store would bypass the network namespace."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    for fd in _open_fds():
+        if fd > 2 and fd != keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _open_fds() -> list[int]:
+    try:
+        return sorted(int(name) for name in os.listdir("/proc/self/fd"))
+    except OSError:
+        return list(range(3, 1024))
+
+
+def scrub_secrets(secrets: list[str]) -> None:
+    """Leave the child no secret to read: a minimal environment, the original
+    environment block (``/proc/self/environ``) zeroed, and each known secret
+    string overwritten in this process's memory."""
+    for value in list(os.environb.values()):
+        if len(value) >= 8:
+            _overwrite_bytes(value)
+    kept = {k: os.environ[k] for k in ENV_ALLOWLIST if k in os.environ}
+    os.environ.clear()
+    os.environ.update(kept)
+    _zero_environ_block()
+    for secret in secrets:
+        if isinstance(secret, str) and len(secret) >= 8 and secret.isascii():
+            _overwrite_str(secret)
+
+
+def _overwrite_bytes(value: bytes) -> None:
+    offset = sys.getsizeof(b"") - 1
+    ctypes.memset(id(value) + offset, ord("x"), len(value))
+
+
+def _overwrite_str(value: str) -> None:
+    offset = sys.getsizeof("") - 1  # compact ASCII data follows the header
+    ctypes.memset(id(value) + offset, ord("x"), len(value))
+
+
+def _zero_environ_block() -> None:
+    with open("/proc/self/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    # Fields 50 and 51 of stat (1-based) are env_start and env_end; after the
+    # ")" split, field n sits at index n - 3.
+    start, end = int(fields[47]), int(fields[48])
+    if 0 < start < end:
+        ctypes.memset(start, 0, end - start)
+
+
+def landlock(workdir: str) -> int:
+    """Writes only under ``workdir``; no TCP; no signals out of the jail. Returns
+    the Landlock ABI used (0 if the kernel has none: then it is not a layer)."""
+    abi = libc.syscall(_SYS_CREATE_RULESET, None, 0, 1)
+    if abi < 1:
+        return 0
+    handled_fs = _FS_WRITE_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    handled_net = (_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 else 0
+    scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0
+    attr = (ctypes.c_uint64 * 3)(handled_fs, handled_net, scoped)
+    size = 8 * (3 if abi >= 6 else 2 if abi >= 4 else 1)
+    ruleset = _check(libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), size, 0), "landlock_create_ruleset")
+    try:
+        fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
+        try:
+            rule = (ctypes.c_uint8 * 12)()
+            ctypes.memmove(rule, ctypes.byref(ctypes.c_uint64(handled_fs)), 8)
+            ctypes.memmove(ctypes.byref(rule, 8), ctypes.byref(ctypes.c_int32(fd)), 4)
+            _check(libc.syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), 0), "landlock_add_rule")
+        finally:
+            os.close(fd)
+        no_new_privs()
+        _check(libc.syscall(_SYS_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+    return abi
+
+
+def no_new_privs() -> None:
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(no_new_privs)")
+
+
+def drop_privileges() -> bool:
+    """Become ``nobody`` if we are really root; True if dropped."""
+    if os.getuid() != 0 or not _real_root():
+        return False
+    os.setgroups([])
+    os.setresgid(NOBODY, NOBODY, NOBODY)
+    os.setresuid(NOBODY, NOBODY, NOBODY)
+    return True
