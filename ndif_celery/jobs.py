@@ -95,6 +95,8 @@ class StatusChannel:
         pipe = self.redis.pipeline(transaction=False)
         if status != wire.LOG:
             pipe.set(status_key(self.job.id), message, ex=self.ttl_s)
+        if status in wire.TERMINAL:
+            _release(pipe, self.job)
         if self.job.session_id:
             pipe.publish(session_channel(self.job.session_id), message)
         pipe.execute()
@@ -106,11 +108,18 @@ class StatusChannel:
         """
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(status_key(self.job.id), latest, ex=self.ttl_s)
+        _release(pipe, self.job)
         pipe.publish(session_channel(self.job.session_id), frame)
         pipe.execute()
 
     def log(self, line: str) -> None:
         self.send(wire.LOG, line)
+
+
+def _release(pipe, job: "Job") -> None:
+    from .limits import release
+
+    release(pipe, job)
 
 
 def latest_status(client: redis.Redis, job_id: str) -> Optional[bytes]:

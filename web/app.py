@@ -14,6 +14,7 @@ from werkzeug.exceptions import HTTPException
 
 from ndif_celery import config, jobs
 from ndif_celery.auth import AuthError, Authenticator
+from ndif_celery.limits import LimitError
 from ndif_celery.celery_app import make_app
 from ndif_celery.store import open_store
 
@@ -27,6 +28,8 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.config["NDIF_STORE"] = open_store(settings)
     app.config["NDIF_AUTH"] = Authenticator(settings)
     app.json.sort_keys = False
+    # Refuse absurd uploads before reading them; the exact check is on the blob.
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_payload_bytes + 1024 * 1024 if settings.max_payload_bytes else None
 
     from . import results, routes, subscribe
 
@@ -36,8 +39,16 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.before_request(subscribe.refuse_unknown_keys)
 
     @app.errorhandler(AuthError)
-    def refused(error: AuthError):
+    @app.errorhandler(LimitError)
+    def refused(error):
         return jsonify(detail=error.detail), error.status
+
+    @app.errorhandler(413)
+    def too_large(error):
+        return jsonify(
+            detail=f"Request too large: this server accepts payloads of at most {settings.max_payload_bytes} "
+            "bytes (NDIF_MAX_PAYLOAD_BYTES)."
+        ), 413
 
     @app.errorhandler(HTTPException)
     def http_error(error: HTTPException):

@@ -13,7 +13,7 @@ import redis
 import zstandard
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery import auth, environment, jobs, registry, wire
+from ndif_celery import auth, environment, jobs, limits, registry, wire
 from ndif_celery.celery_app import RUN_JOB, queue_for
 
 bp = Blueprint("api", __name__)
@@ -57,6 +57,7 @@ def submit():
     blob = blob_file.read()
     if not blob:
         return _fail("The 'blob' part is empty: there is no request payload to run.", 400)
+    limits.check_payload(len(blob), _settings())
     if envelope.compress:
         problem = _zstd_problem(blob)
         if problem:
@@ -75,11 +76,13 @@ def submit():
     )
     settings = _settings()
     queue = queue_for(job.model_key)
+    limits.check_and_count(client, identity, queue, settings)
     received = wire.response_json(job.id, wire.RECEIVED, wire.RECEIVED_DESCRIPTION)
     pipe = client.pipeline(transaction=False)
     pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
     pipe.set(jobs.status_key(job.id), received, ex=settings.job_ttl_s)
     pipe.set(jobs.owner_key(job.id), job.owner, ex=settings.job_ttl_s)
+    limits.track(pipe, job)
     pipe.llen(queue)
     position = pipe.execute()[-1] + 1
     # QUEUED before the job is visible to anyone, so it is the first status the

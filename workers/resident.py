@@ -11,12 +11,15 @@ import gc
 import time
 from typing import Any, Optional
 
+from . import integrity
 from .execute import RequestError, no_grad_weights
 
 
 class ResidentModels:
     def __init__(self) -> None:
         self.models: dict[str, Any] = {}
+        self.fingerprints: dict[str, dict] = {}
+        self.dtypes: dict[str, Optional[str]] = {}
 
     def get(self, model_key: str) -> Optional[Any]:
         return self.models.get(model_key)
@@ -42,10 +45,25 @@ class ResidentModels:
             ) from None
         no_grad_weights(model._module)
         self.models[model_key] = model
+        self.fingerprints[model_key] = integrity.fingerprint(model._module)
+        self.dtypes[model_key] = dtype
         return round(time.monotonic() - started, 3)
+
+    def restore_if_changed(self, model_key: str) -> list[str]:
+        """Reload the model if a job changed its weights; return what had changed."""
+        model = self.models.get(model_key)
+        if model is None:
+            return []
+        changed = integrity.changed(model._module, self.fingerprints[model_key])
+        if changed:
+            dtype = self.dtypes.get(model_key)
+            self.evict(model_key)
+            self.load(model_key, dtype)
+        return changed
 
     def evict(self, model_key: str) -> bool:
         model = self.models.pop(model_key, None)
+        self.fingerprints.pop(model_key, None)
         if model is None:
             return False
         del model

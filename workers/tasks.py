@@ -44,6 +44,10 @@ class JobCancelled(BaseException):
     code's ``except Exception`` cannot swallow it."""
 
 
+class JobTimedOut(BaseException):
+    """Raised in the job's thread at its execution deadline (trusted path)."""
+
+
 class WorkerState:
     """What lives for the whole worker process: connections, store, resident models."""
 
@@ -60,6 +64,7 @@ class WorkerState:
         self.current_job: Optional[str] = None
         self.job_thread: Optional[int] = None
         self.controller = None
+        self._job_lock = threading.Lock()
 
     def heartbeat(self) -> None:
         registry.register_worker(
@@ -71,15 +76,18 @@ class WorkerState:
         self.heartbeat()
 
     def end(self) -> None:
-        self.current_job, self.job_thread = None, None
+        with self._job_lock:
+            self.current_job, self.job_thread = None, None
 
-    def cancel(self, job_id: str) -> bool:
-        """Interrupt the running job ``job_id`` (at its next Python bytecode)."""
-        thread = self.job_thread
-        if self.current_job != job_id or thread is None:
-            return False
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(JobCancelled))
-        return True
+    def cancel(self, job_id: str, reason: type = JobCancelled) -> bool:
+        """Interrupt the running job ``job_id`` at its next Python instruction
+        (a long C call, such as one CUDA kernel, finishes first)."""
+        with self._job_lock:
+            thread = self.job_thread
+            if self.current_job != job_id or thread is None:
+                return False
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(reason))
+            return True
 
 
 _state: Optional[WorkerState] = None
@@ -99,7 +107,10 @@ def state(name: Optional[str] = None) -> WorkerState:
 
 @app.task(name=RUN_JOB, bind=True)
 def run_job(self, job: dict) -> None:
-    run(state(self.request.hostname), jobs.Job.from_message(job))
+    try:
+        run(state(self.request.hostname), jobs.Job.from_message(job))
+    except (JobCancelled, JobTimedOut):
+        pass  # an interruption that landed just as the job ended; it has already answered
 
 
 def run(worker: WorkerState, job: jobs.Job) -> None:
@@ -128,7 +139,17 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         channel.send(wire.RUNNING, "Your job has started running.")
         run_started = time.perf_counter()
         if job.trusted:
-            data = _run_in_process(model, job, blob, channel, meta, run_started)
+            deadline = threading.Timer(settings.execution_timeout_s, worker.cancel, args=(job.id, JobTimedOut))
+            deadline.daemon = True
+            deadline.start()
+            try:
+                data = _run_in_process(model, job, blob, channel, meta, run_started)
+            finally:
+                deadline.cancel()
+                restored = worker.models.restore_if_changed(job.model_key)
+                if restored:
+                    log.warning("job %s changed %d weight tensors; model reloaded", job.id, len(restored))
+                    meta["weights_restored"] = len(restored)
         else:
             data = _run_isolated(model, job, blob, channel, meta)
         meta["run_ms"] = _ms_since(run_started)
@@ -139,6 +160,8 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         _deliver(worker, channel, job, data, meta)
     except JobCancelled:
         channel.send(wire.ERROR, "Your job was cancelled by the operator.", meta=meta)
+    except JobTimedOut:
+        channel.send(wire.ERROR, f"Your job exceeded the execution timeout of {settings.execution_timeout_s:g}s.", meta=meta)
     except execute.RequestError as error:
         channel.send(wire.ERROR, str(error), meta=meta)
     except Exception as error:  # noqa: BLE001 - a server fault still ends the job visibly

@@ -1,0 +1,84 @@
+"""Per-key and per-model limits, checked by the web before a job is accepted.
+
+Counters live in Redis so every web process (and host) shares them:
+
+- ``ndif:rate:<owner>:<minute>``  requests this key made in this minute (fixed window)
+- ``ndif:active:<owner>``         the key's jobs queued or running (a sorted set by
+                                   start time; a job leaves it when it ends)
+
+A key's own limits (``ndif-celery keys create --rate-limit --max-concurrent``)
+override the farm-wide ``NDIF_*`` defaults; 0 means no limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from . import auth, config, jobs
+
+
+class LimitError(Exception):
+    def __init__(self, detail: str, status: int) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.status = status
+
+
+def _active_key(owner: str) -> str:
+    return f"ndif:active:{owner}"
+
+
+def check_payload(size: int, settings: config.Settings) -> None:
+    limit = settings.max_payload_bytes
+    if limit and size > limit:
+        raise LimitError(
+            f"Request payload is {size} bytes; this server accepts at most {limit} bytes "
+            "(NDIF_MAX_PAYLOAD_BYTES). Save less inside the trace, or pass large inputs by reference.",
+            413,
+        )
+
+
+def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, settings: config.Settings) -> None:
+    """Refuse a request over any limit; otherwise count it against the key's rate."""
+    now = time.time()
+    rate = identity.rate_limit_per_min if identity.rate_limit_per_min is not None else settings.rate_limit_per_min
+    concurrent = (
+        identity.max_concurrent_jobs if identity.max_concurrent_jobs is not None else settings.max_concurrent_jobs
+    )
+    window = f"ndif:rate:{identity.owner}:{int(now // 60)}"
+    pipe = client.pipeline(transaction=False)
+    pipe.incr(window)
+    pipe.expire(window, 120)
+    pipe.zremrangebyscore(_active_key(identity.owner), 0, now - settings.job_ttl_s)
+    pipe.zcard(_active_key(identity.owner))
+    pipe.llen(queue)
+    made, _, _, active, depth = pipe.execute()
+    if rate and made > rate:
+        raise LimitError(
+            f"Rate limit reached: at most {rate} requests per minute for this key (NDIF_RATE_LIMIT_PER_MIN). "
+            f"Try again in {60 - int(now % 60)} s.",
+            429,
+        )
+    if concurrent and active >= concurrent:
+        raise LimitError(
+            f"Too many jobs at once: this key may have at most {concurrent} queued or running "
+            "(NDIF_MAX_CONCURRENT_JOBS). Wait for one to finish.",
+            429,
+        )
+    if settings.max_queue_depth and depth >= settings.max_queue_depth:
+        raise LimitError(
+            f"The queue for this model is full ({depth} jobs waiting; NDIF_MAX_QUEUE_DEPTH="
+            f"{settings.max_queue_depth}). Try again shortly.",
+            503,
+        )
+
+
+def track(pipe, job: jobs.Job) -> None:
+    """Count ``job`` as active for its key (in the intake pipeline)."""
+    pipe.zadd(_active_key(job.owner), {job.id: job.received_at})
+
+
+def release(pipe, job: jobs.Job) -> None:
+    pipe.zrem(_active_key(job.owner), job.id)
