@@ -15,6 +15,11 @@ from tests.servers import MotoServer
 from tests.stack import Stack
 
 STACK_KINDS = ("fs", "fs-noinline", "s3", "isolated")
+SECRETS = {
+    "NDIF_SECRET_KEY": "ndif-signing-secret-4f1d2a9c7e",
+    "NDIF_OBJECT_STORE_SECRET_KEY": "object-store-secret-8b3e6d0a1f",
+    "AWS_SECRET_ACCESS_KEY": "aws-secret-access-key-2c7f9e4b1d",
+}
 
 
 class StackPool:
@@ -37,8 +42,9 @@ class StackPool:
         if kind == "fs-noinline":
             return {"NDIF_MAX_INLINE_BYTES": "0"}
         if kind == "isolated":
-            # Auth off, but every request untrusted: the fork-per-request jail.
-            return {"NDIF_DEFAULT_TRUSTED": "0"}
+            # Auth off, but every request untrusted: the fork-per-request jail,
+            # with secrets in the workers' environment for it to keep away.
+            return {"NDIF_DEFAULT_TRUSTED": "0", "NDIF_EXECUTION_TIMEOUT_S": "6", **SECRETS}
         if kind == "s3":
             if self.moto is None:
                 self.moto = MotoServer()

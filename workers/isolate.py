@@ -44,17 +44,21 @@ class Policy:
     disk_bytes: int
     secrets: tuple = ()
     max_result_bytes: int = 0
+    readable: tuple = ()  # paths user code may read (see jail.readable_paths)
+    max_processes: int = 256
+    as_nobody: bool = True
 
 
 def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log: Callable[[str], None]) -> Outcome:
     """Run one request in a jailed child; return its result bytes or raise RequestError."""
     workdir = tempfile.mkdtemp(prefix="ndif-job-")
+    cgroup = jail.pids_cgroup_path(os.path.basename(workdir))
     read_fd, write_fd = os.pipe()
     started = time.perf_counter()
     pid = os.fork()
     if pid == 0:  # the child never returns
         os.close(read_fd)
-        _child(model, blob, compress, env, policy, write_fd, workdir)
+        _child(model, blob, compress, env, policy, write_fd, workdir, cgroup)
     os.close(write_fd)
     try:
         outcome = _collect(pid, read_fd, policy, log)
@@ -65,6 +69,7 @@ def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log:
         os.close(read_fd)
         _kill_group(pid)
         shutil.rmtree(workdir, ignore_errors=True)
+        jail.remove_cgroup(cgroup)
 
 
 def _collect(pid: int, fd: int, policy: Policy, log: Callable[[str], None]) -> Outcome:
@@ -151,11 +156,12 @@ def _send(fd: int, kind: bytes, body: bytes) -> None:
         view = view[written:]
 
 
-def _child(model, blob, compress, env, policy, fd, workdir) -> None:
+def _child(model, blob, compress, env, policy, fd, workdir, cgroup) -> None:
     code = 1
     try:
         os.setsid()  # its own process group: killed as one, and it cannot signal ours
         jail.die_with_parent()
+        jail.join_cgroup(cgroup, policy.max_processes)
         jail.close_inherited_fds(keep=fd)
         try:
             jail.enter_namespaces()
@@ -189,13 +195,14 @@ def _run_jailed(model, blob, compress, env, policy, fd, workdir) -> None:
     try:
         jail.die_with_parent()
         os.setsid()
-        jail.private_mounts(workdir, policy.disk_bytes)
+        jail.private_mounts(workdir, policy.disk_bytes, policy.as_nobody)
         jail.set_limits(
             jail.Limits(memory_bytes=policy.memory_bytes, cpu_seconds=int(policy.timeout_s) + 1,
-                        file_bytes=policy.disk_bytes)
+                        file_bytes=policy.disk_bytes, processes=policy.max_processes)
         )
         jail.scrub_secrets(list(policy.secrets))
-        layers = {"landlock_abi": jail.landlock(workdir), "dropped_to_nobody": jail.drop_privileges()}
+        layers = {"pids_cgroup": jail.in_pids_cgroup(), "landlock_abi": jail.landlock(workdir, policy.readable)}
+        layers["user"] = jail.drop_privileges(to_nobody=policy.as_nobody)
         jail.no_new_privs()
         os.chdir(workdir)
         os.environ.update(HOME=workdir, TMPDIR=workdir)

@@ -8,11 +8,13 @@ or without C extensions (``ctypes`` included):
   are invisible and unsignalable), IPC and UTS namespace;
 - a fresh ``tmpfs`` as the only writable place, mounted ``noexec`` (nothing
   written there can be executed or loaded as a library), with a size cap;
-- Landlock: writes anywhere else are refused, TCP bind/connect refused, and
-  signals to processes outside the jail refused (where the kernel has them);
+- Landlock: reads only of the interpreter, its packages, system libraries and
+  the model cache; writes only in the tmpfs; TCP bind/connect refused; signals
+  to processes outside the jail refused (where the kernel has them);
 - rlimits: address space, CPU seconds, open files, processes, file size, no core;
-- privileges dropped to ``nobody`` when the worker runs as root, and
-  ``no_new_privs`` so nothing can gain them back;
+- privileges: a root worker's child becomes ``nobody`` (or, where the
+  interpreter is not readable to ``nobody``, stays uid 0 with every capability
+  dropped for good), and ``no_new_privs`` so nothing can gain them back;
 - no secrets: the environment is replaced by a short allowlist and the
   process's original environment block is zeroed, and known secret strings
   held by this process are overwritten in place.
@@ -42,6 +44,10 @@ CLONE_NEWNET = 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_CAPBSET_DROP, PR_SET_SECUREBITS = 24, 28
+# SECBIT_NOROOT, NO_SETUID_FIXUP, KEEP_CAPS_LOCKED, NO_CAP_AMBIENT_RAISE, each with its lock bit.
+_SECURE_ALL = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
+_CAP_VERSION_3 = 0x20080522
 NOBODY = 65534
 
 # Landlock (linux/landlock.h)
@@ -101,12 +107,12 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def private_mounts(workdir: str, size_bytes: int) -> None:
+def private_mounts(workdir: str, size_bytes: int, as_nobody: bool) -> None:
     """Mount changes stay in this namespace; ``workdir`` becomes a private tmpfs
     (noexec, nosuid, nodev, capped) owned by the user the code will run as; a
     fresh /proc shows only this PID namespace."""
     _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount(make-rprivate /)")
-    owner = NOBODY if os.getuid() == 0 and _real_root() else 0
+    owner = NOBODY if as_nobody and os.getuid() == 0 and _real_root() else 0
     options = f"size={max(size_bytes, 1 << 20)},mode=0700,uid={owner},gid={owner}".encode()
     _check(
         libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, options),
@@ -125,6 +131,59 @@ def _real_root() -> bool:
         return outside == "0"
     except (OSError, ValueError):
         return False
+
+
+_PIDS_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1 pids controller, or v2
+
+
+def pids_cgroup_path(name: str) -> str:
+    """A fresh cgroup under a writable pids controller, or '' where none is."""
+    for root in _PIDS_ROOTS:
+        if not os.path.exists(os.path.join(root, "cgroup.procs")):
+            continue
+        if root == "/sys/fs/cgroup" and "pids" not in _read(os.path.join(root, "cgroup.controllers")):
+            continue
+        path = os.path.join(root, "ndif-jobs", name)
+        try:
+            os.makedirs(path, exist_ok=True)
+            return path
+        except OSError:
+            continue
+    return ""
+
+
+def join_cgroup(path: str, max_pids: int) -> bool:
+    """Put this process (and so everything it forks) in ``path`` capped at
+    ``max_pids`` tasks. RLIMIT_NPROC does not bind uid 0, so a fork bomb in a
+    child that keeps uid 0 is stopped here."""
+    if not path:
+        return False
+    try:
+        _write(os.path.join(path, "pids.max"), str(max_pids))
+        _write(os.path.join(path, "cgroup.procs"), str(os.getpid()))
+        return True
+    except OSError:
+        return False
+
+
+def in_pids_cgroup() -> bool:
+    return "/ndif-jobs/" in _read("/proc/self/cgroup")
+
+
+def remove_cgroup(path: str) -> None:
+    if path:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
 
 
 def set_limits(limits: Limits) -> None:
@@ -206,27 +265,27 @@ def _zero_environ_block() -> None:
         ctypes.memset(start, 0, end - start)
 
 
-def landlock(workdir: str) -> int:
-    """Writes only under ``workdir``; no TCP; no signals out of the jail. Returns
-    the Landlock ABI used (0 if the kernel has none: then it is not a layer)."""
+_FS_READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read file, read dir
+_FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14)  # the rights a rule on a file may carry
+
+
+def landlock(workdir: str, readable: list[str]) -> int:
+    """Reads only under ``readable`` (the interpreter, its packages, system
+    libraries), everything only under ``workdir``, no TCP, no signals out of the
+    jail. Returns the Landlock ABI used (0: the kernel has none)."""
     abi = libc.syscall(_SYS_CREATE_RULESET, None, 0, 1)
     if abi < 1:
         return 0
-    handled_fs = _FS_WRITE_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+    handled_fs = _FS_READ | _FS_WRITE_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
     handled_net = (_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 else 0
     scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0
     attr = (ctypes.c_uint64 * 3)(handled_fs, handled_net, scoped)
     size = 8 * (3 if abi >= 6 else 2 if abi >= 4 else 1)
     ruleset = _check(libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), size, 0), "landlock_create_ruleset")
     try:
-        fd = os.open(workdir, os.O_PATH | os.O_DIRECTORY)
-        try:
-            rule = (ctypes.c_uint8 * 12)()
-            ctypes.memmove(rule, ctypes.byref(ctypes.c_uint64(handled_fs)), 8)
-            ctypes.memmove(ctypes.byref(rule, 8), ctypes.byref(ctypes.c_int32(fd)), 4)
-            _check(libc.syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), 0), "landlock_add_rule")
-        finally:
-            os.close(fd)
+        _allow(ruleset, workdir, handled_fs)
+        for path in readable:
+            _allow(ruleset, path, _FS_READ)
         no_new_privs()
         _check(libc.syscall(_SYS_RESTRICT_SELF, ruleset, 0), "landlock_restrict_self")
     finally:
@@ -234,15 +293,74 @@ def landlock(workdir: str) -> int:
     return abi
 
 
+def _allow(ruleset: int, path: str, rights: int) -> None:
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return  # not on this host: nothing to allow
+    try:
+        if not os.path.isdir(path):
+            rights &= _FILE_RIGHTS
+        rule = (ctypes.c_uint8 * 12)()
+        ctypes.memmove(rule, ctypes.byref(ctypes.c_uint64(rights)), 8)
+        ctypes.memmove(ctypes.byref(rule, 8), ctypes.byref(ctypes.c_int32(fd)), 4)
+        _check(libc.syscall(_SYS_ADD_RULE, ruleset, _RULE_PATH_BENEATH, ctypes.byref(rule), 0), f"landlock_add_rule({path})")
+    finally:
+        os.close(fd)
+
+
+SYSTEM_READABLE = (
+    "/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/opt",
+    "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/passwd", "/etc/group",
+    "/etc/nsswitch.conf", "/etc/ssl", "/etc/pki", "/etc/ca-certificates", "/etc/alternatives", "/etc/mime.types",
+    "/proc", "/dev/null", "/dev/zero", "/dev/urandom", "/dev/random", "/sys/devices/system/cpu", "/sys/fs/cgroup",
+)
+
+
+def readable_paths(extra: tuple = ()) -> list[str]:
+    """What user code may read: the interpreter and its import path, system
+    libraries and a few /etc files, and ``extra`` (the model cache). Not the
+    worker's home, ``NDIF_HOME``, results, or any other user's files."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *SYSTEM_READABLE, *extra}
+    paths.update(p for p in sys.path if p and os.path.isdir(p))
+    return sorted(os.path.realpath(p) for p in paths if p)
+
+
+def readable_by_others(path: str) -> bool:
+    """Whether ``nobody`` could read ``path`` (every directory on the way searchable)."""
+    import stat
+
+    current = "/"
+    for part in os.path.realpath(path).strip("/").split("/"):
+        current = os.path.join(current, part)
+        try:
+            mode = os.stat(current).st_mode
+        except OSError:
+            return False
+        if not mode & (stat.S_IXOTH if stat.S_ISDIR(mode) else stat.S_IROTH):
+            return False
+    return True
+
+
 def no_new_privs() -> None:
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(no_new_privs)")
 
 
-def drop_privileges() -> bool:
-    """Become ``nobody`` if we are really root; True if dropped."""
-    if os.getuid() != 0 or not _real_root():
-        return False
-    os.setgroups([])
-    os.setresgid(NOBODY, NOBODY, NOBODY)
-    os.setresuid(NOBODY, NOBODY, NOBODY)
-    return True
+def drop_privileges(to_nobody: bool) -> str:
+    """Give up root: become ``nobody`` when the interpreter is readable to it,
+    else stay uid 0 with every capability gone for good (no bounding set, no
+    root privileges regained on exec), fenced by Landlock. Returns who we are."""
+    if os.getuid() != 0:
+        return "unprivileged"
+    if to_nobody and _real_root():
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)
+        return "nobody"
+    for cap in range(64):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    _check(libc.prctl(PR_SET_SECUREBITS, _SECURE_ALL, 0, 0, 0), "prctl(securebits)")
+    header = (ctypes.c_uint32 * 2)(_CAP_VERSION_3, 0)
+    data = (ctypes.c_uint32 * 6)()
+    _check(libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset(none)")
+    return "root-without-capabilities"

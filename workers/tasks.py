@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Optional
@@ -199,10 +200,23 @@ def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel
         disk_bytes=settings.job_disk_bytes,
         secrets=settings.secrets(),
         max_result_bytes=settings.max_result_bytes,
+        readable=_JAIL_READABLE,
+        as_nobody=_JAIL_AS_NOBODY,
     )
     outcome = isolate.run(model, blob, job.compress, job.env, policy, channel.log)
     meta.update(outcome.meta)
     return outcome.data
+
+
+def _hf_cache() -> tuple:
+    from huggingface_hub import constants
+
+    return (constants.HF_HUB_CACHE,)
+
+
+# Computed once: what an isolated job may read, and whether it can run as nobody.
+_JAIL_READABLE: tuple = ()
+_JAIL_AS_NOBODY = True
 
 
 def _deliver(worker: WorkerState, channel: jobs.StatusChannel, job: jobs.Job, data: bytes, meta: dict) -> None:
@@ -298,6 +312,11 @@ def _on_ready(sender, **_) -> None:
     import nnsight.modeling.transformers  # noqa: F401 - now, not during the first job
     import torch  # noqa: F401
 
+    global _JAIL_READABLE, _JAIL_AS_NOBODY
+    from . import jail
+
+    _JAIL_READABLE = tuple(jail.readable_paths(_hf_cache()))
+    _JAIL_AS_NOBODY = jail.readable_by_others(sys.base_prefix) and jail.readable_by_others(sys.prefix)
     worker.info.update(
         gpus=[g for g in settings.worker_gpus.split(",") if g.strip()],
         memory_bytes=memory.budget_bytes(settings),
