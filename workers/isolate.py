@@ -211,6 +211,12 @@ def _run_jailed(model, blob, compress, env, policy, fd, workdir) -> None:
         _send(fd, b"E", _refuse(error).encode())
         os._exit(0)
     try:
+        # GNU OpenMP is not fork-safe: once the worker has used its thread pool
+        # (any trusted job), a parallel region in the child deadlocks. One
+        # thread runs everything inline.
+        import torch
+
+        torch.set_num_threads(1)
         tracer = execute.deserialize(model, blob, compress, env)
         saved = execute.run(tracer, lambda line: _send(fd, b"L", line.encode("utf-8", "replace")))
         data = results.encode(saved, compress)

@@ -170,12 +170,26 @@ def in_pids_cgroup() -> bool:
     return "/ndif-jobs/" in _read("/proc/self/cgroup")
 
 
-def remove_cgroup(path: str) -> None:
-    if path:
+def remove_cgroup(path: str, timeout_s: float = 2.0) -> None:
+    """Kill whatever is left in the job's cgroup, then remove it."""
+    import time
+
+    if not path:
+        return
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for pid in _read(os.path.join(path, "cgroup.procs")).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError, ValueError):
+                pass
         try:
             os.rmdir(path)
+            return
         except OSError:
-            pass
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.01)
 
 
 def _read(path: str) -> str:

@@ -1,0 +1,169 @@
+"""Auth on (``NDIF_AUTH=1``), on SQLite and on PostgreSQL: keys made with the
+CLI, requests without a key, with a revoked key, and for another key's job are
+refused with NDIF's messages; with a valid key everything works, and the key
+decides whether a job runs in-process (trusted) or isolated."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import httpx
+import nnsight
+import pytest
+import torch
+from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
+
+from tests.stack import Stack
+from tests.tiny_model import PROMPT
+
+POSTGRES_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+def _postgres_database():
+    """A fresh database on the local PostgreSQL; (url, drop) or a skip."""
+    import psycopg
+
+    name = f"ndif_auth_{uuid.uuid4().hex[:8]}"
+    try:
+        with psycopg.connect(POSTGRES_ADMIN, autocommit=True, connect_timeout=3) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as error:
+        pytest.skip(f"no PostgreSQL at {POSTGRES_ADMIN}: {error}")
+
+    def drop():
+        with psycopg.connect(POSTGRES_ADMIN, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}", drop
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def stack(request, tmp_path_factory, hf_home):
+    env = {
+        "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+        "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
+    }
+    drop = None
+    if request.param == "postgresql":
+        env["NDIF_DATABASE_URL"], drop = _postgres_database()
+    stack = Stack(tmp_path_factory.mktemp(f"auth-{request.param}"), env=env)
+    stack.start()
+    saved = nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY
+    nnsight.CONFIG.API.HOST = stack.url
+    try:
+        yield stack
+    finally:
+        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY = saved
+        stack.stop()
+        if drop:
+            drop()
+
+
+def make_key(stack, email, *flags) -> str:
+    result = stack.cli("keys", "create", "--email", email, *flags)
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip().splitlines()[-1]
+    uuid.UUID(key)  # alone on its last line, and a UUID as NDIF's are
+    return key
+
+
+@pytest.fixture
+def use_key(monkeypatch):
+    def use(key):
+        monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", key)
+
+    return use
+
+
+def _trace(model):
+    with model.trace(PROMPT, remote=True) as tracer:
+        hidden = model.transformer.h[1].output.save()
+    return hidden, tracer.backend.meta
+
+
+def test_no_key_is_refused(stack, model, use_key):
+    use_key(None)
+    with pytest.raises(Exception, match="Missing or invalid API key"):
+        _trace(model)  # refused at the websocket handshake
+    with pytest.raises(RemoteError, match="Missing or invalid API key"):
+        with model.trace(PROMPT, remote=True, blocking=False):
+            model.output.logits.save()
+
+
+def test_malformed_and_unknown_keys_are_refused(stack, model, use_key):
+    use_key("not-a-uuid")
+    with pytest.raises(RemoteError, match="Invalid API key format: 'not-a-uuid'"):
+        with model.trace(PROMPT, remote=True, blocking=False):
+            model.output.logits.save()
+    use_key(str(uuid.uuid4()))
+    with pytest.raises(RemoteError, match="Invalid API key."):
+        with model.trace(PROMPT, remote=True, blocking=False):
+            model.output.logits.save()
+
+
+def test_valid_keys_work_and_decide_trust(stack, model, use_key):
+    with model.trace(PROMPT):
+        local = model.transformer.h[1].output.save()
+    untrusted, trusted = make_key(stack, "ada@example.org"), make_key(stack, "grace@example.org", "--trusted")
+    use_key(untrusted)
+    hidden, meta = _trace(model)
+    assert torch.equal(hidden, local) and meta["isolated"] is True
+    assert nnsight.whoami() == {"email": "ada@example.org", "tags": []}
+    use_key(trusted)
+    hidden, meta = _trace(model)
+    assert torch.equal(hidden, local) and meta["isolated"] is False
+    assert nnsight.whoami() == {"email": "grace@example.org", "tags": ["trusted"]}
+    listed = json.loads(stack.cli("keys", "list", "--json").stdout)
+    assert {row["email"] for row in listed} >= {"ada@example.org", "grace@example.org"}
+    assert all(untrusted not in json.dumps(row) for row in listed), "keys list must not show keys"
+
+
+def test_a_revoked_key_is_refused(stack, model, use_key):
+    key = make_key(stack, "revoked@example.org")
+    use_key(key)
+    _trace(model)
+    assert stack.cli("keys", "revoke", key).returncode == 0
+    with pytest.raises(RemoteError, match="Invalid API key."):
+        with model.trace(PROMPT, remote=True, blocking=False):
+            model.output.logits.save()
+
+
+def test_another_keys_job_is_out_of_reach(stack, model, use_key):
+    owner, other = make_key(stack, "owner@example.org"), make_key(stack, "other@example.org")
+    use_key(owner)
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        logits = model.output.logits.save()  # noqa: F841
+    job_id = tracer.backend.job_id
+    thief = RemoteBackend(model.to_model_key(), blocking=False, job_id=job_id, api_key=other)
+    with pytest.raises(httpx.HTTPStatusError) as caught:
+        thief()
+    assert caught.value.response.status_code == 403
+    assert "another API key" in caught.value.response.json()["detail"]
+    response = httpx.get(f"{stack.url}/response/{job_id}")
+    assert response.status_code == 401, "a job id alone is not a bearer token"
+    mine = RemoteBackend(model.to_model_key(), blocking=False, job_id=job_id, api_key=owner)
+    deadline = time.monotonic() + 60
+    while (result := mine()) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert result["logits"].shape[-1] > 0
+
+
+def test_a_session_opened_by_one_key_cannot_carry_anothers_job(stack, model):
+    import websocket
+
+    owner, other = make_key(stack, "ws-owner@example.org"), make_key(stack, "ws-other@example.org")
+    ws = websocket.create_connection(f"ws{stack.url[4:]}/subscribe", header={"ndif-api-key": owner})
+    try:
+        session_id = json.loads(ws.recv())["session_id"]
+        envelope = {"model_key": model.to_model_key(), "session_id": session_id, "compress": False, "env": {}}
+        response = httpx.post(
+            f"{stack.url}/request", data={"data": json.dumps(envelope)},
+            files={"blob": ("request", b"x", "application/octet-stream")}, headers={"ndif-api-key": other},
+        )
+        assert response.status_code == 403
+        assert "session_id was not opened by this API key" in response.json()["detail"]
+    finally:
+        ws.close()
