@@ -191,9 +191,17 @@ def _run_in_process(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChann
 
 def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel, meta: dict) -> bytes:
     """Untrusted: a fresh jailed child per request (``workers.isolate``)."""
-    from . import isolate
+    import torch
+
+    from . import execute, isolate
 
     meta["isolated"] = True
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        # A CUDA process cannot fork a usable child; never run the code unconfined instead.
+        raise execute.RequestError(
+            "This GPU worker cannot run untrusted code yet (the GPU isolation path is not built; "
+            "see docs/security.md). Ask the operator for a trusted key or a CPU worker."
+        )
     policy = isolate.Policy(
         timeout_s=settings.execution_timeout_s,
         memory_bytes=settings.job_memory_bytes,
