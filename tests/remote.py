@@ -14,6 +14,32 @@ from dataclasses import dataclass
 from nnsight.intervention.backends.remote import RemoteBackend
 
 
+def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.05):
+    """Call a non-blocking backend until it returns the saves (it raises on ERROR)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = backend()
+        if result is not None:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {backend.job_id} did not finish in {timeout_s} s")
+        time.sleep(interval_s)
+
+
+def final_status(url: str, job_id: str, headers: dict | None = None, timeout_s: float = 60.0) -> dict:
+    """Poll ``GET /response/<id>`` until COMPLETED or ERROR; return that status."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        latest = httpx.get(f"{url}/response/{job_id}", headers=headers, timeout=10).json()
+        if latest["status"] in ("COMPLETED", "ERROR"):
+            return latest
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} did not finish in {timeout_s} s: {latest}")
+        time.sleep(0.05)
+
+
 class PollUntilDone(RemoteBackend):
     """The real non-blocking client path (POST without a websocket, then GET
     ``/response/<id>`` until COMPLETED), with the saves pushed back into the
@@ -29,14 +55,7 @@ class PollUntilDone(RemoteBackend):
         self.job_id = None
         super().__call__(tracer)  # submit: stores job_id, returns None
         assert self.job_id, "submit did not return a job id"
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            result = super().__call__(tracer)  # poll
-            if result is not None:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"job {self.job_id} did not complete in {self.timeout_s} s")
-            time.sleep(self.interval_s)
+        result = poll(lambda: super(PollUntilDone, self).__call__(tracer), self.timeout_s, self.interval_s)
         self._push(result, tracer)
         return result
 

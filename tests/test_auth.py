@@ -6,7 +6,6 @@ decides whether a job runs in-process (trusted) or isolated."""
 from __future__ import annotations
 
 import json
-import time
 import uuid
 
 import httpx
@@ -15,6 +14,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
+from tests.remote import poll
 from tests.stack import Stack
 from tests.tiny_model import PROMPT
 
@@ -144,11 +144,7 @@ def test_another_keys_job_is_out_of_reach(stack, model, use_key):
     response = httpx.get(f"{stack.url}/response/{job_id}")
     assert response.status_code == 401, "a job id alone is not a bearer token"
     mine = RemoteBackend(model.to_model_key(), blocking=False, job_id=job_id, api_key=owner)
-    deadline = time.monotonic() + 60
-    while (result := mine()) is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert result["logits"].shape[-1] > 0
+    assert poll(mine)["logits"].shape[-1] > 0
 
 
 def test_a_session_opened_by_one_key_cannot_carry_anothers_job(stack, model):

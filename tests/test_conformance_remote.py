@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests import conformance
-from tests.remote import VARIANTS
+
 
 
 @pytest.mark.parametrize("case", conformance.CASES, ids=[c.__name__.removeprefix("case_") for c in conformance.CASES])

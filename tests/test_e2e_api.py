@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib
 import json
 import sys
-import time
 import types
 import uuid
 
@@ -21,6 +20,7 @@ import zstandard
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from tests import conformance
+from tests.remote import final_status, poll
 from tests.tiny_model import REPO_ID, build_tiny_gpt2, client_model
 
 PROMPT = conformance.PROMPT
@@ -93,24 +93,14 @@ def test_nonblocking_submit_then_poll_like_a_user(on_fs_stack, model):
         logits = model.output.logits.save()  # noqa: F841
     backend = tracer.backend
     assert backend.job_id
-    result = _poll(backend)
+    result = poll(backend)
     with model.trace(PROMPT):
         local = model.output.logits.save()
     assert torch.equal(result["logits"], local)
 
     # A freshly built backend that knows only the job id polls the same result.
     fresh = RemoteBackend(model.to_model_key(), blocking=False, job_id=backend.job_id)
-    assert torch.equal(_poll(fresh)["logits"], local)
-
-
-def _poll(backend, timeout_s=60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = backend()
-        if result is not None:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"job {backend.job_id} did not complete")
+    assert torch.equal(poll(fresh)["logits"], local)
 
 
 def test_status_and_is_model_running(on_fs_stack, model, monkeypatch):
@@ -284,13 +274,7 @@ def test_unknown_model_is_an_error_naming_it(on_fs_stack, model):
     key = model.to_model_key().replace(REPO_ID, "nobody/no-such-model")
     response = _post(on_fs_stack, json.dumps({"model_key": key}), b"payload")
     assert response.status_code == 200
-    job_id = response.json()["id"]
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        latest = httpx.get(f"{on_fs_stack.url}/response/{job_id}").json()
-        if latest["status"] in ("ERROR", "COMPLETED"):
-            break
-        time.sleep(0.1)
+    latest = final_status(on_fs_stack.url, response.json()["id"])
     assert latest["status"] == "ERROR"
     assert "Could not load model 'nobody/no-such-model'" in latest["description"]
     _still_serving(model)

@@ -20,6 +20,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
+from tests.remote import poll
 from tests.stack import Stack
 from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
@@ -136,7 +137,7 @@ def test_a_model_too_big_for_any_worker_errors_every_queued_request(farm):
         backends.append(tracer.backend)
     for backend in backends:
         with pytest.raises(RemoteError) as caught:
-            _poll(backend)
+            poll(backend)
         message = str(caught.value)
         assert f"Could not deploy {HUGE}" in message
         assert "largest worker" in message
@@ -145,16 +146,6 @@ def test_a_model_too_big_for_any_worker_errors_every_queued_request(farm):
             huge.transformer.h[0].output.save()
     assert HUGE not in _holders(farm.stack)
     _run(SMALL[0])  # the farm keeps serving
-
-
-def _poll(backend, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = backend()
-        if result is not None:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"job {backend.job_id} did not finish")
 
 
 def _submit(repo: str, slow_steps: int = 0) -> RemoteBackend:
@@ -210,16 +201,16 @@ def test_cli_status_queue_and_kill(farm):
     # A queued job leaves the queue; the one behind it is told its new position.
     assert "removed from the queue" in _cli(stack, "kill", queued[0].job_id).stdout
     with pytest.raises(RemoteError, match="Request cancelled by operator."):
-        _poll(queued[0])
+        poll(queued[0])
     _wait_status(stack, queued[1].job_id, "QUEUED", contains="(position 1)")
 
     # The running job is interrupted; the queue moves on.
     started = time.monotonic()
     assert "cancelling on" in _cli(stack, "kill", running.job_id).stdout
     with pytest.raises(RemoteError, match="cancelled by the operator"):
-        _poll(running)
+        poll(running)
     assert time.monotonic() - started < 10
-    assert "out" in _poll(queued[1])
+    assert "out" in poll(queued[1])
 
     missing = _cli(stack, "kill", "0" * 32, check=False)
     assert missing.returncode != 0 and "no job" in missing.stderr
@@ -247,7 +238,7 @@ def test_cli_evict_then_two_replicas_in_nnsight_status(farm, monkeypatch):
     # Both replicas serve the model's one queue.
     busy = [_submit(SMALL[2], slow_steps=20) for _ in range(4)]
     for backend in busy:
-        assert "out" in _poll(backend)
+        assert "out" in poll(backend)
     assert {_latest(stack, b.job_id)["meta"]["worker"] for b in busy} == {W0, W1}
 
 

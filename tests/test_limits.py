@@ -12,6 +12,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
+from tests.remote import poll
 from tests.stack import Stack
 from tests.tiny_model import PROMPT
 
@@ -138,23 +139,15 @@ def _slow(model, steps):
     return tracer.backend
 
 
-def _finish(backend, timeout=60):
-    deadline = time.monotonic() + timeout
-    while (result := backend()) is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    return result
-
-
 def test_concurrent_jobs_per_key(stack, model, monkeypatch):
     key = make_key(stack, "--trusted", "--max-concurrent", "2")
     monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", key)
     first, second = _slow(model, 30), _slow(model, 1)
     with pytest.raises(RemoteError, match="at most 2 queued or running"):
         _slow(model, 1)
-    _finish(first)
-    _finish(second)
-    _finish(_slow(model, 1))  # room again
+    poll(first)
+    poll(second)
+    poll(_slow(model, 1))  # room again
 
 
 def test_queue_depth_per_model(stack, model, monkeypatch):
@@ -170,5 +163,5 @@ def test_queue_depth_per_model(stack, model, monkeypatch):
     with pytest.raises(RemoteError, match="queue for this model is full"):
         _slow(model, 1)
     for backend in [running, *waiting]:
-        _finish(backend)
+        poll(backend)
     _works(model)

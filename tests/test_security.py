@@ -20,6 +20,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
+from tests.remote import final_status, poll
 from tests.stack_pool import SECRETS
 from tests.tiny_model import PROMPT
 
@@ -222,20 +223,10 @@ def test_an_unpickling_gadget_runs_inside_the_jail_only(jail, model):
         files={"blob": ("request", pickle.dumps(Gadget(target)), "application/octet-stream")},
     )
     assert response.status_code == 200
-    latest = _final(jail, response.json()["id"])
+    latest = final_status(jail.url, response.json()["id"])
     assert latest["status"] == "ERROR"
     assert "Your request payload could not be read" in latest["description"]
     assert not os.path.exists(target)
-
-
-def _final(stack, job_id, timeout=60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        latest = httpx.get(f"{stack.url}/response/{job_id}").json()
-        if latest["status"] in ("COMPLETED", "ERROR"):
-            return latest
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} did not finish")
 
 
 def test_weight_edits_do_not_reach_the_next_user(jail, model):
@@ -259,10 +250,7 @@ def test_other_users_jobs_are_out_of_reach(jail, model):
     with model.trace(PROMPT, remote=True, blocking=False) as tracer:
         secret_logits = model.output.logits.save()  # noqa: F841
     other = tracer.backend
-    deadline = time.monotonic() + 60
-    while other() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    poll(other)
     result_file = jail.home / "results" / "results" / f"{other.job_id}.pt"
     assert result_file.exists()
     with model.trace(PROMPT, remote=True):

@@ -21,6 +21,7 @@ import shutil
 import signal
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -55,33 +56,72 @@ def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log:
     cgroup = jail.pids_cgroup_path(os.path.basename(workdir))
     read_fd, write_fd = os.pipe()
     started = time.perf_counter()
-    pid = os.fork()
-    if pid == 0:  # the child never returns
+
+    def child() -> None:  # never returns
         os.close(read_fd)
         _child(model, blob, compress, env, policy, write_fd, workdir, cgroup)
+
+    forked = ForkedChild(child)
     os.close(write_fd)
     try:
-        outcome = _collect(pid, read_fd, policy, log)
-        outcome.meta["fork_ms"] = outcome.meta.get("fork_ms", 0.0)
+        outcome = _collect(forked, read_fd, policy, log)
         outcome.meta["isolated_ms"] = round((time.perf_counter() - started) * 1000, 1)
         return outcome
     finally:
         os.close(read_fd)
-        _kill_group(pid)
+        forked.kill()
+        forked.wait()
         shutil.rmtree(workdir, ignore_errors=True)
         jail.remove_cgroup(cgroup)
 
 
-def _collect(pid: int, fd: int, policy: Policy, log: Callable[[str], None]) -> Outcome:
+class ForkedChild:
+    """A child forked from a fresh thread that stays to reap it.
+
+    GNU OpenMP keeps its thread pool per thread and is not fork-safe: a child
+    forked from a thread that has used the pool (this worker's job thread, after
+    any trusted job) deadlocks at its first parallel region. A child forked
+    from a fresh thread builds a new pool, and computes exactly as the worker
+    does, with as many threads. The thread waits for the child rather than
+    exit at once, because the child's parent-death signal fires when the thread
+    that forked it ends.
+    """
+
+    def __init__(self, child: Callable[[], None]) -> None:
+        self._forked = threading.Event()
+        self.pid = 0
+        self.status: int | None = None
+        self._thread = threading.Thread(target=self._run, args=(child,), name="ndif-fork", daemon=True)
+        self._thread.start()
+        self._forked.wait()
+
+    def _run(self, child: Callable[[], None]) -> None:
+        pid = os.fork()
+        if pid == 0:
+            child()
+        self.pid = pid
+        self._forked.set()
+        _, self.status = os.waitpid(pid, 0)
+
+    def wait(self) -> int:
+        self._thread.join()
+        return self.status if self.status is not None else 0
+
+    def kill(self) -> None:
+        _kill_group(self.pid)
+
+
+def _collect(forked: ForkedChild, fd: int, policy: Policy, log: Callable[[str], None]) -> Outcome:
     deadline = time.monotonic() + policy.timeout_s
     buffer = bytearray()
     result, error, meta = None, None, {}
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            _kill_group(pid)
+            forked.kill()
             raise RequestError(f"Your job exceeded the execution timeout of {policy.timeout_s:g}s.")
-        ready, _, _ = select.select([fd], [], [], remaining)
+        # Short waits, so a cancel (an exception raised in this thread) lands promptly.
+        ready, _, _ = select.select([fd], [], [], min(remaining, 0.1))
         if not ready:
             continue
         chunk = os.read(fd, 1 << 20)
@@ -89,7 +129,7 @@ def _collect(pid: int, fd: int, policy: Policy, log: Callable[[str], None]) -> O
             break
         buffer += chunk
         if policy.max_result_bytes and len(buffer) > policy.max_result_bytes + (1 << 20):
-            _kill_group(pid)
+            forked.kill()
             raise result_too_big(len(buffer), policy.max_result_bytes)
         while len(buffer) >= _HEADER.size:
             kind, length = _HEADER.unpack_from(buffer)
@@ -105,22 +145,12 @@ def _collect(pid: int, fd: int, policy: Policy, log: Callable[[str], None]) -> O
                 error = body.decode("utf-8", "replace")
             elif kind == b"M":
                 meta.update(json.loads(body))
-    status = _reap(pid, deadline)
+    status = forked.wait()
     if error is not None:
         raise RequestError(error)
     if result is None:
         raise RequestError(_died(status, policy))
     return Outcome(result, meta)
-
-
-def _reap(pid: int, deadline: float) -> int:
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        if time.monotonic() > deadline:
-            _kill_group(pid)
-        time.sleep(0.001)
 
 
 def _died(status: int, policy: Policy) -> str:
@@ -136,13 +166,10 @@ def _died(status: int, policy: Policy) -> str:
 
 
 def _kill_group(pid: int) -> None:
+    """SIGKILL the child's process group (its ``ForkedChild`` thread reaps it)."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
         pass
 
 
@@ -211,12 +238,6 @@ def _run_jailed(model, blob, compress, env, policy, fd, workdir) -> None:
         _send(fd, b"E", _refuse(error).encode())
         os._exit(0)
     try:
-        # GNU OpenMP is not fork-safe: once the worker has used its thread pool
-        # (any trusted job), a parallel region in the child deadlocks. One
-        # thread runs everything inline.
-        import torch
-
-        torch.set_num_threads(1)
         tracer = execute.deserialize(model, blob, compress, env)
         saved = execute.run(tracer, lambda line: _send(fd, b"L", line.encode("utf-8", "replace")))
         data = results.encode(saved, compress)
