@@ -267,3 +267,21 @@ def test_spoofing_trusted_changes_nothing(jail, model, monkeypatch):
     with model.trace(PROMPT, remote=True) as tracer:
         model.output.logits.save()
     assert tracer.backend.meta["isolated"] is True
+
+
+def test_an_operator_kill_ends_an_isolated_job_at_once(jail, model):
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        out = model.transformer.h[0].output.save()  # noqa: F841
+        while True:
+            pass
+    backend = tracer.backend
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{jail.url}/response/{backend.job_id}").json()["status"] != "RUNNING":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    started = time.monotonic()
+    result = jail.cli("kill", backend.job_id)
+    assert "cancelling on" in result.stdout, result.stderr
+    with pytest.raises(RemoteError, match="cancelled by the operator"):
+        poll(backend)
+    assert time.monotonic() - started < 3, "the kill waited for the deadline"
