@@ -7,6 +7,7 @@ moves the job along (the web on intake, the worker afterwards):
 - ``ndif:job:<id>:status``   the latest non-LOG status as the JSON the client parses,
                               for ``GET /response/<id>`` (non-blocking jobs, lost clients)
 - ``ndif:job:<id>:owner``    who submitted it (``key:<id>`` or ``anonymous``)
+- ``ndif:job:<id>:message``  its Celery message body, to run it again if its worker dies
 - channel ``ndif:session:<session_id>``  every status of a blocking job, forwarded
                               verbatim to its websocket (``...:owner``: who opened it)
 
@@ -45,6 +46,15 @@ def owner_key(job_id: str) -> str:
     return f"ndif:job:{job_id}:owner"
 
 
+def message_key(job_id: str) -> str:
+    """The job's Celery message body, kept so a job lost with its worker can run again."""
+    return f"ndif:job:{job_id}:message"
+
+
+def lost_key(job_id: str) -> str:
+    return f"ndif:job:{job_id}:lost"
+
+
 @dataclass
 class Job:
     """What a worker needs to run a job: the Celery message body (JSON only)."""
@@ -58,6 +68,7 @@ class Job:
     payload_bytes: int = 0
     trusted: bool = True  # stamped by the web from the key; never from the client
     owner: str = "anonymous"
+    attempt: int = 1  # 2 when re-run after its first worker died
 
     def to_message(self) -> dict:
         return asdict(self)
@@ -101,16 +112,18 @@ class StatusChannel:
             pipe.publish(session_channel(self.job.session_id), message)
         pipe.execute()
 
-    def send_binary(self, frame: bytes, latest: str) -> None:
-        """Publish a pickled COMPLETED frame (inline result) to the websocket.
-
-        ``latest`` is the JSON stored for pollers, who cannot receive bytes.
-        """
+    def send_binary(self, frame: bytes, latest: str) -> bool:
+        """Publish a pickled COMPLETED frame (inline result) to the websocket;
+        False if nobody was listening (the client went away), and nothing is
+        recorded. ``latest`` is the JSON stored for pollers, who cannot
+        receive bytes."""
+        if not self.redis.publish(session_channel(self.job.session_id), frame):
+            return False
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(status_key(self.job.id), latest, ex=self.ttl_s)
         _release(pipe, self.job)
-        pipe.publish(session_channel(self.job.session_id), frame)
         pipe.execute()
+        return True
 
     def log(self, line: str) -> None:
         self.send(wire.LOG, line)
@@ -124,6 +137,12 @@ def _release(pipe, job: "Job") -> None:
 
 def latest_status(client: redis.Redis, job_id: str) -> Optional[bytes]:
     return client.get(status_key(job_id))
+
+
+def finished(client: redis.Redis, job_id: str) -> bool:
+    """Whether the job already ended (COMPLETED or ERROR)."""
+    latest = latest_status(client, job_id)
+    return latest is not None and wire.frame_status(latest) in wire.TERMINAL
 
 
 def now() -> float:

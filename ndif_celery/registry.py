@@ -85,6 +85,11 @@ def remove_deployment(client: redis.Redis, worker: str, model_key: str) -> None:
     client.hdel(DEPLOYMENTS, _deployment_field(worker, model_key))
 
 
+def all_workers(client: redis.Redis) -> dict:
+    """Every registered worker, dead ones included (see ``live_workers``)."""
+    return {name.decode(): json.loads(raw) for name, raw in client.hgetall(WORKERS).items()}
+
+
 def live_workers(client: redis.Redis, now: Optional[float] = None) -> dict:
     now = time.time() if now is None else now
     workers = {}

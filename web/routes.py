@@ -82,6 +82,7 @@ def submit():
     pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
     pipe.set(jobs.status_key(job.id), received, ex=settings.job_ttl_s)
     pipe.set(jobs.owner_key(job.id), job.owner, ex=settings.job_ttl_s)
+    pipe.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), ex=settings.job_ttl_s)
     limits.track(pipe, job)
     pipe.llen(queue)
     position = pipe.execute()[-1] + 1

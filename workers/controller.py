@@ -18,6 +18,7 @@ tasks on that worker's own queue, one thing at a time with its jobs.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -25,7 +26,7 @@ from collections import defaultdict
 from typing import Optional
 
 from ndif_celery import config, jobs, queues, registry, wire
-from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
+from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, RUN_JOB, queue_for, worker_queue
 
 from . import placement, sizing
 
@@ -81,6 +82,7 @@ class Controller(threading.Thread):
 
     def tick(self) -> None:
         now = time.time()
+        self.bury_dead_workers(now)
         farm = Farm.read(self.redis)
         wishes = self.wishes = registry.desired(self.redis)
         waiting_ids = set()
@@ -106,6 +108,33 @@ class Controller(threading.Thread):
         self.retire_idle(farm, wishes, now)
         registry.publish_status(self.redis)
         self.positions = {k: v for k, v in self.positions.items() if k in waiting_ids}
+
+    def bury_dead_workers(self, now: float) -> None:
+        """A worker silent for ``STALE_S`` is dead: forget it and its models, and
+        rescue the job it was running (once more elsewhere, else ERROR)."""
+        for name, info in registry.all_workers(self.redis).items():
+            if now - info.get("last_seen", 0) <= registry.STALE_S:
+                continue
+            job_id = info.get("current_job")
+            if job_id and self.redis.set(jobs.lost_key(job_id), name, nx=True, ex=self.settings.job_ttl_s):
+                self.rescue(job_id, name)
+            registry.unregister_worker(self.redis, name)
+            log.warning("worker %s is gone (silent since %.0f s)", name, now - info.get("last_seen", 0))
+
+    def rescue(self, job_id: str, worker: str) -> None:
+        raw = self.redis.get(jobs.message_key(job_id))
+        if raw is None or jobs.finished(self.redis, job_id):
+            return
+        job = jobs.Job.from_message(json.loads(raw))
+        channel = jobs.StatusChannel(self.redis, job, self.settings.job_ttl_s)
+        if job.attempt >= 2:
+            channel.send(wire.ERROR, f"The worker was lost while running your job ({worker}, twice); "
+                                     "it may have run out of memory. It was not run again.")
+            return
+        job.attempt += 1
+        self.redis.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), keepttl=True)
+        self.app.send_task(RUN_JOB, kwargs={"job": job.to_message()}, queue=queue_for(job.model_key), task_id=job.id)
+        channel.send(wire.QUEUED, f"The worker running your job ({worker}) was lost; running it again elsewhere.")
 
     def needs_replica(self, model_key: str, holders: list[dict], head_wait: float, now: float) -> bool:
         return (

@@ -20,6 +20,7 @@ class ResidentModels:
         self.models: dict[str, Any] = {}
         self.fingerprints: dict[str, dict] = {}
         self.dtypes: dict[str, Optional[str]] = {}
+        self.sizes: dict[str, int] = {}  # as placed, for re-registering
 
     def get(self, model_key: str) -> Optional[Any]:
         return self.models.get(model_key)

@@ -71,6 +71,11 @@ class WorkerState:
         registry.register_worker(
             self.redis, dict(self.info, models=self.models.keys(), current_job=self.current_job)
         )
+        for model_key in self.models.keys():
+            # Declared dead after a long stall and forgotten? Claim the models again.
+            if registry.get_deployment(self.redis, self.name, model_key) is None:
+                registry.set_deployment(self.redis, self.name, model_key, registry.RUNNING,
+                                        size_bytes=self.models.sizes.get(model_key, 0))
 
     def begin(self, job_id: str) -> None:
         self.current_job, self.job_thread = job_id, threading.get_ident()
@@ -117,6 +122,11 @@ def run_job(self, job: dict) -> None:
 def run(worker: WorkerState, job: jobs.Job) -> None:
     from . import execute
 
+    if jobs.finished(worker.redis, job.id):
+        # A copy of a job that already ended (redelivered after its first
+        # worker died and it was run again, or cancelled while queued).
+        log.info("job %s already ended; not running it again", job.id)
+        return
     model = worker.models.get(job.model_key)
     if model is None:
         # Evicted between the broker handing us the job and now: back to the
@@ -228,7 +238,8 @@ _JAIL_AS_NOBODY = True
 
 
 def _deliver(worker: WorkerState, channel: jobs.StatusChannel, job: jobs.Job, data: bytes, meta: dict) -> None:
-    """Inline on the websocket when small, else through the store as a URL."""
+    """Inline on the websocket when small and someone listens, else through the
+    store as a URL (which ``GET /response/<id>`` also returns)."""
     from . import results
 
     description = "Your job has been completed."
@@ -237,8 +248,9 @@ def _deliver(worker: WorkerState, channel: jobs.StatusChannel, job: jobs.Job, da
         latest = wire.response_json(
             job.id, wire.COMPLETED, description + " Its result was delivered over the websocket.", meta=meta
         )
-        channel.send_binary(results.completed_frame(job.id, description, data, meta), latest)
-        return
+        if channel.send_binary(results.completed_frame(job.id, description, data, meta), latest):
+            return
+        # Nobody listens any more (the client went away): keep the result for a poll.
     key = f"results/{job.id}.pt"
     upload_started = time.perf_counter()
     worker.store.put(key, data)
@@ -270,6 +282,7 @@ def load_model(self, model_key: str, dtype: Optional[str] = None, size_bytes: in
     registry.set_deployment(worker.redis, worker.name, model_key, registry.DEPLOYING, size_bytes=size_bytes, dtype=dtype)
     try:
         seconds = worker.models.load(model_key, dtype)
+        worker.models.sizes[model_key] = size_bytes
     except RequestError as error:
         registry.remove_deployment(worker.redis, worker.name, model_key)
         fail_waiting(worker.redis, queue, str(error), settings.job_ttl_s)

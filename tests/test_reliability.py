@@ -1,0 +1,153 @@
+"""Nobody left hanging: a worker killed mid-job, a client that goes away, and
+fuzzed requests. Each test waits on a real job with the real client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import nnsight
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nnsight.intervention.backends.remote import RemoteBackend
+
+from tests.remote import poll
+from tests.stack import Stack
+from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
+
+REPO = "reliability/tiny"
+W0, W1 = "gpu0@reliability", "gpu1@reliability"
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory, hf_home):
+    build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=40)
+    stack = Stack(
+        tmp_path_factory.mktemp("reliability"),
+        env={
+            "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "NDIF_WORKER_NAME": W0, "NDIF_WORKER_GPUS": "0", "NDIF_REPLICA_WAIT_S": "3600",
+        },
+    )
+    stack.start()
+    try:
+        stack.add_worker(W1, gpus="1", memory_gib=1)
+        saved = nnsight.CONFIG.API.HOST
+        nnsight.CONFIG.API.HOST = stack.url
+        yield stack
+    finally:
+        nnsight.CONFIG.API.HOST = saved
+        stack.stop()
+
+
+def _local(model):
+    with model.trace(PROMPT):
+        out = model.transformer.h[1].output.save()
+    return out
+
+
+def test_a_job_whose_worker_is_killed_runs_again_elsewhere(farm):
+    model = client_model(REPO)
+    with model.trace(PROMPT, remote=True) as tracer:  # deploy it somewhere
+        model.transformer.h[1].output.save()
+    first = tracer.backend.meta["worker"]
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        out = model.transformer.h[1].output.save()  # noqa: F841
+        for _ in range(100):
+            time.sleep(0.05)  # 5 s: long enough to be killed in the middle
+    backend = tracer.backend
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{farm.url}/response/{backend.job_id}").json()["status"] != "RUNNING":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(farm.farm()["cluster"]["workers"][first]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    result = poll(backend, timeout_s=60)
+    assert time.monotonic() - killed < 30, "the lost job took longer than 30 s to come back"
+    assert torch.equal(result["out"], _local(model))
+    latest = httpx.get(f"{farm.url}/response/{backend.job_id}").json()
+    assert latest["meta"]["worker"] != first
+
+
+class GoesAway(RemoteBackend):
+    """A blocking client that hangs up right after submitting."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model.to_model_key(), env=model._remoteable_get_env())
+
+    def request(self, request, tracer):
+        import websocket
+
+        blob = self._serialize(tracer)
+        connection = websocket.create_connection(f"{self.ws_host}/subscribe")
+        request.session_id = json.loads(connection.recv())["session_id"]
+        self.job_id = self._post(request, blob).id
+        connection.close()
+        return None
+
+
+def test_a_client_that_went_away_can_still_poll_its_result(farm):
+    model = client_model(REPO)
+    backend = GoesAway(model)
+    with model.trace(PROMPT, backend=backend):
+        out = model.transformer.h[1].output.save()  # noqa: F841
+        for _ in range(20):
+            time.sleep(0.05)  # still running when the client leaves
+    poller = RemoteBackend(model.to_model_key(), blocking=False, job_id=backend.job_id)
+    result = poll(poller)
+    assert torch.equal(result["out"], _local(model))
+
+
+ENVELOPE = st.one_of(
+    st.none(),
+    st.text(max_size=200),
+    st.binary(max_size=200).map(lambda b: b.decode("latin-1")),
+    st.dictionaries(
+        st.sampled_from(["model_key", "session_id", "compress", "env", "trusted", "x"]),
+        st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=60), st.lists(st.integers(), max_size=3),
+                  st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=2)),
+        max_size=5,
+    ).map(json.dumps),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    envelope=ENVELOPE,
+    blob=st.one_of(st.none(), st.binary(max_size=300), st.just(b"\x28\xb5\x2f\xfd" + b"\x00" * 20)),
+    key=st.one_of(st.none(), st.text(max_size=40).filter(lambda t: t.isprintable() and t.isascii())),
+)
+def test_fuzzed_requests_get_a_4xx_with_a_detail(farm, envelope, blob, key):
+    files = {"blob": ("request", blob, "application/octet-stream")} if blob is not None else None
+    headers = {"ndif-api-key": key} if key else None
+    response = httpx.post(
+        f"{farm.url}/request", data={"data": envelope} if envelope is not None else None,
+        files=files, headers=headers, timeout=10,
+    )
+    if response.status_code == 200:
+        # Only a well-formed envelope naming an nnsight model gets this far; the
+        # worker then refuses the payload or the model with an ERROR.
+        assert json.loads(envelope)["model_key"].startswith("nnsight.modeling.")
+        return
+    assert 400 <= response.status_code < 500, response.text
+    assert isinstance(response.json()["detail"], str)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(job_id=st.text(min_size=1, max_size=80).filter(lambda t: "/" not in t and t.isprintable()))
+def test_fuzzed_response_ids_get_a_404_with_a_detail(farm, job_id):
+    response = httpx.get(f"{farm.url}/response/{job_id}", timeout=10)
+    assert response.status_code in (404, 400), response.text
+    assert isinstance(response.json()["detail"], str)
+
+
+def test_the_stack_keeps_serving_after_the_fuzzing(farm):
+    model = client_model(REPO)
+    with model.trace(PROMPT, remote=True):
+        out = model.transformer.h[1].output.save()
+    assert torch.equal(out, _local(model))
