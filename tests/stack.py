@@ -13,6 +13,7 @@ Import it as ``from tests.stack import Stack``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -176,3 +177,24 @@ def _stop_process(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait()
     except ProcessLookupError:
         pass
+
+
+@contextlib.contextmanager
+def client_on_stack(home: Path, hf_home: Path, env: Optional[dict] = None, workers: tuple = ()):
+    """A stack of its own for a test module: the offline model cache, ``env``,
+    extra workers ``(name, gpus, memory_gib)``, and the real client pointed at
+    it (its host, API key and compression restored afterwards)."""
+    import nnsight
+
+    stack = Stack(home, env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})})
+    stack.start()
+    api = nnsight.CONFIG.API
+    saved = api.HOST, api.APIKEY, api.COMPRESS
+    try:
+        for name, gpus, memory_gib in workers:
+            stack.add_worker(name, gpus=gpus, memory_gib=memory_gib)
+        api.HOST = stack.url
+        yield stack
+    finally:
+        api.HOST, api.APIKEY, api.COMPRESS = saved
+        stack.stop()

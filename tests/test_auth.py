@@ -15,7 +15,7 @@ import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from tests.remote import poll
-from tests.stack import Stack
+from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT
 
 POSTGRES_ADMIN = "postgresql://postgres@127.0.0.1:5432/test"
@@ -41,22 +41,14 @@ def _postgres_database():
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def stack(request, tmp_path_factory, hf_home):
-    env = {
-        "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
-    }
+    env = {"NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0"}
     drop = None
     if request.param == "postgresql":
         env["NDIF_DATABASE_URL"], drop = _postgres_database()
-    stack = Stack(tmp_path_factory.mktemp(f"auth-{request.param}"), env=env)
-    stack.start()
-    saved = nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY
-    nnsight.CONFIG.API.HOST = stack.url
     try:
-        yield stack
+        with client_on_stack(tmp_path_factory.mktemp(f"auth-{request.param}"), hf_home, env) as stack:
+            yield stack
     finally:
-        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY = saved
-        stack.stop()
         if drop:
             drop()
 

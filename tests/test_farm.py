@@ -21,7 +21,7 @@ import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from tests.remote import poll
-from tests.stack import Stack
+from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 GiB = 1024**3
@@ -37,28 +37,16 @@ def farm(tmp_path_factory, hf_home):
         build_tiny_gpt2(hf_home, repo, n_layer=2, seed=10 + i)
     build_tiny_gpt2(hf_home, HUGE, n_layer=4, n_embd=256, seed=20)
     size = _weights(hf_home, SMALL[0])
-    stack = Stack(
-        tmp_path_factory.mktemp("farm"),
-        env={
-            "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            # Place models by their weights alone, so the budgets below are exact.
-            "NDIF_PADDING_FACTOR": "0", "NDIF_PADDING_BYTES": "0",
-            "NDIF_REPLICA_WAIT_S": "3600", "NDIF_REPLICA_IDLE_S": "3600",
-        },
-    )
-    # The stack's own worker has room for two small models, the second worker for one.
-    stack.env["NDIF_WORKER_GPUS"] = "0"
-    stack.env["NDIF_WORKER_MEMORY_GIB"] = str(2.5 * size / GiB)
-    stack.env["NDIF_WORKER_NAME"] = W0
-    stack.start()
-    try:
-        stack.add_worker(W1, gpus="1", memory_gib=1.5 * size / GiB)
-        saved = nnsight.CONFIG.API.HOST
-        nnsight.CONFIG.API.HOST = stack.url
+    env = {
+        # Place models by their weights alone, so the budgets below are exact.
+        "NDIF_PADDING_FACTOR": "0", "NDIF_PADDING_BYTES": "0",
+        "NDIF_REPLICA_WAIT_S": "3600", "NDIF_REPLICA_IDLE_S": "3600",
+        # The stack's own worker has room for two small models, the second worker for one.
+        "NDIF_WORKER_NAME": W0, "NDIF_WORKER_GPUS": "0", "NDIF_WORKER_MEMORY_GIB": str(2.5 * size / GiB),
+    }
+    workers = [(W1, "1", 1.5 * size / GiB)]
+    with client_on_stack(tmp_path_factory.mktemp("farm"), hf_home, env, workers) as stack:
         yield types.SimpleNamespace(stack=stack, size=size)
-    finally:
-        nnsight.CONFIG.API.HOST = saved
-        stack.stop()
 
 
 def _weights(hf_home, repo) -> int:

@@ -6,10 +6,9 @@ from __future__ import annotations
 import time
 
 import httpx
-import nnsight
 import pytest
 
-from tests.stack import Stack
+from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 REPO = "farm/replicated"
@@ -18,23 +17,12 @@ REPO = "farm/replicated"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, hf_home):
     build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=30)
-    stack = Stack(
-        tmp_path_factory.mktemp("replicas"),
-        env={
-            "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "NDIF_WORKER_NAME": "gpu0@replicas", "NDIF_WORKER_GPUS": "0", "NDIF_WORKER_MEMORY_GIB": "1",
-            "NDIF_REPLICA_WAIT_S": "1", "NDIF_AUTOSCALE_BACKOFF_S": "1", "NDIF_REPLICA_IDLE_S": "4",
-        },
-    )
-    stack.start()
-    try:
-        stack.add_worker("gpu1@replicas", gpus="1", memory_gib=1)
-        saved = nnsight.CONFIG.API.HOST
-        nnsight.CONFIG.API.HOST = stack.url
+    env = {
+        "NDIF_WORKER_NAME": "gpu0@replicas", "NDIF_WORKER_GPUS": "0", "NDIF_WORKER_MEMORY_GIB": "1",
+        "NDIF_REPLICA_WAIT_S": "1", "NDIF_AUTOSCALE_BACKOFF_S": "1", "NDIF_REPLICA_IDLE_S": "4",
+    }
+    with client_on_stack(tmp_path_factory.mktemp("replicas"), hf_home, env, [("gpu1@replicas", "1", 1)]) as stack:
         yield stack
-    finally:
-        nnsight.CONFIG.API.HOST = saved
-        stack.stop()
 
 
 def _replicas(stack) -> set:

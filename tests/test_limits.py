@@ -13,7 +13,7 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from tests.remote import poll
-from tests.stack import Stack
+from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT
 
 PAYLOAD_LIMIT = 200_000
@@ -23,23 +23,13 @@ TIMEOUT_S = 3
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, hf_home):
-    stack = Stack(
-        tmp_path_factory.mktemp("limits"),
-        env={
-            "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
-            "NDIF_MAX_PAYLOAD_BYTES": str(PAYLOAD_LIMIT), "NDIF_MAX_RESULT_BYTES": str(RESULT_LIMIT),
-            "NDIF_EXECUTION_TIMEOUT_S": str(TIMEOUT_S), "NDIF_MAX_QUEUE_DEPTH": "2",
-        },
-    )
-    stack.start()
-    saved = nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY, nnsight.CONFIG.API.COMPRESS
-    nnsight.CONFIG.API.HOST = stack.url
-    try:
+    env = {
+        "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
+        "NDIF_MAX_PAYLOAD_BYTES": str(PAYLOAD_LIMIT), "NDIF_MAX_RESULT_BYTES": str(RESULT_LIMIT),
+        "NDIF_EXECUTION_TIMEOUT_S": str(TIMEOUT_S), "NDIF_MAX_QUEUE_DEPTH": "2",
+    }
+    with client_on_stack(tmp_path_factory.mktemp("limits"), hf_home, env) as stack:
         yield stack
-    finally:
-        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY, nnsight.CONFIG.API.COMPRESS = saved
-        stack.stop()
 
 
 def make_key(stack, *flags) -> str:
