@@ -59,7 +59,7 @@ class Stack:
         self.redis_port = int(self.env["NDIF_EMBEDDED_REDIS_PORT"])
         self.flower_port = int(self.env["NDIF_FLOWER_PORT"])
         self.started = False
-        self.extra_workers: dict[str, subprocess.Popen] = {}
+        self.extra_processes: dict[str, subprocess.Popen] = {}
 
     @property
     def url(self) -> str:
@@ -100,11 +100,11 @@ class Stack:
         return self
 
     def stop(self, timeout: float = 10) -> subprocess.CompletedProcess:
-        """``down`` (fine when nothing runs), and any extra workers."""
+        """``down`` (fine when nothing runs), and any extra processes."""
         self.started = False
-        for proc in self.extra_workers.values():
+        for proc in self.extra_processes.values():
             _stop_process(proc, timeout)
-        self.extra_workers.clear()
+        self.extra_processes.clear()
         return self.cli("down", "--timeout", str(timeout), timeout=timeout * 5 + 60)
 
     def add_worker(self, name: str, gpus: str, memory_gib: float, timeout: float = 120) -> subprocess.Popen:
@@ -120,7 +120,7 @@ class Stack:
              "--memory", str(memory_gib)],
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-        self.extra_workers[name] = proc
+        self.extra_processes[name] = proc
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout
         while not client.hexists(registry.WORKERS, name):
@@ -149,6 +149,16 @@ class Stack:
 
     def _report(self, what: str, result: subprocess.CompletedProcess) -> str:
         return f"{what}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}\n--- logs\n{self.logs()}"
+
+    def run_service(self, service: str) -> subprocess.Popen:
+        """Start one more ``ndif-celery <service>`` (say, a web restarted by hand)."""
+        log = (self.logs_dir / f"{service}-again.log").open("ab")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ndif_celery.cli", service], cwd=ROOT, env=self.env,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self.extra_processes[f"{service}-{proc.pid}"] = proc
+        return proc
 
     def farm(self) -> dict:
         """``GET /status``."""

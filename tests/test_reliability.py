@@ -20,14 +20,15 @@ from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 REPO = "reliability/tiny"
-W0, W1 = "gpu0@reliability", "gpu1@reliability"
+W0, W1, W2 = "gpu0@reliability", "gpu1@reliability", "gpu2@reliability"
 
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, hf_home):
     build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=40)
     env = {"NDIF_WORKER_NAME": W0, "NDIF_WORKER_GPUS": "0", "NDIF_REPLICA_WAIT_S": "3600"}
-    with client_on_stack(tmp_path_factory.mktemp("reliability"), hf_home, env, [(W1, "1", 1)]) as stack:
+    workers = [(W1, "1", 1), (W2, "2", 1)]
+    with client_on_stack(tmp_path_factory.mktemp("reliability"), hf_home, env, workers) as stack:
         yield stack
 
 
@@ -87,6 +88,79 @@ def test_a_client_that_went_away_can_still_poll_its_result(farm):
     poller = RemoteBackend(model.to_model_key(), blocking=False, job_id=backend.job_id)
     result = poll(poller)
     assert torch.equal(result["out"], _local(model))
+
+
+def _slow_job(model, steps):
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        out = model.transformer.h[1].output.save()  # noqa: F841
+        for _ in range(steps):
+            time.sleep(0.05)
+    return tracer.backend
+
+
+def _wait_running(stack, job_id, timeout=30):
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{stack.url}/response/{job_id}", timeout=10).json()["status"] != "RUNNING":
+        assert time.monotonic() < deadline, f"job {job_id} never started"
+        time.sleep(0.05)
+
+
+def test_a_web_restart_loses_no_queued_job_and_strands_no_blocking_client(farm):
+    model = client_model(REPO)
+    farm.cli("deploy", REPO)  # one replica: the jobs below queue behind each other
+    running = _slow_job(model, 60)
+    _wait_running(farm, running.job_id)
+    queued = [_slow_job(model, 1) for _ in range(2)]
+    blocked = {}
+
+    def blocking_client():
+        try:
+            with model.trace(PROMPT, remote=True):
+                model.transformer.h[1].output.save()
+            blocked["outcome"] = "completed"
+        except Exception as error:  # noqa: BLE001 - what the client raises is the point
+            blocked["outcome"] = f"{type(error).__name__}: {error}"
+
+    import threading
+
+    client = threading.Thread(target=blocking_client)
+    client.start()
+    time.sleep(1.0)  # it is waiting on its websocket now
+    os.killpg(farm.pids()["web"], signal.SIGKILL)
+    client.join(timeout=15)
+    assert not client.is_alive(), "a blocking client hung when the web died"
+    assert blocked["outcome"] != "completed"
+    farm.run_service("web")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{farm.url}/ping", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the web did not come back"
+        time.sleep(0.2)
+    local = _local(model)
+    for backend in [running, *queued]:
+        assert torch.equal(poll(backend)["out"], local)
+
+
+def test_sigterm_lets_the_running_job_finish(farm):
+    model = client_model(REPO)
+    backend = _slow_job(model, 40)
+    _wait_running(farm, backend.job_id)
+    deadline = time.monotonic() + 10
+    while not (holders := [(n, i) for n, i in farm.farm()["cluster"]["workers"].items()
+                           if i["current_job"] == backend.job_id]):
+        assert time.monotonic() < deadline, "no worker reports the job"
+        time.sleep(0.1)
+    (name, info), = holders
+    os.kill(info["pid"], signal.SIGTERM)
+    assert torch.equal(poll(backend)["out"], _local(model))
+    deadline = time.monotonic() + 30
+    while name in farm.farm()["cluster"]["workers"]:
+        assert time.monotonic() < deadline, "the worker did not leave after SIGTERM"
+        time.sleep(0.2)
 
 
 ENVELOPE = st.one_of(
