@@ -131,7 +131,9 @@ def test_no_network_not_even_loopback(jail, model):
 
 def test_a_fork_bomb_is_contained(jail, model):
     started = time.monotonic()
-    with pytest.raises(RemoteError, match="BlockingIOError|Resource temporarily unavailable|died"):
+    # Stopped at the process cap (EAGAIN), or, when the forks keep replacing
+    # the ones that die, at the deadline; either way the whole jail goes.
+    with pytest.raises(RemoteError, match="BlockingIOError|Resource temporarily unavailable|died|execution timeout"):
         with model.trace(PROMPT, remote=True):
             while True:
                 os.fork()

@@ -170,7 +170,7 @@ def in_pids_cgroup() -> bool:
     return "/ndif-jobs/" in _read("/proc/self/cgroup")
 
 
-def remove_cgroup(path: str, timeout_s: float = 2.0) -> None:
+def remove_cgroup(path: str, timeout_s: float = 10.0) -> None:
     """Kill whatever is left in the job's cgroup, then remove it."""
     import time
 
