@@ -26,6 +26,34 @@ def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.05):
         time.sleep(interval_s)
 
 
+def slow_job(model, steps: int = 0, layer: int = 0):
+    """Submit a non-blocking job saving ``out`` (layer ``layer``'s output) that
+    then sleeps ``steps`` x 50 ms in Python, so it stays running, and killable."""
+    from tests.tiny_model import PROMPT
+
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        out = model.transformer.h[layer].output.save()  # noqa: F841
+        for _ in range(steps):
+            time.sleep(0.05)
+    return tracer.backend
+
+
+def wait_status(url: str, job_id: str, status: str, contains: str = "", headers: dict | None = None,
+                timeout_s: float = 60.0) -> dict:
+    """Poll ``GET /response/<id>`` until the job's latest status is ``status``
+    (with ``contains`` in its description); return it."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        latest = httpx.get(f"{url}/response/{job_id}", headers=headers, timeout=10).json()
+        if latest["status"] == status and contains in latest["description"]:
+            return latest
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} never reached {status} {contains!r}: {latest}")
+        time.sleep(0.05)
+
+
 def final_status(url: str, job_id: str, headers: dict | None = None, timeout_s: float = 60.0) -> dict:
     """Poll ``GET /response/<id>`` until COMPLETED or ERROR; return that status."""
     import httpx

@@ -20,7 +20,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
-from tests.remote import poll
+from tests.remote import poll, slow_job, wait_status
 from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
@@ -137,27 +137,11 @@ def test_a_model_too_big_for_any_worker_errors_every_queued_request(farm):
 
 
 def _submit(repo: str, slow_steps: int = 0) -> RemoteBackend:
-    """A non-blocking job; ``slow_steps`` of 50 ms keep it running (and killable)."""
-    model = client_model(repo)
-    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
-        out = model.transformer.h[0].output.save()  # noqa: F841
-        for _ in range(slow_steps):
-            time.sleep(0.05)
-    return tracer.backend
+    return slow_job(client_model(repo), slow_steps)
 
 
 def _latest(stack, job_id) -> dict:
     return httpx.get(f"{stack.url}/response/{job_id}", timeout=10).json()
-
-
-def _wait_status(stack, job_id, status, timeout=60, contains=""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        latest = _latest(stack, job_id)
-        if latest["status"] == status and contains in latest["description"]:
-            return latest
-        time.sleep(0.05)
-    raise AssertionError(f"job {job_id} never reached {status} {contains!r}: {_latest(stack, job_id)}")
 
 
 def test_cli_status_queue_and_kill(farm):
@@ -178,7 +162,7 @@ def test_cli_status_queue_and_kill(farm):
     assert W0 in human and W1 in human and SMALL[0] in human and "pinned" in human
 
     running = _submit(SMALL[0], slow_steps=600)  # up to 30 s, on W1
-    _wait_status(stack, running.job_id, "RUNNING")
+    wait_status(stack.url, running.job_id, "RUNNING")
     queued = [_submit(SMALL[0]) for _ in range(2)]
     rows = {row["model_key"]: row for row in json.loads(_cli(stack, "queue", "--json").stdout)}
     row = rows[_key(SMALL[0])]
@@ -190,7 +174,7 @@ def test_cli_status_queue_and_kill(farm):
     assert "removed from the queue" in _cli(stack, "kill", queued[0].job_id).stdout
     with pytest.raises(RemoteError, match="Request cancelled by operator."):
         poll(queued[0])
-    _wait_status(stack, queued[1].job_id, "QUEUED", contains="(position 1)")
+    wait_status(stack.url, queued[1].job_id, "QUEUED", contains="(position 1)")
 
     # The running job is interrupted; the queue moves on.
     started = time.monotonic()

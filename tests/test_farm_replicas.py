@@ -8,8 +8,9 @@ import time
 import httpx
 import pytest
 
+from tests.remote import slow_job
 from tests.stack import client_on_stack
-from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
+from tests.tiny_model import build_tiny_gpt2, client_model
 
 REPO = "farm/replicated"
 
@@ -32,17 +33,9 @@ def _replicas(stack) -> set:
     }
 
 
-def _slow_job(model):
-    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
-        out = model.transformer.h[0].output.save()  # noqa: F841
-        for _ in range(15):
-            time.sleep(0.05)
-    return tracer.backend
-
-
 def test_a_replica_is_added_under_queue_pressure_and_removed_when_idle(stack):
     model = client_model(REPO)
-    backends = [_slow_job(model) for _ in range(8)]
+    backends = [slow_job(model, 15) for _ in range(8)]
     most = set()
     deadline = time.monotonic() + 90
     pending = list(backends)

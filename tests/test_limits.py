@@ -12,7 +12,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from tests.remote import poll
+from tests.remote import poll, slow_job, wait_status
 from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT
 
@@ -121,37 +121,24 @@ def test_rate_limit_per_key(stack, model, monkeypatch):
     _works(model)  # other keys are not affected
 
 
-def _slow(model, steps):
-    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
-        out = model.transformer.h[0].output.save()  # noqa: F841
-        for _ in range(steps):
-            time.sleep(0.05)
-    return tracer.backend
-
-
 def test_concurrent_jobs_per_key(stack, model, monkeypatch):
     key = make_key(stack, "--trusted", "--max-concurrent", "2")
     monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", key)
-    first, second = _slow(model, 30), _slow(model, 1)
+    first, second = slow_job(model, 30), slow_job(model, 1)
     with pytest.raises(RemoteError, match="at most 2 queued or running"):
-        _slow(model, 1)
+        slow_job(model, 1)
     poll(first)
     poll(second)
-    poll(_slow(model, 1))  # room again
+    poll(slow_job(model, 1))  # room again
 
 
 def test_queue_depth_per_model(stack, model, monkeypatch):
     monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", make_key(stack, "--trusted"))
-    running = _slow(model, 40)  # 2 s on the only worker
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{stack.url}/response/{running.job_id}", headers={"ndif-api-key": running.api_key}).json()[
-        "status"
-    ] != "RUNNING":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    waiting = [_slow(model, 1), _slow(model, 1)]  # the queue now holds 2
+    running = slow_job(model, 40)  # 2 s on the only worker
+    wait_status(stack.url, running.job_id, "RUNNING", headers={"ndif-api-key": running.api_key})
+    waiting = [slow_job(model, 1), slow_job(model, 1)]  # the queue now holds 2
     with pytest.raises(RemoteError, match="queue for this model is full"):
-        _slow(model, 1)
+        slow_job(model, 1)
     for backend in [running, *waiting]:
         poll(backend)
     _works(model)

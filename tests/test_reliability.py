@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nnsight.intervention.backends.remote import RemoteBackend
 
-from tests.remote import poll
+from tests.remote import poll, slow_job, wait_status
 from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
@@ -43,15 +43,8 @@ def test_a_job_whose_worker_is_killed_runs_again_elsewhere(farm):
     with model.trace(PROMPT, remote=True) as tracer:  # deploy it somewhere
         model.transformer.h[1].output.save()
     first = tracer.backend.meta["worker"]
-    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
-        out = model.transformer.h[1].output.save()  # noqa: F841
-        for _ in range(100):
-            time.sleep(0.05)  # 5 s: long enough to be killed in the middle
-    backend = tracer.backend
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{farm.url}/response/{backend.job_id}").json()["status"] != "RUNNING":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    backend = slow_job(model, 100, layer=1)  # 5 s: long enough to be killed in the middle
+    wait_status(farm.url, backend.job_id, "RUNNING")
     os.kill(farm.farm()["cluster"]["workers"][first]["pid"], signal.SIGKILL)
     killed = time.monotonic()
     result = poll(backend, timeout_s=60)
@@ -90,27 +83,12 @@ def test_a_client_that_went_away_can_still_poll_its_result(farm):
     assert torch.equal(result["out"], _local(model))
 
 
-def _slow_job(model, steps):
-    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
-        out = model.transformer.h[1].output.save()  # noqa: F841
-        for _ in range(steps):
-            time.sleep(0.05)
-    return tracer.backend
-
-
-def _wait_running(stack, job_id, timeout=30):
-    deadline = time.monotonic() + timeout
-    while httpx.get(f"{stack.url}/response/{job_id}", timeout=10).json()["status"] != "RUNNING":
-        assert time.monotonic() < deadline, f"job {job_id} never started"
-        time.sleep(0.05)
-
-
 def test_a_web_restart_loses_no_queued_job_and_strands_no_blocking_client(farm):
     model = client_model(REPO)
     farm.cli("deploy", REPO)  # one replica: the jobs below queue behind each other
-    running = _slow_job(model, 60)
-    _wait_running(farm, running.job_id)
-    queued = [_slow_job(model, 1) for _ in range(2)]
+    running = slow_job(model, 60, layer=1)
+    wait_status(farm.url, running.job_id, "RUNNING")
+    queued = [slow_job(model, 1, layer=1) for _ in range(2)]
     blocked = {}
 
     def blocking_client():
@@ -147,8 +125,8 @@ def test_a_web_restart_loses_no_queued_job_and_strands_no_blocking_client(farm):
 
 def test_sigterm_lets_the_running_job_finish(farm):
     model = client_model(REPO)
-    backend = _slow_job(model, 40)
-    _wait_running(farm, backend.job_id)
+    backend = slow_job(model, 40, layer=1)
+    wait_status(farm.url, backend.job_id, "RUNNING")
     deadline = time.monotonic() + 10
     while not (holders := [(n, i) for n, i in farm.farm()["cluster"]["workers"].items()
                            if i["current_job"] == backend.job_id]):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from tests.remote import final_status, poll
+from tests.remote import final_status, poll, wait_status
 from tests.stack_pool import SECRETS
 from tests.tiny_model import PROMPT
 
@@ -277,10 +277,7 @@ def test_an_operator_kill_ends_an_isolated_job_at_once(jail, model):
         while True:
             pass
     backend = tracer.backend
-    deadline = time.monotonic() + 30
-    while httpx.get(f"{jail.url}/response/{backend.job_id}").json()["status"] != "RUNNING":
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_status(jail.url, backend.job_id, "RUNNING")
     started = time.monotonic()
     result = jail.cli("kill", backend.job_id)
     assert "cancelling on" in result.stdout, result.stderr
