@@ -43,6 +43,8 @@ class Settings:
     result_url_ttl_s: int
     job_ttl_s: int
     visibility_timeout_s: int
+    redis_outage_s: float
+    cleanup_interval_s: float
     database_url: str
     flower_port: int
     log_level: str
@@ -168,6 +170,8 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         result_url_ttl_s=_int(env, "NDIF_RESULT_URL_TTL_S", 3600),
         job_ttl_s=_int(env, "NDIF_JOB_TTL_S", 24 * 3600),
         visibility_timeout_s=_int(env, "NDIF_VISIBILITY_TIMEOUT_S", 6 * 3600),
+        redis_outage_s=_float(env, "NDIF_REDIS_OUTAGE_S", 30.0),
+        cleanup_interval_s=_float(env, "NDIF_CLEANUP_INTERVAL_S", 300.0),
         database_url=env.get("NDIF_DATABASE_URL") or f"sqlite:///{home / 'ndif.db'}",
         flower_port=_int(env, "NDIF_FLOWER_PORT", 5555),
         log_level=(env.get("NDIF_LOG_LEVEL") or "INFO").upper(),

@@ -78,8 +78,27 @@ class Job:
         return cls(**{k: message[k] for k in cls.__dataclass_fields__ if k in message})
 
 
-def connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=5)
+def connect(url: str, outage_s: float = 0.0) -> redis.Redis:
+    """A Redis client; with ``outage_s``, one that rides out a Redis restart.
+
+    The web and the workers pass ``NDIF_REDIS_OUTAGE_S``: a command that finds
+    Redis gone is retried with backoff for about that long, so a restart (the
+    embedded Redis comes back from its append-only file in a second) delays
+    requests and status writes instead of failing them. The CLI passes nothing
+    and fails at once, which is what someone typing a command wants.
+    """
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    retries = int(outage_s / _RETRY_CAP_S) + 4 if outage_s > 0 else 0
+    return redis.Redis.from_url(
+        url, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=5,
+        retry=Retry(ExponentialBackoff(cap=_RETRY_CAP_S, base=0.05), retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+    )
+
+
+_RETRY_CAP_S = 0.5
 
 
 class StatusChannel:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import redis
 from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
@@ -23,7 +24,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     settings = settings or config.load()
     app = Flask("ndif_celery.web")
     app.config["NDIF_SETTINGS"] = settings
-    app.config["NDIF_REDIS"] = jobs.connect(settings.redis_url)
+    app.config["NDIF_REDIS"] = jobs.connect(settings.redis_url, settings.redis_outage_s)
     app.config["NDIF_CELERY"] = make_app(settings)
     app.config["NDIF_STORE"] = open_store(settings)
     app.config["NDIF_AUTH"] = Authenticator(settings)
@@ -54,6 +55,15 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     def http_error(error: HTTPException):
         # The client reads body["detail"] of any failed request.
         return jsonify(detail=error.description or error.name), error.code
+
+    @app.errorhandler(redis.ConnectionError)
+    @app.errorhandler(redis.TimeoutError)
+    def broker_down(error):
+        app.logger.warning("Redis unreachable: %s", error)
+        return jsonify(
+            detail=f"The job broker (Redis) is unreachable, so this request could not be handled; "
+            f"nothing was lost, please retry shortly. ({error})"
+        ), 503
 
     @app.errorhandler(Exception)
     def unhandled(error: Exception):

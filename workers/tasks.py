@@ -31,6 +31,7 @@ from celery.worker.control import control_command
 
 from ndif_celery import config, jobs, queues, registry, wire
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, RUN_JOB, make_app, queue_for
+from ndif_celery.store import StoreUnavailable
 
 settings = config.load()
 if settings.worker_gpus:
@@ -58,7 +59,7 @@ class WorkerState:
         from .resident import ResidentModels
 
         self.name = name
-        self.redis = jobs.connect(settings.redis_url)
+        self.redis = jobs.connect(settings.redis_url, settings.redis_outage_s)
         self.store = open_store(settings)
         self.models = ResidentModels()
         self.info: dict = {"name": name, "host": socket.gethostname(), "pid": os.getpid()}
@@ -175,6 +176,10 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         channel.send(wire.ERROR, f"Your job exceeded the execution timeout of {settings.execution_timeout_s:g}s.", meta=meta)
     except execute.RequestError as error:
         channel.send(wire.ERROR, str(error), meta=meta)
+    except StoreUnavailable as error:
+        log.error("job %s: %s", job.id, error)
+        channel.send(wire.ERROR, f"Your job ran, but the result store is unavailable so its result could not be "
+                     f"kept; please resend it shortly. ({error})", meta=meta)
     except Exception as error:  # noqa: BLE001 - a server fault still ends the job visibly
         log.exception("job %s failed on the server", job.id)
         channel.send(wire.ERROR, f"Server error while running your job: {type(error).__name__}: {error}", meta=meta)
