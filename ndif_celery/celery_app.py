@@ -23,6 +23,9 @@ from . import config
 RUN_JOB = "ndif.run_job"
 LOAD_MODEL = "ndif.load_model"
 EVICT_MODEL = "ndif.evict_model"
+CLEANUP = "ndif.cleanup"
+# Housekeeping every worker consumes (the beat's cleanup lands on one of them).
+MAINTENANCE_QUEUE = "ndif.maintenance"
 
 
 def queue_for(model_key: str) -> str:
@@ -61,6 +64,15 @@ def make_app(settings: Optional[config.Settings] = None) -> Celery:
             "visibility_timeout": settings.visibility_timeout_s,
         },
         worker_cancel_long_running_tasks_on_connection_loss=False,
+        # Run by `ndif-celery beat` (one per farm); a sweep nobody picked up
+        # before the next one is due is dropped rather than piled up.
+        beat_schedule={
+            "ndif-cleanup": {
+                "task": CLEANUP,
+                "schedule": settings.cleanup_interval_s,
+                "options": {"queue": MAINTENANCE_QUEUE, "expires": settings.cleanup_interval_s},
+            },
+        },
     )
     return app
 
@@ -92,6 +104,6 @@ def worker_argv(settings: config.Settings, name: Optional[str] = None) -> list[s
         "--without-mingle",
         "-E",
         f"--hostname={name}",
-        f"--queues={worker_queue(name)}",
+        f"--queues={worker_queue(name)},{MAINTENANCE_QUEUE}",
         f"--loglevel={settings.log_level}",
     ]

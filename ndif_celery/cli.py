@@ -364,6 +364,12 @@ def web() -> None:
 
 
 @main.command()
+def beat() -> None:
+    """Run Celery beat in the foreground: the periodic cleanup of expired jobs (one per farm)."""
+    _exec("beat")
+
+
+@main.command()
 def flower() -> None:
     """Run Flower, the Celery monitor, in the foreground."""
     _exec("flower")

@@ -11,6 +11,8 @@ moves the job along (the web on intake, the worker afterwards):
 - channel ``ndif:session:<session_id>``  every status of a blocking job, forwarded
                               verbatim to its websocket (``...:owner``: who opened it)
 
+- zset ``ndif:jobs:ended``     job id -> when it ended, for the cleanup (``ndif_celery.cleanup``)
+
 All keys expire after ``NDIF_JOB_TTL_S``.
 """
 
@@ -24,6 +26,9 @@ from typing import Any, Optional
 import redis
 
 from . import wire
+
+
+ENDED = "ndif:jobs:ended"
 
 
 def payload_key(job_id: str) -> str:
@@ -126,7 +131,7 @@ class StatusChannel:
         if status != wire.LOG:
             pipe.set(status_key(self.job.id), message, ex=self.ttl_s)
         if status in wire.TERMINAL:
-            _release(pipe, self.job)
+            _release(pipe, self.job, self.ttl_s)
         if self.job.session_id:
             pipe.publish(session_channel(self.job.session_id), message)
         pipe.execute()
@@ -140,7 +145,7 @@ class StatusChannel:
             return False
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(status_key(self.job.id), latest, ex=self.ttl_s)
-        _release(pipe, self.job)
+        _release(pipe, self.job, self.ttl_s)
         pipe.execute()
         return True
 
@@ -148,10 +153,19 @@ class StatusChannel:
         self.send(wire.LOG, line)
 
 
-def _release(pipe, job: "Job") -> None:
+def _release(pipe, job: "Job", ttl_s: int) -> None:
+    """What a terminal status also does: free the key's concurrency slot, note
+    when the job ended (for the cleanup), and keep its owner as long as its status."""
     from .limits import release
 
     release(pipe, job)
+    pipe.zadd(ENDED, {job.id: time.time()})
+    pipe.expire(owner_key(job.id), ttl_s)
+
+
+def job_keys(job_id: str) -> tuple[str, ...]:
+    """Every Redis key of one job (the cleanup deletes them together)."""
+    return (payload_key(job_id), status_key(job_id), owner_key(job_id), message_key(job_id))
 
 
 def latest_status(client: redis.Redis, job_id: str) -> Optional[bytes]:

@@ -44,7 +44,7 @@ from .redis_server import RedisServerNotFound, redis_argv, redis_dir
 # project is used from a checkout without being installed.
 ROOT = Path(__file__).resolve().parent.parent
 
-SERVICES = ("redis", "web", "worker", "flower")
+SERVICES = ("redis", "web", "worker", "beat", "flower")
 CELERY_APP = "workers.tasks:app"
 
 # How long `start` waits for its own Redis before starting the services that
@@ -83,7 +83,7 @@ def default_services(settings: config.Settings) -> list[str]:
     Redis only when no ``NDIF_REDIS_URL`` names one; it starts first because
     everything else talks to it, and so stops last.
     """
-    services = ["web", "worker", "flower"]
+    services = ["web", "worker", "beat", "flower"]
     return (["redis"] + services) if settings.embedded_redis else services
 
 
@@ -99,6 +99,12 @@ def command(settings: config.Settings, service: str, worker_name: Optional[str] 
         return [sys.executable, "-m", "gunicorn", "-c", "python:web.gunicorn_conf", "web.app:create_app()"]
     if service == "worker":
         return [sys.executable, "-m", "celery", "-A", CELERY_APP, *worker_argv(settings, worker_name)]
+    if service == "beat":
+        # Its schedule file under NDIF_HOME; run one beat per farm.
+        return [
+            sys.executable, "-m", "celery", "-A", CELERY_APP, "beat",
+            f"--schedule={settings.home / 'run' / 'beat-schedule'}", f"--loglevel={settings.log_level}",
+        ]
     if service == "flower":
         return [
             sys.executable, "-m", "celery", "-A", CELERY_APP, "flower",
@@ -138,6 +144,8 @@ def exec_service(settings: config.Settings, service: str, worker_name: Optional[
         raise StackError(str(exc)) from None
     if service == "redis":
         redis_dir(settings).mkdir(parents=True, exist_ok=True)
+    if service == "beat":
+        state_path(settings).parent.mkdir(parents=True, exist_ok=True)
     env = child_env(settings)
     os.chdir(ROOT)
     sys.stdout.flush()

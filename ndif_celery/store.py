@@ -148,6 +148,21 @@ class FilesystemStore:
         """Remove ``key``; removing a missing key is not an error."""
         self.path(key).unlink(missing_ok=True)
 
+    def older_than(self, prefix: str, cutoff: float) -> list[str]:
+        """Keys under ``prefix`` last written before ``cutoff`` (a Unix time),
+        for the cleanup to delete."""
+        folder = self.path(prefix.strip("/"))
+        if not folder.is_dir():
+            return []
+        found = []
+        for path in folder.rglob("*"):
+            try:
+                if not path.name.startswith(".") and path.is_file() and path.stat().st_mtime < cutoff:
+                    found.append(path.relative_to(self.root).as_posix())
+            except FileNotFoundError:
+                continue  # deleted while we looked
+        return found
+
     def sign(self, key: str, expires: int) -> str:
         """Hex HMAC-SHA256 of ``key`` and ``expires``.
 
@@ -348,6 +363,24 @@ class S3Store:
             raise self._unavailable(f"delete {key!r}", exc) from exc
         except _TRANSPORT_ERRORS as exc:
             raise self._unavailable(f"delete {key!r}", exc) from exc
+
+    def older_than(self, prefix: str, cutoff: float) -> list[str]:
+        """Keys under ``prefix`` last modified before ``cutoff`` (a Unix time).
+
+        The cleanup's safety net for results whose job record is gone; in
+        production a bucket lifecycle rule does the same (``deploy/``)."""
+        try:
+            return [
+                item.object_name
+                for item in self._client.list_objects(self.bucket, prefix=prefix, recursive=True)
+                if item.last_modified is not None and item.last_modified.timestamp() < cutoff
+            ]
+        except S3Error as exc:
+            if exc.code == "NoSuchBucket":
+                return []
+            raise self._unavailable(f"list {prefix!r}", exc) from exc
+        except _TRANSPORT_ERRORS as exc:
+            raise self._unavailable(f"list {prefix!r}", exc) from exc
 
     def url(self, key: str) -> str:
         """A presigned GET URL on ``public_url`` valid for ``url_ttl_s`` seconds.

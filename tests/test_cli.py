@@ -22,7 +22,7 @@ from ndif_celery import cli, config, redis_server, registry
 from tests.servers import free_ports, port_open
 from tests.stack import ROOT, Stack
 
-SERVICES = ("redis", "web", "worker", "flower")
+SERVICES = ("redis", "web", "worker", "beat", "flower")
 
 
 def running(pid: int) -> bool:
@@ -235,6 +235,7 @@ def test_procfile_commands_make_a_farm(tmp_path):
         assert (stack.home / "redis").is_dir()
         run("web")
         run("worker", "--name", "procfile@test")
+        run("beat")
         run("flower")
         client = redis.Redis.from_url(stack.redis_url)
         try:
@@ -251,6 +252,7 @@ def test_procfile_commands_make_a_farm(tmp_path):
         assert httpx.get(f"{stack.flower_url}/healthcheck", timeout=10).status_code == 200
         # exec, not a child: the pid we started is the service itself
         assert "redis-server" in Path(f"/proc/{procs['redis'].pid}/cmdline").read_bytes().decode()
+        assert b"beat" in Path(f"/proc/{procs['beat'].pid}/cmdline").read_bytes()
     finally:
         for proc in reversed(list(procs.values())):
             try:
@@ -340,7 +342,7 @@ def test_missing_redis_server_names_both_places(monkeypatch, tmp_path):
 def test_procfile_runs_cli_commands():
     procfile = (ROOT / "Procfile").read_text().splitlines()
     entries = dict(line.split(":", 1) for line in procfile if line.strip() and not line.startswith("#"))
-    assert set(entries) == {"redis", "web", "worker", "flower"}
+    assert set(entries) == set(SERVICES)
     for name, command in entries.items():
         words = command.split()
         assert words[:2] == ["ndif-celery", name], command

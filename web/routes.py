@@ -13,7 +13,7 @@ import redis
 import zstandard
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery import auth, environment, jobs, limits, registry, wire
+from ndif_celery import auth, cleanup, environment, jobs, limits, registry, wire
 from ndif_celery.celery_app import RUN_JOB, queue_for
 
 bp = Blueprint("api", __name__)
@@ -124,6 +124,9 @@ def response(job_id: str):
     client = _redis()
     latest = jobs.latest_status(client, job_id) if wire.JOB_ID.match(job_id) else None
     if latest is None:
+        ttl_s = current_app.config["NDIF_SETTINGS"].job_ttl_s
+        if wire.JOB_ID.match(job_id) and cleanup.expired(client, job_id, ttl_s):
+            return Response(cleanup.expired_response(job_id, ttl_s), mimetype="application/json")
         return _fail(f"No response for request {job_id}.", 404)
     if client.get(jobs.owner_key(job_id)) != identity.owner.encode():
         return _fail(f"Request {job_id} was submitted with another API key.", 403)

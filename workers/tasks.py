@@ -29,8 +29,8 @@ from typing import Optional
 from celery.signals import worker_ready, worker_shutdown
 from celery.worker.control import control_command
 
-from ndif_celery import config, jobs, queues, registry, wire
-from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, RUN_JOB, make_app, queue_for
+from ndif_celery import cleanup, config, jobs, queues, registry, wire
+from ndif_celery.celery_app import CLEANUP, EVICT_MODEL, LOAD_MODEL, RUN_JOB, make_app, queue_for
 from ndif_celery.store import StoreUnavailable
 
 settings = config.load()
@@ -256,7 +256,7 @@ def _deliver(worker: WorkerState, channel: jobs.StatusChannel, job: jobs.Job, da
         if channel.send_binary(results.completed_frame(job.id, description, data, meta), latest):
             return
         # Nobody listens any more (the client went away): keep the result for a poll.
-    key = f"results/{job.id}.pt"
+    key = cleanup.result_key(job.id)
     upload_started = time.perf_counter()
     worker.store.put(key, data)
     meta["upload_ms"] = _ms_since(upload_started)
@@ -266,6 +266,16 @@ def _deliver(worker: WorkerState, channel: jobs.StatusChannel, job: jobs.Job, da
 
 def _ms_since(start: float) -> float:
     return round((time.perf_counter() - start) * 1000, 1)
+
+
+@app.task(name=CLEANUP, bind=True)
+def cleanup_expired(self) -> dict:
+    """Sent by ``ndif-celery beat``: delete results and job state past ``NDIF_JOB_TTL_S``."""
+    worker = state(self.request.hostname)
+    swept = cleanup.sweep(worker.redis, worker.store, settings.job_ttl_s)
+    if any(swept.values()):
+        log.info("cleanup: %(jobs)d expired jobs, %(orphan_results)d orphaned results deleted", swept)
+    return swept
 
 
 # --- deployments (sent by the controller to this worker's own queue) -------------

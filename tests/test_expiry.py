@@ -1,0 +1,80 @@
+"""Results and statuses expire after ``NDIF_JOB_TTL_S``: Celery beat runs the
+cleanup, the stored result is deleted, and a late poll is told the job expired
+(the real client raises with that message instead of polling forever)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import redis
+import torch
+
+from ndif_celery import cleanup, jobs
+from ndif_celery.store import FilesystemStore
+from tests.remote import poll, slow_job
+from tests.stack import client_on_stack
+from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
+
+REPO = "expiry/tiny"
+TTL_S = 8
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, hf_home):
+    build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=42)
+    env = {"NDIF_MAX_INLINE_BYTES": "0", "NDIF_JOB_TTL_S": str(TTL_S), "NDIF_CLEANUP_INTERVAL_S": "1"}
+    with client_on_stack(tmp_path_factory.mktemp("expiry"), hf_home, env) as stack:
+        yield stack
+
+
+def test_an_expired_job_is_cleaned_up_and_says_so(stack):
+    model = client_model(REPO)
+    stack.cli("deploy", REPO, check=True)  # loading counts against nobody's TTL
+    backend = slow_job(model, 0, layer=1)
+    result = poll(backend, timeout_s=30)
+    with model.trace(PROMPT):
+        expected = model.transformer.h[1].output.save()
+    assert torch.equal(result["out"], expected)
+    stored = stack.home / "results" / cleanup.result_key(backend.job_id)
+    assert stored.is_file()
+    deadline = time.monotonic() + TTL_S + 30
+    while stored.exists():
+        assert time.monotonic() < deadline, f"the beat's cleanup never deleted {stored}\n{stack.logs()}"
+        time.sleep(0.2)
+    client = redis.Redis.from_url(stack.redis_url)
+    assert not any(client.exists(key) for key in jobs.job_keys(backend.job_id))
+    with pytest.raises(Exception, match="has expired") as raised:
+        backend()  # the real client's poll
+    assert f"{TTL_S} s (NDIF_JOB_TTL_S)" in str(raised.value)
+
+
+def test_the_sweep_removes_only_what_is_past_its_ttl(stack, tmp_path):
+    """Against a real Redis (a database of its own on the stack's server)."""
+    client = redis.Redis.from_url(stack.redis_url.rsplit("/", 1)[0] + "/7")
+    client.flushdb()
+    store = FilesystemStore(tmp_path, "http://127.0.0.1:1", "secret", 60)
+    now = time.time()
+    old, fresh = "a" * 32, "b" * 32
+    for job_id, ended in ((old, now - 100), (fresh, now - 1)):
+        store.put(cleanup.result_key(job_id), b"result")
+        for key in jobs.job_keys(job_id):
+            client.set(key, b"x")
+        client.zadd(jobs.ENDED, {job_id: ended})
+    store.put("results/orphan-old.pt", b"o")
+    store.put("results/orphan-new.pt", b"o")
+    os.utime(store.path("results/orphan-old.pt"), (now - 100, now - 100))
+    client.zadd(cleanup.EXPIRED, {"c" * 32: now - cleanup.REMEMBER_EXPIRED_S - 1})
+
+    swept = cleanup.sweep(client, store, ttl_s=10, now=now)
+
+    assert swept == {"jobs": 1, "orphan_results": 1}
+    left = set(store.older_than("results/", now + 1))  # everything still stored
+    assert left == {cleanup.result_key(fresh), "results/orphan-new.pt"}
+    assert not any(client.exists(key) for key in jobs.job_keys(old))
+    assert all(client.exists(key) for key in jobs.job_keys(fresh))
+    assert cleanup.expired(client, old, 10) and not cleanup.expired(client, fresh, 10)
+    assert client.zscore(cleanup.EXPIRED, "c" * 32) is None  # forgotten after a month
+    assert cleanup.sweep(client, store, ttl_s=10, now=now) == {"jobs": 0, "orphan_results": 0}
+    client.flushdb()
