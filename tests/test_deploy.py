@@ -431,11 +431,15 @@ def test_every_service_has_an_image_or_a_build(compose):
         assert service.get("image") or service.get("build"), f"{name} has neither image nor build"
 
 
-def test_web_workers_and_flower_run_real_cli_commands(compose, dockerfile):
+def test_every_service_of_the_stack_runs_as_a_real_cli_command(compose, dockerfile):
     commands = ndif_commands(compose, dockerfile)
-    kinds = {ctx.command.name for ctx in commands.values()}
-    assert kinds == {"web", "worker", "flower"}, kinds
+    kinds = [ctx.command.name for ctx in commands.values()]
+    # Redis is the redis image's; every other service of the stack runs here.
+    assert set(kinds) == set(SERVICES) - {"redis"}, kinds
     assert commands["web"].command.name == "web" and commands["flower"].command.name == "flower"
+    beats = [name for name, ctx in commands.items() if ctx.command.name == "beat"]
+    assert len(beats) == 1, f"run exactly one beat per farm, not {beats}"
+    assert services(compose)[beats[0]].get("deploy", {}).get("replicas", 1) == 1
 
 
 def test_the_farm_services_agree_on_broker_store_bucket_and_database(compose, image_env, tmp_path):
@@ -670,13 +674,16 @@ def env_file(path: Path) -> dict:
 SERVICE_UNITS = {
     "ndif-celery-web.service": "web",
     "ndif-celery-flower.service": "flower",
+    "ndif-celery-beat.service": "beat",
     "ndif-celery-worker@.service": "worker",
 }
 
 
-def test_the_unit_files_are_the_ones_described():
+def test_the_units_cover_every_service_of_the_stack():
     present = {p.name for p in SYSTEMD.iterdir() if p.suffix in (".service", ".target")}
     assert present == set(SERVICE_UNITS) | {TARGET}
+    # Redis (like MinIO and PostgreSQL) is the operator's own.
+    assert set(SERVICE_UNITS.values()) == set(SERVICES) - {"redis"}
 
 
 @pytest.mark.parametrize("name", sorted(SERVICE_UNITS))
@@ -923,9 +930,12 @@ def test_honcho_runs_the_procfile_as_a_working_farm_and_stops_all_of_it(tmp_path
     try:
         _wait_ready(proc, url, f"redis://127.0.0.1:{redis_port}/0", f"http://127.0.0.1:{flower_port}", log)
         seen.update(_descendants(proc.pid))
-        services = " ".join(cmdline for _, cmdline in seen.values())
+        running = " ".join(cmdline for _, cmdline in seen.values())
         for program in ("redis-server", "gunicorn", "celery"):
-            assert program in services, f"no {program} under honcho: {services}"
+            assert program in running, f"no {program} under honcho: {running}"
+        started = log.read_text(errors="replace")
+        for name in procfile():
+            assert f"{name}.1 started" in started and f"{name}.1 stopped" not in started, f"{name}:\n{_tail(log)}"
 
         with _client_at(url):
             local = case_zero_output(model, lambda m: {}, tmp_path)
