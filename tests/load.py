@@ -1,0 +1,106 @@
+"""Many real clients at once, each with its own prompt, every answer checked.
+
+``run_load(model, clients, requests_each)`` starts ``clients`` threads; each
+runs ``requests_each`` blocking remote traces of the nnsight client with a
+prompt of its own and compares every saved value with the same block run
+locally (``torch.equal``). A lost job, a duplicated answer or one that went to
+the wrong client is counted, never retried. Used by the suite's short load test
+and by ``bench/load.py``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+def prompt_of(client: int, request: int) -> str:
+    """Every request has its own prompt, so a mixed-up answer cannot pass."""
+    return f"client {client} asks question {request} about the city of"
+
+
+def block(model, prompt: str, remote: bool):
+    """The block every client runs: the last layer's hidden state and the logits."""
+    with model.trace(prompt, remote=remote):
+        hidden = model.transformer.h[-1].output.save()
+        logits = model.lm_head.output.save()
+    return hidden, logits
+
+
+@dataclass
+class LoadReport:
+    clients: int
+    requests_each: int
+    latencies_s: list = field(default_factory=list)
+    wrong: list = field(default_factory=list)  # (client, request, why)
+    failed: list = field(default_factory=list)  # (client, request, error)
+    job_ids: list = field(default_factory=list)
+    wall_s: float = 0.0
+
+    @property
+    def expected(self) -> int:
+        return self.clients * self.requests_each
+
+    @property
+    def duplicated(self) -> int:
+        return len(self.job_ids) - len(set(self.job_ids))
+
+    def percentile_ms(self, q: float) -> float:
+        values = sorted(self.latencies_s)
+        return 1000 * values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+    def summary(self) -> str:
+        return (
+            f"{self.clients} clients x {self.requests_each} requests: {len(self.latencies_s)} correct, "
+            f"{len(self.wrong)} wrong, {len(self.failed)} failed, {self.duplicated} duplicated job ids; "
+            f"p50 {self.percentile_ms(0.50):.0f} ms, p95 {self.percentile_ms(0.95):.0f} ms, "
+            f"p99 {self.percentile_ms(0.99):.0f} ms; {self.expected / self.wall_s:.1f} requests/s"
+        )
+
+
+def expected_results(model, clients: int, requests_each: int) -> dict:
+    """The local answer to every request, computed before the load starts."""
+    return {
+        (c, r): block(model, prompt_of(c, r), remote=False)
+        for c in range(clients) for r in range(requests_each)
+    }
+
+
+def run_load(model, clients: int, requests_each: int, expected: dict | None = None) -> LoadReport:
+    expected = expected or expected_results(model, clients, requests_each)
+    report = LoadReport(clients, requests_each)
+    lock = threading.Lock()
+    start = threading.Barrier(clients)
+
+    def client(c: int) -> None:
+        start.wait()
+        for r in range(requests_each):
+            began = time.perf_counter()
+            try:
+                with model.trace(prompt_of(c, r), remote=True) as tracer:
+                    hidden = model.transformer.h[-1].output.save()
+                    logits = model.lm_head.output.save()
+            except Exception as error:  # noqa: BLE001 - counted, the run goes on
+                with lock:
+                    report.failed.append((c, r, f"{type(error).__name__}: {error}"))
+                continue
+            elapsed = time.perf_counter() - began
+            want_hidden, want_logits = expected[(c, r)]
+            with lock:
+                report.job_ids.append((tracer.backend.meta or {}).get("job_id"))
+                if torch.equal(hidden, want_hidden) and torch.equal(logits, want_logits):
+                    report.latencies_s.append(elapsed)
+                else:
+                    report.wrong.append((c, r, "result differs from the local run"))
+
+    threads = [threading.Thread(target=client, args=(c,), name=f"client-{c}") for c in range(clients)]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    report.wall_s = time.perf_counter() - began
+    return report
