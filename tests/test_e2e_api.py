@@ -73,6 +73,31 @@ def test_meta_reports_what_the_job_cost(on_fs_stack, model):
     assert meta["worker"]
 
 
+def test_a_result_over_the_inline_limit_goes_through_the_store(on_fs_stack, model):
+    """A blocking client's 6 MB result is above NDIF_MAX_INLINE_BYTES (4 MiB):
+    it never rides pub/sub (whose buffers would drop the subscriber), it comes
+    as a URL and arrives intact."""
+
+    def block(remote):
+        with model.trace(PROMPT, remote=remote) as tracer:
+            noise = torch.randn(1_500_000, generator=torch.Generator().manual_seed(0))  # incompressible
+            big = (model.transformer.h[-1].output[0].sum() + noise).save()
+        return big, tracer
+
+    local, _ = block(False)
+    remote, tracer = block(True)
+    assert local.numel() * 4 > on_fs_stack_inline_limit()
+    assert tracer.backend.meta["inline"] is False
+    assert tracer.backend.meta["result_bytes"] > on_fs_stack_inline_limit()
+    assert torch.equal(remote, local)
+
+
+def on_fs_stack_inline_limit() -> int:
+    from ndif_celery import config
+
+    return config.load({}).max_inline_bytes
+
+
 def test_user_error_surfaces_with_the_users_own_line(on_fs_stack, model):
     with pytest.raises(RemoteError) as caught:
         with model.trace(PROMPT, remote=True) as tracer:
