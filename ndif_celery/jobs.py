@@ -9,7 +9,8 @@ moves the job along (the web on intake, the worker afterwards):
 - ``ndif:job:<id>:owner``    who submitted it (``key:<id>`` or ``anonymous``)
 - ``ndif:job:<id>:message``  its Celery message body, to run it again if its worker dies
 - channel ``ndif:session:<session_id>``  every status of a blocking job, forwarded
-                              verbatim to its websocket (``...:owner``: who opened it)
+                              verbatim to its websocket (``...:owner``: who opened it;
+                              ``...:jobs``: the jobs submitted to it)
 
 - zset ``ndif:jobs:ended``     job id -> when it ended, for the cleanup (``ndif_celery.cleanup``)
 
@@ -45,6 +46,10 @@ def session_channel(session_id: str) -> str:
 
 def session_owner_key(session_id: str) -> str:
     return f"ndif:session:{session_id}:owner"
+
+
+def session_jobs_key(session_id: str) -> str:
+    return f"ndif:session:{session_id}:jobs"
 
 
 def owner_key(job_id: str) -> str:

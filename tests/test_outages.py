@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -74,12 +75,26 @@ def _wait_answers(url: str, timeout_s: float = 60) -> None:
 
 def test_a_redis_restart_loses_no_queued_job(stack):
     """Redis (the broker and every job's state) stops and comes back from its
-    append-only file while one job runs and others wait: all of them complete."""
+    append-only file while one job runs and others wait, one of them for a
+    blocking client on its websocket: all of them complete."""
     model = client_model(REPO)
     stack.cli("deploy", REPO, check=True)
     running = slow_job(model, 60, layer=1)  # 3 s
     wait_status(stack.url, running.job_id, "RUNNING")
     queued = [slow_job(model, 0, layer=layer) for layer in (0, 1, 0, 1)]
+    blocked = {}
+
+    def blocking_client():
+        try:
+            with model.trace(PROMPT, remote=True):
+                out = model.transformer.h[0].output.save()
+            blocked["out"] = out
+        except Exception as error:  # noqa: BLE001 - what the client raises is the point
+            blocked["error"] = f"{type(error).__name__}: {error}"
+
+    waiting = threading.Thread(target=blocking_client)
+    waiting.start()
+    time.sleep(0.5)  # subscribed, submitted, queued
     redis_pid = stack.pids()["redis"]
     os.kill(redis_pid, signal.SIGTERM)  # a clean restart: Redis flushes its AOF
     _wait_gone(redis_pid)
@@ -90,6 +105,10 @@ def test_a_redis_restart_loses_no_queued_job(stack):
     for backend, layer in zip([running, *queued], (1, 0, 1, 0, 1)):
         result = poll(backend, timeout_s=90)
         assert torch.equal(result["out"], expected[layer]), f"job {backend.job_id} came back wrong"
+    waiting.join(timeout=60)
+    assert not waiting.is_alive(), "a blocking client hung across the Redis restart"
+    assert "error" not in blocked, blocked["error"]
+    assert torch.equal(blocked["out"], expected[0])
     # And the farm keeps taking new work afterwards.
     with model.trace(PROMPT, remote=True):
         after = model.transformer.h[1].output.save()

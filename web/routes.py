@@ -83,6 +83,9 @@ def submit():
     pipe.set(jobs.status_key(job.id), received, ex=settings.job_ttl_s)
     pipe.set(jobs.owner_key(job.id), job.owner, ex=settings.job_ttl_s)
     pipe.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), ex=settings.job_ttl_s)
+    if job.session_id:
+        pipe.sadd(jobs.session_jobs_key(job.session_id), job.id)
+        pipe.expire(jobs.session_jobs_key(job.session_id), settings.job_ttl_s)
     limits.track(pipe, job)
     pipe.llen(queue)
     position = pipe.execute()[-1] + 1

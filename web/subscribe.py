@@ -9,7 +9,9 @@ be missed. Frames are forwarded verbatim: JSON as text, a pickled COMPLETED
 from __future__ import annotations
 
 import json
+import time
 import uuid
+from typing import Optional
 
 from flask import current_app, request
 from flask_sock import Sock
@@ -18,6 +20,8 @@ from ndif_celery import auth, jobs, wire
 
 sock = Sock()
 POLL_S = 1.0
+# How often a quiet socket checks whether its job ended unheard (see _ended_meanwhile).
+RESYNC_S = 5.0
 
 
 def refuse_unknown_keys():
@@ -38,9 +42,16 @@ def subscribe(ws) -> None:
     pubsub.subscribe(jobs.session_channel(session_id))
     try:
         ws.send(json.dumps({"session_id": session_id}))
+        checked = time.monotonic()
         while ws.connected:
             message = pubsub.get_message(timeout=POLL_S)
             if message is None:
+                if time.monotonic() - checked >= RESYNC_S:
+                    checked = time.monotonic()
+                    ended = _ended_meanwhile(client, session_id)
+                    if ended is not None:
+                        ws.send(ended.decode())
+                        break
                 continue
             frame = message["data"]
             if frame[:1] == b"{":
@@ -51,3 +62,23 @@ def subscribe(ws) -> None:
                 break
     finally:
         pubsub.close()
+
+
+def _ended_meanwhile(client, session_id: str) -> Optional[bytes]:
+    """The final status of a job of this session that ended without its frame
+    reaching us, else None.
+
+    Pub/sub has no replay: a status published while the subscription was being
+    re-established (Redis restarted) is gone. The latest-status key is not, and
+    a result that found nobody listening was kept in the store, so the status
+    stored for pollers is complete. An inline result was, by definition,
+    delivered to a subscriber (this socket): it is waiting to be read.
+    """
+    for job_id in client.smembers(jobs.session_jobs_key(session_id)):
+        latest = jobs.latest_status(client, job_id.decode())
+        if latest is None or wire.frame_status(latest) not in wire.TERMINAL:
+            continue
+        if (json.loads(latest).get("meta") or {}).get("inline"):
+            continue  # its result frame was delivered to this socket: read it next
+        return latest
+    return None
