@@ -27,7 +27,6 @@ import time
 import uuid
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Optional
 from urllib.parse import urlparse
 
 import click
