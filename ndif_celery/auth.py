@@ -96,7 +96,10 @@ class Authenticator:
             row = db.find_key(self.engine, key)
         except Exception as error:  # noqa: BLE001 - any database failure fails closed
             self._engine = None
-            raise AuthError(f"{UNAVAILABLE} ({type(error).__name__})", 503) from None
+            raise AuthError(
+                f"{UNAVAILABLE} (the key database cannot be reached: {type(error).__name__}; "
+                "please retry shortly)", 503,
+            ) from None
         with self._lock:
             self._cache[key] = (now, row)
         return row

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional
 
@@ -147,3 +148,76 @@ class MotoServer:
     def __exit__(self, *exc) -> None:
         self.stop()
         self._log.close()
+
+
+class TcpProxy:
+    """Forwards a loopback port to ``target``; ``stop()`` is an outage (the
+    listener and every open connection close), ``start()`` the recovery, on
+    the same port. For taking down a shared service (PostgreSQL) for one test
+    without touching it.
+    """
+
+    def __init__(self, target_host: str, target_port: int, port: Optional[int] = None):
+        self.target = (target_host, target_port)
+        self.port = port or free_port()
+        self._listener: Optional[socket.socket] = None
+        self._open: set = set()
+        self._lock = threading.Lock()
+
+    def start(self) -> "TcpProxy":
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # stopped
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._open.update((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while True:
+                data = source.recv(65536)
+                if not data:
+                    break
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)  # wakes the accept(); close() alone does not
+            except OSError:
+                pass
+            self._listener.close()
+            self._listener = None
+        with self._lock:
+            for s in self._open:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+            self._open.clear()

@@ -134,3 +134,36 @@ def test_an_object_store_outage_errors_with_the_reason_and_recovers(stack, s3):
     with model.trace(PROMPT, remote=True):
         out = model.transformer.h[1].output.save()
     assert torch.equal(out, _local(model))
+
+
+def test_a_database_outage_is_refused_with_503_and_recovers(tmp_path):
+    """Auth on, PostgreSQL reached through a proxy we can cut: while it is down
+    every request is refused with 503 and a reason (fail closed: nobody gets
+    in unchecked); once it is back the same key works again, no restart."""
+    from ndif_celery import config, db
+    from tests.servers import TcpProxy
+    from tests.test_auth import _postgres_database
+    from web.app import create_app
+
+    url, drop = _postgres_database()
+    proxy = TcpProxy("127.0.0.1", 5432).start()
+    try:
+        url = url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+        key = db.create_key(db.engine_for(url), "outage@example.org")
+        settings = config.load({"NDIF_HOME": str(tmp_path), "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
+                                "NDIF_DATABASE_URL": url})
+        web = create_app(settings).test_client()
+        headers = {"ndif-api-key": key}
+        assert web.get("/whoami", headers=headers).get_json()["email"] == "outage@example.org"
+        proxy.stop()
+        for path in ("/whoami", "/response/" + "0" * 32):
+            answer = web.get(path, headers=headers)
+            assert answer.status_code == 503, (path, answer.status_code, answer.get_data())
+            assert "database" in answer.get_json()["detail"].lower(), answer.get_json()
+        answer = web.post("/request", headers=headers, data={"data": "{}"})
+        assert answer.status_code == 503
+        proxy.start()
+        assert web.get("/whoami", headers=headers).get_json()["email"] == "outage@example.org"
+    finally:
+        proxy.stop()
+        drop()
