@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .versions import parse_minimum
+
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
@@ -69,6 +71,8 @@ class Settings:
     rate_limit_per_min: int
     max_concurrent_jobs: int
     max_queue_depth: int
+    min_nnsight_version: str
+    min_python_version: str
 
     def secrets(self) -> tuple:
         """Values an untrusted child must not be able to read."""
@@ -197,6 +201,9 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         rate_limit_per_min=_int(env, "NDIF_RATE_LIMIT_PER_MIN", 0),
         max_concurrent_jobs=_int(env, "NDIF_MAX_CONCURRENT_JOBS", 0),
         max_queue_depth=_int(env, "NDIF_MAX_QUEUE_DEPTH", 0),
+        # "" = no gate; see ndif_celery.versions.
+        min_nnsight_version=parse_minimum("NDIF_MIN_NNSIGHT_VERSION", env.get("NDIF_MIN_NNSIGHT_VERSION", "")),
+        min_python_version=parse_minimum("NDIF_MIN_PYTHON_VERSION", env.get("NDIF_MIN_PYTHON_VERSION", "")),
     )
     for field in fields(Settings):
         value = getattr(settings, field.name)

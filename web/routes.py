@@ -13,7 +13,7 @@ import redis
 import zstandard
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery import auth, cleanup, environment, jobs, limits, registry, wire
+from ndif_celery import auth, cleanup, environment, jobs, limits, registry, versions, wire
 from ndif_celery.celery_app import RUN_JOB, queue_for
 
 bp = Blueprint("api", __name__)
@@ -47,6 +47,11 @@ def submit():
     try:
         envelope = wire.parse_envelope(request.form.get("data"))
     except wire.WireError as error:
+        return _fail(error.detail, error.status)
+    settings = _settings()
+    try:  # after the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION
+        versions.check_client(request.headers, settings.min_nnsight_version, settings.min_python_version)
+    except versions.VersionRefused as error:
         return _fail(error.detail, error.status)
     client = _redis()
     if envelope.session_id and client.get(jobs.session_owner_key(envelope.session_id)) != identity.owner.encode():

@@ -1,0 +1,214 @@
+"""The client version gate (NDIF_MIN_NNSIGHT_VERSION, NDIF_MIN_PYTHON_VERSION):
+each check at its edges, the web refusing before it touches Redis, and the
+real nnsight 0.8.1 client against stacks with a minimum above and equal to it."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import io
+import json
+import re
+import sys
+
+import httpx
+import pytest
+import torch
+from nnsight.intervention.backends.remote import RemoteError
+
+from ndif_celery import config, versions
+from tests.servers import free_port
+from tests.stack import client_on_stack
+from tests.tiny_model import PROMPT
+
+INSTALLED = importlib.metadata.version("nnsight")
+HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
+NOT_PROVIDED = (
+    "Client nnsight version was not provided. This usually means an outdated nnsight; "
+    "please `pip install --upgrade nnsight` and retry."
+)
+
+
+def refusal(check, *args) -> str:
+    with pytest.raises(versions.VersionRefused) as caught:
+        check(*args)
+    assert caught.value.status == 400
+    return caught.value.detail
+
+
+# -- nnsight --
+
+
+@pytest.mark.parametrize("client", ["0.8.1", "0.8.1.post1", "0.8.2", "0.9.0", "0.10.0", "1.0"])
+def test_nnsight_at_or_above_the_minimum_passes(client):
+    versions.check_nnsight(client, "0.8.1")
+
+
+@pytest.mark.parametrize("client", ["0.8.0", "0.8.1rc1", "0.8.1.dev0", "0.7.99", "0.1"])
+def test_nnsight_below_the_minimum_is_refused_with_ndifs_message(client):
+    assert refusal(versions.check_nnsight, client, "0.8.1") == (
+        f"Client nnsight version {client} is below the minimum supported 0.8.1. "
+        "Please `pip install --upgrade nnsight`."
+    )
+
+
+def test_versions_compare_as_versions_not_strings():
+    # "0.10.0" < "0.9.0" as strings; as versions it is newer.
+    versions.check_nnsight("0.10.0", "0.9.0")
+    refusal(versions.check_nnsight, "0.9.0", "0.10.0")
+
+
+@pytest.mark.parametrize("client", ["", None])
+def test_missing_nnsight_version_is_refused(client):
+    # A source-tree nnsight sends "", an old one no header at all.
+    assert refusal(versions.check_nnsight, client, "0.8.1") == NOT_PROVIDED
+
+
+@pytest.mark.parametrize("client", ["not-a-version", "0.8.x", "latest"])
+def test_malformed_nnsight_version_is_refused(client):
+    assert refusal(versions.check_nnsight, client, "0.8.1") == f"Malformed nnsight version '{client}'."
+
+
+@pytest.mark.parametrize("client", ["", None, "garbage", "0.0.1"])
+def test_no_minimum_no_nnsight_gate(client):
+    versions.check_nnsight(client, "")
+
+
+# -- python --
+
+PY39 = "3.9.18 (main, Aug 24 2023, 21:19:58) [GCC 12.2.0]"
+PY310 = "3.10.0 (default, Oct  4 2021, 00:00:00) [GCC 11.2.0]"
+PY312 = "3.12.3 (main, Apr 10 2024, 05:33:47) [GCC 13.2.0]"
+
+
+def test_python_below_the_minimum_is_refused_on_major_minor():
+    assert refusal(versions.check_python, PY39, "3.10") == (
+        "Client python version 3.9 is below the minimum supported 3.10. Please update python."
+    )
+
+
+@pytest.mark.parametrize("client", [PY310, PY312, "3.10.12", "3.10", "4.0.0 (x)"])
+def test_python_at_or_above_the_minimum_passes(client):
+    versions.check_python(client, "3.10")
+
+
+def test_python_patch_of_the_minimum_is_ignored():
+    # major.minor only: any 3.10.x meets a minimum of 3.10.5; 3.9 still does not.
+    versions.check_python(PY310, "3.10.5")
+    assert "3.9 is below the minimum supported 3.10.5" in refusal(versions.check_python, PY39, "3.10.5")
+
+
+def test_python_missing_or_malformed_is_refused():
+    assert refusal(versions.check_python, "", "3.10").startswith("Client python version was not provided.")
+    assert refusal(versions.check_python, None, "3.10").startswith("Client python version was not provided.")
+    assert refusal(versions.check_python, "CPython", "3.10") == "Malformed python version 'CPython'."
+
+
+def test_no_minimum_no_python_gate():
+    versions.check_python(PY39, "")
+    versions.check_python(None, "")
+
+
+def test_check_client_reads_both_headers_nnsight_first():
+    headers = {"nnsight-version": "0.8.0", "python-version": PY39}
+    assert "nnsight version 0.8.0" in refusal(versions.check_client, headers, "0.8.1", "3.10")
+    headers["nnsight-version"] = "0.8.1"
+    assert "python version 3.9" in refusal(versions.check_client, headers, "0.8.1", "3.10")
+    versions.check_client(headers, "0.8.1", "3.9")
+    versions.check_client({}, "", "")
+
+
+# -- configuration --
+
+
+def test_minimums_are_read_in_config(tmp_path):
+    settings = config.load({"NDIF_HOME": str(tmp_path)})
+    assert settings.min_nnsight_version == "" and settings.min_python_version == ""
+    empty = config.load({"NDIF_HOME": str(tmp_path), "NDIF_MIN_NNSIGHT_VERSION": "", "NDIF_MIN_PYTHON_VERSION": " "})
+    assert empty.min_nnsight_version == "" and empty.min_python_version == ""
+    set_ = config.load({"NDIF_HOME": str(tmp_path), "NDIF_MIN_NNSIGHT_VERSION": "0.8.1", "NDIF_MIN_PYTHON_VERSION": "3.10"})
+    assert set_.min_nnsight_version == "0.8.1" and set_.min_python_version == "3.10"
+    with pytest.raises(ValueError, match="NDIF_MIN_NNSIGHT_VERSION must be a version"):
+        config.load({"NDIF_HOME": str(tmp_path), "NDIF_MIN_NNSIGHT_VERSION": "newest"})
+    with pytest.raises(ValueError, match="NDIF_MIN_PYTHON_VERSION must be a version"):
+        config.load({"NDIF_HOME": str(tmp_path), "NDIF_MIN_PYTHON_VERSION": "three"})
+
+
+# -- the web, without a stack --
+
+
+def _web(tmp_path, **env):
+    """The Flask app with its broker on a closed port: anything that reaches
+    Redis answers 503, so a 400 proves the gate answered first."""
+    from web.app import create_app
+
+    base = {"NDIF_HOME": str(tmp_path), "NDIF_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+            "NDIF_REDIS_OUTAGE_S": "0"}
+    return create_app(config.load({**base, **env})).test_client()
+
+
+def _submit(client, headers):
+    key = 'nnsight.modeling.transformers.TransformersModel:{"repo_id": "x/y", "revision": null}'
+    envelope = json.dumps({"model_key": key, "session_id": "", "compress": False, "env": {}})
+    return client.post("/request", data={"data": envelope, "blob": (io.BytesIO(b"x"), "request")},
+                       headers=headers)
+
+
+def test_web_refuses_before_touching_anything(tmp_path):
+    client = _web(tmp_path, NDIF_MIN_NNSIGHT_VERSION="0.8.2", NDIF_MIN_PYTHON_VERSION="3.10")
+    response = _submit(client, {"nnsight-version": "0.8.1", "python-version": sys.version})
+    assert response.status_code == 400
+    assert response.get_json() == {"detail": "Client nnsight version 0.8.1 is below the minimum supported 0.8.2. "
+                                             "Please `pip install --upgrade nnsight`."}
+    response = _submit(client, {"python-version": sys.version})
+    assert response.status_code == 400 and response.get_json()["detail"] == NOT_PROVIDED
+    response = _submit(client, {"nnsight-version": "0.9.0", "python-version": PY39})
+    assert response.status_code == 400
+    assert response.get_json()["detail"] == "Client python version 3.9 is below the minimum supported 3.10. Please update python."
+
+
+def test_web_without_minimums_lets_any_client_through(tmp_path):
+    # Past the gate, the request needs the broker, which is down here: 503, not 400.
+    response = _submit(_web(tmp_path), {"nnsight-version": "", "python-version": "junk"})
+    assert response.status_code == 503, response.get_json()
+    assert "broker" in response.get_json()["detail"]
+
+
+# -- the real client against real stacks --
+
+
+def _minimum_above(version: str) -> str:
+    parts = [int(p) for p in re.findall(r"\d+", version)[:3]]
+    return f"{parts[0]}.{parts[1]}.{parts[2] + 1}"
+
+
+def test_client_below_the_minimum_raises_with_the_message(tmp_path_factory, hf_home, model):
+    minimum = _minimum_above(INSTALLED)
+    env = {"NDIF_MIN_NNSIGHT_VERSION": minimum, "NDIF_MIN_PYTHON_VERSION": "3.99"}
+    with client_on_stack(tmp_path_factory.mktemp("gate-above"), hf_home, env) as stack:
+        message = (f"Client nnsight version {INSTALLED} is below the minimum supported {minimum}. "
+                   "Please `pip install --upgrade nnsight`.")
+        for blocking in (True, False):
+            with pytest.raises(RemoteError) as caught:
+                with model.trace(PROMPT, remote=True, blocking=blocking):
+                    model.transformer.h[0].output.save()
+            assert message in str(caught.value), (blocking, str(caught.value))
+        # A new enough nnsight on an old python: the python message.
+        envelope = {"model_key": model.to_model_key(), "session_id": "", "compress": False, "env": {}}
+        response = httpx.post(
+            f"{stack.url}/request", data={"data": json.dumps(envelope)},
+            files={"blob": ("request", b"x", "application/octet-stream")},
+            headers={"nnsight-version": minimum, "python-version": sys.version}, timeout=30,
+        )
+        assert response.status_code == 400
+        assert response.json() == {"detail": f"Client python version {HERE} is below the minimum supported 3.99. "
+                                             "Please update python."}
+
+
+def test_client_at_the_minimum_works(tmp_path_factory, hf_home, model):
+    env = {"NDIF_MIN_NNSIGHT_VERSION": INSTALLED, "NDIF_MIN_PYTHON_VERSION": HERE}
+    with client_on_stack(tmp_path_factory.mktemp("gate-equal"), hf_home, env):
+        with model.trace(PROMPT, remote=True):
+            remote = model.transformer.h[0].output.save()
+        with model.trace(PROMPT):
+            local = model.transformer.h[0].output.save()
+        assert torch.equal(remote, local)
