@@ -276,6 +276,50 @@ def kill(job_id: str) -> None:
         raise click.ClickException(str(exc)) from None
 
 
+@main.command("jobs")
+@click.option("--user", default=None, help="Only this user's jobs: an email, key:<id> or anonymous.")
+@click.option("--since", default=None, help="Only jobs that ended since: 30m, 1h, 2d, 1w or an ISO date/time.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def jobs_command(user: Optional[str], since: Optional[str], limit: int, as_json: bool) -> None:
+    """Ended jobs from the ledger (NDIF_DATABASE_URL), newest first."""
+    from . import jobs as job_state, ledger
+
+    settings = _settings()
+    try:
+        since_at = ledger.parse_since(since) if since else None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        engine = _engine()
+        try:
+            # Current up to now: what the controller has not written yet, first.
+            ledger.drain(job_state.connect(settings.redis_url), engine, wait_s=5)
+        except (redis_py.RedisError, OSError):
+            click.echo(f"note: the broker at {settings.redis_url} is not reachable; jobs that ended since the "
+                       "controller last wrote the ledger are not shown", err=True)
+        rows = ledger.recent(engine, user=user, since=since_at, limit=limit)
+    except SQLAlchemyError as exc:
+        raise click.ClickException(
+            f"the ledger database cannot be reached (NDIF_DATABASE_URL): {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:200]}"
+        ) from None
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no jobs")
+    for row in rows:
+        duration = f"{row['duration_s']:.2f}s" if row["duration_s"] is not None else "-"
+        outcome = row["outcome"] + (f" ({row['error_kind']})" if row["error_kind"] else "")
+        click.echo(
+            f"{(row['finished_at'] or '-')[:19]}  {row['job_id']}  {(row['email'] or row['owner'])[:28]:<28} "
+            f"{row['model'][:32]:<32} {outcome:<18} {duration:>9}  {row['error'] or ''}"
+        )
+
+
 @main.group()
 def keys() -> None:
     """API keys (users, tags, per-key limits) in NDIF_DATABASE_URL."""
@@ -291,16 +335,19 @@ def _engine():
 @click.option("--email", required=True, help="The key's owner (created if new).")
 @click.option("--trusted", is_flag=True, help="Run this key's jobs in the worker's process (no isolation).")
 @click.option("--priority", is_flag=True, help="Tag the key `priority`.")
+@click.option("--admin", is_flag=True, help="May open the dashboard (GET /dashboard) with NDIF_AUTH=1.")
 @click.option("--rate-limit", type=int, default=None, help="Requests per minute (default NDIF_RATE_LIMIT_PER_MIN).")
 @click.option("--max-concurrent", type=int, default=None,
               help="Jobs queued or running at once (default NDIF_MAX_CONCURRENT_JOBS).")
-def keys_create(email: str, trusted: bool, priority: bool, rate_limit: Optional[int], max_concurrent: Optional[int]) -> None:
+def keys_create(email: str, trusted: bool, priority: bool, admin: bool, rate_limit: Optional[int],
+                max_concurrent: Optional[int]) -> None:
     """Make a key; it is printed once, alone on the last line."""
     from . import db
 
-    tags = tuple(t for t, on in (("trusted", trusted), ("priority", priority)) if on)
+    tags = tuple(t for t, on in (("trusted", trusted), ("priority", priority), ("admin", admin)) if on)
     key = db.create_key(_engine(), email, tags, rate_limit_per_min=rate_limit, max_concurrent_jobs=max_concurrent)
-    click.echo(f"key for {email} ({', '.join(tags) or 'untrusted'}); it is not shown again:")
+    shown = tags if trusted else ("untrusted", *tags)
+    click.echo(f"key for {email} ({', '.join(shown)}); it is not shown again:")
     click.echo(key)
 
 

@@ -71,6 +71,9 @@ class Settings:
     rate_limit_per_min: int
     max_concurrent_jobs: int
     max_queue_depth: int
+    worker_metrics_port: int
+    worker_metrics_host: str
+    flower_url: str
     min_nnsight_version: str
     min_python_version: str
 
@@ -142,6 +145,11 @@ def _secret_key(env: Mapping[str, str], home: Path) -> str:
     return path.read_text().strip()
 
 
+def _browsable(host: str) -> str:
+    """A bind address as a browser can reach it (a wildcard means this host)."""
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
+
+
 def load(env: Optional[Mapping[str, str]] = None) -> Settings:
     """Read the settings from ``env`` (default: the process environment)."""
     env = os.environ if env is None else env
@@ -201,6 +209,10 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         rate_limit_per_min=_int(env, "NDIF_RATE_LIMIT_PER_MIN", 0),
         max_concurrent_jobs=_int(env, "NDIF_MAX_CONCURRENT_JOBS", 0),
         max_queue_depth=_int(env, "NDIF_MAX_QUEUE_DEPTH", 0),
+        # 0 = no metrics endpoint on the worker; a taken port moves to the next few.
+        worker_metrics_port=_int(env, "NDIF_WORKER_METRICS_PORT", 9108),
+        worker_metrics_host=env.get("NDIF_WORKER_METRICS_HOST") or "127.0.0.1",
+        flower_url=(env.get("NDIF_FLOWER_URL") or f"http://{_browsable(api_host)}:{_int(env, 'NDIF_FLOWER_PORT', 5555)}").rstrip("/"),
         # "" = no gate; see ndif_celery.versions.
         min_nnsight_version=parse_minimum("NDIF_MIN_NNSIGHT_VERSION", env.get("NDIF_MIN_NNSIGHT_VERSION", "")),
         min_python_version=parse_minimum("NDIF_MIN_PYTHON_VERSION", env.get("NDIF_MIN_PYTHON_VERSION", "")),

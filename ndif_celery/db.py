@@ -2,8 +2,12 @@
 
 A key is shown once, when it is made, and stored only as its SHA-256: a
 leaked database does not leak working keys. Tags on a key say what its
-requests may do: ``trusted`` (run in the worker's process) and ``priority``.
-Per-key limits override the farm-wide ``NDIF_*`` defaults where set.
+requests may do: ``trusted`` (run in the worker's process), ``priority`` and
+``admin`` (may open the dashboard). Per-key limits override the farm-wide
+``NDIF_*`` defaults where set.
+
+The same metadata holds the job ledger (:class:`LedgerEntry`, one row per
+ended job), written in batches by the farm controller (``ndif_celery.ledger``).
 """
 
 from __future__ import annotations
@@ -13,11 +17,11 @@ import hashlib
 import uuid
 from typing import Optional
 
-from sqlalchemy import DateTime, ForeignKey, Integer, String, create_engine, select
+from sqlalchemy import BigInteger, Boolean, DateTime, Float, ForeignKey, Integer, String, Text, create_engine, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, relationship
 
-TAGS = ("trusted", "priority")
+TAGS = ("trusted", "priority", "admin")
 
 
 class Base(DeclarativeBase):
@@ -50,6 +54,33 @@ class ApiKey(Base):
     @property
     def tag_list(self) -> list[str]:
         return [t for t in self.tags.split(",") if t]
+
+
+class LedgerEntry(Base):
+    """One ended job: who, what, how it ended, where it ran and what each phase cost."""
+
+    __tablename__ = "job_ledger"
+
+    job_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64), index=True)  # key:<id> or anonymous
+    email: Mapped[Optional[str]] = mapped_column(String(320), nullable=True, index=True)
+    model: Mapped[str] = mapped_column(String(300), index=True)  # repo id
+    model_key: Mapped[str] = mapped_column(Text)
+    outcome: Mapped[str] = mapped_column(String(16))  # COMPLETED or ERROR
+    error_kind: Mapped[Optional[str]] = mapped_column(String(32), nullable=True)
+    error: Mapped[Optional[str]] = mapped_column(String(500), nullable=True)
+    worker: Mapped[Optional[str]] = mapped_column(String(200), nullable=True)
+    isolated: Mapped[Optional[bool]] = mapped_column(Boolean, nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=1)
+    received_at: Mapped[Optional[datetime.datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+    started_at: Mapped[Optional[datetime.datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+    finished_at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), index=True)
+    queue_ms: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    deserialize_ms: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    run_ms: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    upload_ms: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    payload_bytes: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    result_bytes: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
 
 
 def _now() -> datetime.datetime:

@@ -13,6 +13,8 @@ moves the job along (the web on intake, the worker afterwards):
                               ``...:jobs``: the jobs submitted to it)
 
 - zset ``ndif:jobs:ended``     job id -> when it ended, for the cleanup (``ndif_celery.cleanup``)
+- list ``ndif:ledger``         summaries of ended jobs for the ledger database (``ndif_celery.ledger``);
+                              the final status also counts the job in ``ndif:metrics:*`` (``ndif_celery.metrics``)
 
 All keys expire after ``NDIF_JOB_TTL_S``.
 """
@@ -130,13 +132,17 @@ class StatusChannel:
         description: str = "",
         data: Any = None,
         meta: Optional[dict] = None,
+        kind: str = "",
     ) -> None:
+        """``kind``: what sort of ERROR this is, for the ledger and metrics
+        (see ``ndif_celery.ledger``)."""
         message = wire.response_json(self.job.id, status, description, data, meta)
         pipe = self.redis.pipeline(transaction=False)
         if status != wire.LOG:
             pipe.set(status_key(self.job.id), message, ex=self.ttl_s)
         if status in wire.TERMINAL:
             _release(pipe, self.job, self.ttl_s)
+            _record(pipe, self.job, status, description, meta, kind)
         if self.job.session_id:
             pipe.publish(session_channel(self.job.session_id), message)
         pipe.execute()
@@ -151,6 +157,8 @@ class StatusChannel:
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(status_key(self.job.id), latest, ex=self.ttl_s)
         _release(pipe, self.job, self.ttl_s)
+        stored = json.loads(latest)
+        _record(pipe, self.job, stored["status"], stored.get("description") or "", stored.get("meta"), "")
         pipe.execute()
         return True
 
@@ -166,6 +174,16 @@ def _release(pipe, job: "Job", ttl_s: int) -> None:
     release(pipe, job)
     pipe.zadd(ENDED, {job.id: time.time()})
     pipe.expire(owner_key(job.id), ttl_s)
+
+
+def _record(pipe, job: "Job", status: str, description: str, meta: Optional[dict], kind: str) -> None:
+    """What else a terminal status does, off the hot path: queue the job's
+    summary for the ledger database and count it in the farm's metrics."""
+    from . import ledger, metrics
+
+    entry = ledger.summary(job, status, description, meta, kind)
+    ledger.push(pipe, entry)
+    metrics.record_job(pipe, entry)
 
 
 def job_keys(job_id: str) -> tuple[str, ...]:

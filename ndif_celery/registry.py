@@ -160,6 +160,7 @@ def status_document(client: redis.Redis) -> dict:
             "memory_free_bytes": max(0, budget - used.get(name, 0)),
             "current_job": info.get("current_job"),
             "last_seen": info.get("last_seen"),
+            "metrics_port": info.get("metrics_port"),
         }
     return {"deployments": entries, "cluster": {"workers": cluster}}
 

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _NOT_INHERITED = (
     "NDIF_HOME", "NDIF_REDIS_URL", "NDIF_API_URL", "NDIF_API_HOST", "NDIF_API_PORT",
     "NDIF_EMBEDDED_REDIS_PORT", "NDIF_FLOWER_PORT", "NDIF_RESULTS_DIR", "NDIF_DATABASE_URL",
+    "NDIF_WORKER_METRICS_PORT", "NDIF_FLOWER_URL",
 )
 
 
@@ -46,12 +47,14 @@ class Stack:
         self.home.mkdir(parents=True, exist_ok=True)
         env = dict(env or {})
         base = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
-        api, redis_port, flower = free_ports(3)
+        api, redis_port, flower, metrics = free_ports(4)
         base.update(
             NDIF_HOME=str(self.home),
             NDIF_API_PORT=str(api),
             NDIF_EMBEDDED_REDIS_PORT=str(redis_port),
             NDIF_FLOWER_PORT=str(flower),
+            # The worker's /metrics (a worker added later takes the next free port).
+            NDIF_WORKER_METRICS_PORT=str(metrics),
         )
         base.update({k: str(v) for k, v in env.items()})
         self.env = base

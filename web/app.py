@@ -32,10 +32,11 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     # Refuse absurd uploads before reading them; the exact check is on the blob.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_payload_bytes + 1024 * 1024 if settings.max_payload_bytes else None
 
-    from . import results, routes, subscribe
+    from . import dashboard, results, routes, subscribe
 
     app.register_blueprint(routes.bp)
     app.register_blueprint(results.bp)
+    app.register_blueprint(dashboard.bp)  # /metrics, /dashboard, and every request counted
     subscribe.sock.init_app(app)
     app.before_request(subscribe.refuse_unknown_keys)
 

@@ -10,7 +10,8 @@ over within seconds). The leader, on every tick or when woken:
 2. keeps operator deployments (``ndif-celery deploy``) at their replica count;
 3. adds a replica when a model's oldest waiting job has waited too long, and
    removes extra replicas that sat idle;
-4. tells waiting clients their new queue position when it changes.
+4. tells waiting clients their new queue position when it changes;
+5. writes the summaries of ended jobs into the ledger database (``ndif_celery.ledger``).
 
 It only decides and sends: loading and evicting run on the chosen worker as
 tasks on that worker's own queue, one thing at a time with its jobs.
@@ -25,7 +26,7 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from ndif_celery import config, jobs, queues, registry, wire
+from ndif_celery import config, jobs, ledger, queues, registry, wire
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, RUN_JOB, queue_for, worker_queue
 
 from . import placement, sizing
@@ -46,6 +47,7 @@ class Controller(threading.Thread):
         self.last_scaled: dict[str, float] = {}
         self.wishes: dict[str, dict] = {}
         self.stopping = threading.Event()
+        self.ledger = ledger.Drainer(settings.database_url)
 
     def run(self) -> None:
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -107,6 +109,7 @@ class Controller(threading.Thread):
                 self.place(farm, model_key, wish, evict=bool(wish.get("pinned")))
         self.retire_idle(farm, wishes, now)
         registry.publish_status(self.redis)
+        self.ledger(self.redis)  # ended jobs into the database, off every job's path
         self.positions = {k: v for k, v in self.positions.items() if k in waiting_ids}
 
     def bury_dead_workers(self, now: float) -> None:
@@ -129,7 +132,7 @@ class Controller(threading.Thread):
         channel = jobs.StatusChannel(self.redis, job, self.settings.job_ttl_s)
         if job.attempt >= 2:
             channel.send(wire.ERROR, f"The worker was lost while running your job ({worker}, twice); "
-                                     "it may have run out of memory. It was not run again.")
+                                     "it may have run out of memory. It was not run again.", kind="worker_lost")
             return
         job.attempt += 1
         self.redis.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), keepttl=True)
@@ -209,7 +212,7 @@ def fail_waiting(redis_client, queue: str, reason: str, ttl_s: int) -> int:
     """End every job waiting in ``queue`` with ERROR ``reason``: nobody waits forever."""
     failed = queues.drain(redis_client, queue)
     for job in failed:
-        jobs.StatusChannel(redis_client, job, ttl_s).send(wire.ERROR, reason)
+        jobs.StatusChannel(redis_client, job, ttl_s).send(wire.ERROR, reason, kind="deploy")
     return len(failed)
 
 

@@ -138,6 +138,7 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
     channel = jobs.StatusChannel(worker.redis, job, settings.job_ttl_s)
     started = time.time()
     meta = {"job_id": job.id, "worker": worker.name, "queue_ms": round((started - job.received_at) * 1000, 1)}
+    outcome = wire.ERROR  # until the result is delivered
     worker.begin(job.id)
     # Marked at the start, so a placement decided while this job finishes
     # already counts the model as just used.
@@ -170,22 +171,44 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         if settings.max_result_bytes and len(data) > settings.max_result_bytes:
             raise execute.result_too_big(len(data), settings.max_result_bytes)
         _deliver(worker, channel, job, data, meta)
+        outcome = wire.COMPLETED
     except JobCancelled:
-        channel.send(wire.ERROR, "Your job was cancelled by the operator.", meta=meta)
+        channel.send(wire.ERROR, "Your job was cancelled by the operator.", meta=meta, kind="cancelled")
     except JobTimedOut:
-        channel.send(wire.ERROR, f"Your job exceeded the execution timeout of {settings.execution_timeout_s:g}s.", meta=meta)
+        channel.send(wire.ERROR, f"Your job exceeded the execution timeout of {settings.execution_timeout_s:g}s.", meta=meta,
+                     kind="timeout")
     except execute.RequestError as error:
-        channel.send(wire.ERROR, str(error), meta=meta)
+        channel.send(wire.ERROR, str(error), meta=meta, kind=_error_kind(error))
     except StoreUnavailable as error:
         log.error("job %s: %s", job.id, error)
         channel.send(wire.ERROR, f"Your job ran, but the result store is unavailable so its result could not be "
-                     f"kept; please resend it shortly. ({error})", meta=meta)
+                     f"kept; please resend it shortly. ({error})", meta=meta, kind="store")
     except Exception as error:  # noqa: BLE001 - a server fault still ends the job visibly
         log.exception("job %s failed on the server", job.id)
-        channel.send(wire.ERROR, f"Server error while running your job: {type(error).__name__}: {error}", meta=meta)
+        channel.send(wire.ERROR, f"Server error while running your job: {type(error).__name__}: {error}", meta=meta,
+                     kind="server")
     finally:
         worker.end()
+        _job_metrics(outcome, time.time() - started)
         worker.redis.delete(jobs.payload_key(job.id))
+
+
+def _error_kind(error: BaseException) -> str:
+    """The ledger's kind of a RequestError: the user's request or code failed,
+    or it ran past its deadline in the isolated child."""
+    kind = getattr(error, "kind", "")
+    if kind:
+        return kind
+    return "timeout" if "exceeded the execution timeout" in str(error) else "user"
+
+
+def _job_metrics(outcome: str, seconds: float) -> None:
+    from . import metrics
+
+    try:
+        metrics.job_ended(outcome, seconds)
+    except Exception:  # noqa: BLE001 - metrics never fail a job
+        log.warning("worker metrics failed", exc_info=True)
 
 
 def _run_in_process(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel, meta: dict, started: float) -> bytes:
@@ -298,6 +321,7 @@ def load_model(self, model_key: str, dtype: Optional[str] = None, size_bytes: in
     try:
         seconds = worker.models.load(model_key, dtype)
         worker.models.sizes[model_key] = size_bytes
+        _load_metrics(repo, seconds)
     except RequestError as error:
         registry.remove_deployment(worker.redis, worker.name, model_key)
         fail_waiting(worker.redis, queue, str(error), settings.job_ttl_s)
@@ -310,6 +334,15 @@ def load_model(self, model_key: str, dtype: Optional[str] = None, size_bytes: in
     registry.publish_status(worker.redis)
     app.control.add_consumer(queue, destination=[worker.name], reply=True, timeout=10)
     log.info("%s loaded in %.2f s; consuming %s", repo, seconds, queue)
+
+
+def _load_metrics(repo: str, seconds: float) -> None:
+    from . import metrics
+
+    try:
+        metrics.model_loaded(repo, seconds)
+    except Exception:  # noqa: BLE001 - metrics never fail a load
+        log.warning("worker metrics failed", exc_info=True)
 
 
 @app.task(name=EVICT_MODEL, bind=True)
@@ -358,6 +391,11 @@ def _on_ready(sender, **_) -> None:
         memory_bytes=memory.budget_bytes(settings),
         cached=memory.cached_repos(),
         started_at=time.time(),
+    )
+    from . import metrics
+
+    worker.info["metrics_port"] = metrics.start(
+        settings.worker_metrics_host, settings.worker_metrics_port, lambda: len(worker.models.keys())
     )
     worker.redis.set(registry.ENV, _env_json())
     worker.heartbeat()
