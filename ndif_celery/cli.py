@@ -378,6 +378,57 @@ def keys_revoke(key: str) -> None:
     click.echo(f"revoked {count} key{'s' if count > 1 else ''}")
 
 
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the versions as JSON.")
+def version(as_json: bool) -> None:
+    """Versions of python, ndif-celery, nnsight, torch (+CUDA), transformers,
+    celery, flask, redis-py and the redis-server binary."""
+    from . import doctor
+
+    report = doctor.versions()
+    click.echo(json.dumps(report, indent=2) if as_json else doctor.render_versions(report))
+
+
+@main.command()
+def doctor() -> None:
+    """Check this host: one line per check (OK, WARN, FAIL, SKIP) and the fix
+    for each problem. Exits 1 if any check fails."""
+    from . import doctor as checks
+
+    results = checks.run()
+    click.echo(checks.render(results))
+    if checks.failed(results):
+        failing = ", ".join(c.name for c in results if c.status == checks.FAIL)
+        click.echo(f"\n{sum(c.status == checks.FAIL for c in results)} check(s) failed: {failing}", err=True)
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("service")
+@click.option("-n", "--lines", default=100, show_default=True, type=click.IntRange(min=0),
+              help="How many of the last lines to show.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing what the service logs, until Ctrl-C.")
+def logs(service: str, lines: int, follow: bool) -> None:
+    """Show the end of SERVICE's log ($NDIF_HOME/logs/SERVICE.log) from `up`."""
+    from . import logs as service_logs
+
+    settings = _settings()
+    try:
+        path = service_logs.resolve(settings, service)
+        shown, offset = service_logs.tail(path, lines)
+    except (service_logs.LogError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in shown:
+        click.echo(line)
+    if not follow:
+        return
+    try:
+        for text in service_logs.follow(path, offset):
+            click.echo(text, nl=False)
+    except KeyboardInterrupt:
+        pass
+
+
 def _exec(service: str, worker_name: Optional[str] = None) -> None:
     settings = _settings()
     if service == "redis" and not settings.embedded_redis:
