@@ -284,3 +284,23 @@ def test_an_operator_kill_ends_an_isolated_job_at_once(jail, model):
     with pytest.raises(RemoteError, match="cancelled by the operator"):
         poll(backend)
     assert time.monotonic() - started < 3, "the kill waited for the deadline"
+
+
+def leave_a_mark():
+    import builtins
+
+    before = getattr(builtins, "ndif_mark", None)
+    builtins.ndif_mark = "left by an earlier request"
+    return before, os.getpid()
+
+
+def test_each_request_gets_a_process_of_its_own(jail, model):
+    """Requests are served by spares forked and jailed ahead of time, but never
+    twice by the same process: what one request leaves behind, the next cannot see."""
+    seen = []
+    for _ in range(3):
+        with model.trace(PROMPT, remote=True) as tracer:
+            mark = nnsight.save(leave_a_mark())  # noqa: F841
+        seen.append((mark, tracer.backend.meta))
+    assert all(found is None for (found, _), _meta in seen), seen
+    assert seen[-1][1]["spare"] is True, "the request after an isolated job found no spare ready"

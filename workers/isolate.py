@@ -7,9 +7,15 @@ and hands back only bytes: LOG lines, the result blob, a JSON error. The
 parent never unpickles anything the child sends. At the deadline the child's
 whole process group is killed.
 
-Frames on the pipe: one type byte, an 8-byte big-endian length, the body.
-``L`` a LOG line (UTF-8), ``R`` the result blob, ``E`` an error message
-(UTF-8), ``M`` meta (JSON).
+The fork and the jail are paid ahead of time: after an untrusted job the
+worker prepares a :class:`Spare` (forked, jailed, OpenMP pool started) that
+waits for the next request on the same model; a request with no fitting spare
+forks one on the spot. Either way each request gets a child of its own.
+
+Frames on the pipes: one type byte, an 8-byte big-endian length, the body.
+Child to worker: ``L`` a LOG line (UTF-8), ``R`` the result blob, ``E`` an
+error message (UTF-8), ``M`` meta (JSON). Worker to child: ``J`` the request's
+JSON header (compress, env), then ``B`` the payload blob.
 """
 
 from __future__ import annotations
@@ -50,29 +56,120 @@ class Policy:
     as_nobody: bool = True
 
 
+class Spare:
+    """A child forked and jailed ahead of time, waiting for its one request.
+
+    Forking, entering the namespaces, mounting, Landlock and dropping
+    privileges cost tens of milliseconds; a spare pays them while the worker
+    is idle, so a request only ships its payload down a pipe. A spare serves
+    exactly one request and is never reused. It is tied to the model object it
+    was forked with (a reloaded model needs a new spare) and is made after a
+    job has ended and the weights are as loaded, exactly when a request-time
+    fork would have been made.
+    """
+
+    def __init__(self, model: Any, policy: Policy) -> None:
+        self.model_id = id(model)
+        self.policy = policy
+        self.workdir = tempfile.mkdtemp(prefix="ndif-job-")
+        self.cgroup = jail.pids_cgroup_path(os.path.basename(self.workdir))
+        out_read, out_write = os.pipe()  # child -> worker: frames
+        in_read, in_write = os.pipe()  # worker -> child: the request
+        started = time.perf_counter()
+
+        def child() -> None:  # never returns
+            os.close(out_read)
+            os.close(in_write)
+            _child(model, policy, out_write, in_read, self.workdir, self.cgroup)
+
+        self.forked = ForkedChild(child)
+        os.close(out_write)
+        os.close(in_read)
+        self.out_fd, self.in_fd = out_read, in_write
+        self.fork_ms = round((time.perf_counter() - started) * 1000, 1)
+
+    def fits(self, model: Any, policy: Policy) -> bool:
+        return self.model_id == id(model) and self.policy == policy and self.forked.status is None
+
+    def run(self, blob: bytes, compress: bool, env: dict, log: Callable[[str], None]) -> Outcome:
+        """Hand the request to the child and collect what it sends back."""
+        header = json.dumps({"compress": bool(compress), "env": env}).encode()
+        try:
+            _write_all(self.in_fd, _HEADER.pack(b"J", len(header)) + header)
+            _write_all(self.in_fd, _HEADER.pack(b"B", len(blob)))
+            _write_all(self.in_fd, blob)
+        except BrokenPipeError:
+            pass  # the child died before reading (its jail failed): _collect says why
+        finally:
+            os.close(self.in_fd)
+            self.in_fd = -1
+        return _collect(self.forked, self.out_fd, self.policy, log)
+
+    def close(self) -> None:
+        self.forked.kill()
+        self.forked.wait()
+        for fd in (self.in_fd, self.out_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.in_fd = self.out_fd = -1
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        jail.remove_cgroup(self.cgroup)
+
+
+_spare: "Spare | None" = None
+_spare_lock = threading.Lock()
+
+
+def _take_spare(model: Any, policy: Policy) -> "Spare | None":
+    global _spare
+    with _spare_lock:
+        spare, _spare = _spare, None
+    if spare is not None and not spare.fits(model, policy):
+        spare.close()
+        return None
+    return spare
+
+
+def prepare(model: Any, policy: Policy) -> None:
+    """Make a spare for the next request on ``model`` (replacing any other).
+
+    Called by the job's own thread after a job has ended, so no torch work runs
+    in this process while it forks."""
+    global _spare
+    with _spare_lock:
+        current = _spare
+    if current is not None and current.fits(model, policy):
+        return
+    discard()
+    spare = Spare(model, policy)
+    with _spare_lock:
+        _spare = spare
+
+
+def discard() -> None:
+    """Kill the spare (its model is being evicted, or the worker stops)."""
+    global _spare
+    with _spare_lock:
+        spare, _spare = _spare, None
+    if spare is not None:
+        spare.close()
+
+
 def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log: Callable[[str], None]) -> Outcome:
-    """Run one request in a jailed child; return its result bytes or raise RequestError."""
-    workdir = tempfile.mkdtemp(prefix="ndif-job-")
-    cgroup = jail.pids_cgroup_path(os.path.basename(workdir))
-    read_fd, write_fd = os.pipe()
+    """Run one request in a jailed child (the spare if one fits, else a new one);
+    return its result bytes or raise RequestError."""
     started = time.perf_counter()
-
-    def child() -> None:  # never returns
-        os.close(read_fd)
-        _child(model, blob, compress, env, policy, write_fd, workdir, cgroup)
-
-    forked = ForkedChild(child)
-    os.close(write_fd)
+    spare = _take_spare(model, policy)
+    warm = spare is not None
+    if spare is None:
+        spare = Spare(model, policy)
     try:
-        outcome = _collect(forked, read_fd, policy, log)
+        outcome = spare.run(blob, compress, env, log)
         outcome.meta["isolated_ms"] = round((time.perf_counter() - started) * 1000, 1)
+        outcome.meta["spare"] = warm
         return outcome
     finally:
-        os.close(read_fd)
-        forked.kill()
-        forked.wait()
-        shutil.rmtree(workdir, ignore_errors=True)
-        jail.remove_cgroup(cgroup)
+        spare.close()
 
 
 class ForkedChild:
@@ -177,19 +274,45 @@ def _kill_group(pid: int) -> None:
 
 
 def _send(fd: int, kind: bytes, body: bytes) -> None:
-    view = memoryview(_HEADER.pack(kind, len(body)) + body)
+    _write_all(fd, _HEADER.pack(kind, len(body)) + body)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
     while view:
         written = os.write(fd, view)
         view = view[written:]
 
 
-def _child(model, blob, compress, env, policy, fd, workdir, cgroup) -> None:
+def _read_exactly(fd: int, size: int) -> bytes:
+    buffer = bytearray(size)
+    view = memoryview(buffer)
+    got = 0
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise EOFError("the worker closed the request pipe")
+        got += n
+    return bytes(buffer)
+
+
+def _receive_request(fd: int) -> tuple[bytes, bool, dict]:
+    """The request the worker hands a spare: a JSON header, then the blob."""
+    kind, length = _HEADER.unpack(_read_exactly(fd, _HEADER.size))
+    header = json.loads(_read_exactly(fd, length)) if kind == b"J" else {}
+    kind, length = _HEADER.unpack(_read_exactly(fd, _HEADER.size))
+    blob = _read_exactly(fd, length)
+    os.close(fd)
+    return blob, bool(header.get("compress")), header.get("env") or {}
+
+
+def _child(model, policy, fd, request_fd, workdir, cgroup) -> None:
     code = 1
     try:
         os.setsid()  # its own process group: killed as one, and it cannot signal ours
         jail.die_with_parent()
         jail.join_cgroup(cgroup, policy.max_processes)
-        jail.close_inherited_fds(keep=fd)
+        jail.close_inherited_fds(keep=(fd, request_fd))
         try:
             jail.enter_namespaces()
         except (jail.JailError, OSError) as error:
@@ -197,8 +320,9 @@ def _child(model, blob, compress, env, policy, fd, workdir, cgroup) -> None:
             os._exit(0)
         inner = os.fork()  # PID 1 of the new PID namespace runs the code
         if inner == 0:
-            _run_jailed(model, blob, compress, env, policy, fd, workdir)
+            _run_jailed(model, policy, fd, request_fd, workdir)
         os.close(fd)
+        os.close(request_fd)
         _, status = os.waitpid(inner, 0)
         code = os.waitstatus_to_exitcode(status)
         if code < 0:
@@ -216,7 +340,7 @@ def _refuse(error: BaseException) -> str:
     )
 
 
-def _run_jailed(model, blob, compress, env, policy, fd, workdir) -> None:
+def _run_jailed(model, policy, fd, request_fd, workdir) -> None:
     from . import execute, results
 
     try:
@@ -234,8 +358,13 @@ def _run_jailed(model, blob, compress, env, policy, fd, workdir) -> None:
         os.chdir(workdir)
         os.environ.update(HOME=workdir, TMPDIR=workdir)
         tempfile.tempdir = workdir
+        _warm_up()
     except BaseException as error:  # noqa: BLE001
         _send(fd, b"E", _refuse(error).encode())
+        os._exit(0)
+    try:
+        blob, compress, env = _receive_request(request_fd)
+    except BaseException:  # noqa: BLE001 - discarded unused: the worker let go of it
         os._exit(0)
     try:
         tracer = execute.deserialize(model, blob, compress, env)
@@ -252,3 +381,11 @@ def _run_jailed(model, blob, compress, env, policy, fd, workdir) -> None:
         except BaseException:  # noqa: BLE001
             pass
     os._exit(0)
+
+
+def _warm_up() -> None:
+    """Start this process's OpenMP thread pool (a fresh one: see ForkedChild)
+    before the request arrives, so the request does not pay for it."""
+    import torch
+
+    torch.ones(1 << 16).add_(1).sum()

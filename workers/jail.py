@@ -222,14 +222,14 @@ def _vm_size_bytes() -> int:
     return 0
 
 
-def close_inherited_fds(keep: int) -> None:
-    """Only stdio (to /dev/null) and ``keep`` survive: inherited sockets to Redis
-    or the object store would bypass the network namespace."""
+def close_inherited_fds(keep: tuple[int, ...]) -> None:
+    """Only stdio (to /dev/null) and the fds in ``keep`` survive: inherited
+    sockets to Redis or the object store would bypass the network namespace."""
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(null, fd)
     for fd in _open_fds():
-        if fd > 2 and fd != keep:
+        if fd > 2 and fd not in keep:
             try:
                 os.close(fd)
             except OSError:

@@ -191,6 +191,8 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         worker.end()
         _job_metrics(outcome, time.time() - started)
         worker.redis.delete(jobs.payload_key(job.id))
+    if not job.trusted and meta.get("isolated"):
+        _prepare_spare(worker, job.model_key)
 
 
 def _error_kind(error: BaseException) -> str:
@@ -240,7 +242,15 @@ def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel
             "This GPU worker cannot run untrusted code yet (the GPU isolation path is not built; "
             "see docs/security.md). Ask the operator for a trusted key or a CPU worker."
         )
-    policy = isolate.Policy(
+    outcome = isolate.run(model, blob, job.compress, job.env, _isolation_policy(), channel.log)
+    meta.update(outcome.meta)
+    return outcome.data
+
+
+def _isolation_policy():
+    from . import isolate
+
+    return isolate.Policy(
         timeout_s=settings.execution_timeout_s,
         memory_bytes=settings.job_memory_bytes,
         disk_bytes=settings.job_disk_bytes,
@@ -249,9 +259,22 @@ def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel
         readable=_JAIL_READABLE,
         as_nobody=_JAIL_AS_NOBODY,
     )
-    outcome = isolate.run(model, blob, job.compress, job.env, policy, channel.log)
-    meta.update(outcome.meta)
-    return outcome.data
+
+
+def _prepare_spare(worker: WorkerState, model_key: str) -> None:
+    """After an untrusted job: fork and jail the next one's child now, while
+    idle (``isolate.Spare``). Best effort: a failure here only costs speed."""
+    import torch
+
+    from . import isolate
+
+    model = worker.models.get(model_key)
+    if model is None or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    try:
+        isolate.prepare(model, _isolation_policy())
+    except Exception:  # noqa: BLE001
+        log.exception("could not prepare a spare isolated process")
 
 
 def _hf_cache() -> tuple:
@@ -352,7 +375,10 @@ def evict_model(self, model_key: str) -> None:
 
 def _evict(worker: WorkerState, model_key: str) -> None:
     """Stop taking the model's jobs first, then let go of it."""
+    from . import isolate
+
     app.control.cancel_consumer(queue_for(model_key), destination=[worker.name], reply=True, timeout=10)
+    isolate.discard()  # it holds the model's memory
     worker.models.evict(model_key)
     registry.remove_deployment(worker.redis, worker.name, model_key)
     worker.heartbeat()
@@ -417,6 +443,9 @@ def _heartbeat(worker: WorkerState) -> None:
 
 @worker_shutdown.connect
 def _on_shutdown(**_) -> None:
+    from . import isolate
+
+    isolate.discard()
     if _state is not None:
         if _state.controller is not None:
             _state.controller.stop()
