@@ -2,6 +2,7 @@
 # make run       run the whole farm on this host in the foreground (Ctrl-C stops it)
 # make test      run the test suite (extra pytest arguments: PYTEST_ARGS="-k cli -x")
 # make clean     remove build and test leftovers (make distclean also removes .venv)
+# make bench     measure local vs null server vs the stack, one table per workload (bench-smoke: ~1 min; BENCH_ARGS="--only small_trace")
 
 PYTHON ?= python3
 VENV := .venv
@@ -38,3 +39,12 @@ clean:
 
 distclean: clean
 	rm -rf $(VENV)
+
+BENCH_ARGS ?=
+.PHONY: bench bench-smoke
+
+bench: install
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
+
+bench-smoke: install
+	$(BIN)/python bench/run.py --smoke $(BENCH_ARGS)

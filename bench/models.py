@@ -49,17 +49,21 @@ MODELS = {
 }
 
 
-def llama_1b_config():
-    """TinyLlama-1.1B's shape: 22 layers, hidden 2048, GQA 32/4 heads, bf16."""
+LLAMA_DRY_REPO = "ndif-bench/random-llama-dry-run"
+
+
+def llama_1b_config(tiny: bool = False):
+    """TinyLlama-1.1B's shape: 22 layers, hidden 2048, GQA 32/4 heads, bf16.
+    ``tiny``: the same architecture scaled down (for ``--dry-run`` on a CPU)."""
     from transformers import LlamaConfig
 
+    sizes = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                 num_attention_heads=32, num_key_value_heads=4)
+    if tiny:
+        sizes = dict(vocab_size=tiny_model.VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
     return LlamaConfig(
-        vocab_size=32000,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
+        **sizes,
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -81,15 +85,16 @@ def count_parameters(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def build_llama_1b(hf_home: Path, repo_id: str = LLAMA_REPO, seed: int = 0) -> Path:
-    """Write the random Llama as a hub-cache entry once; return its snapshot."""
+def build_llama_1b(hf_home: Path, repo_id: str = LLAMA_REPO, seed: int = 0, tiny: bool = False) -> Path:
+    """Write the random Llama as a hub-cache entry once; return its snapshot
+    (``tiny``: the scaled-down twin the dry run builds and runs on a CPU)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     existing = tiny_model.snapshot_dir(hf_home, repo_id)
     if existing is not None:
         return existing
-    config = llama_1b_config()
+    config = llama_1b_config(tiny=tiny)
     repo = tiny_model._repo_dir(hf_home, repo_id)
     rev = tiny_model._revision(repo_id, {"config": config.to_json_string(), "seed": seed})
     hub = Path(hf_home) / "hub"
@@ -133,11 +138,16 @@ def build(model: BenchModel, hf_home: Path) -> None:
         raise ValueError(f"unknown model {model.name!r}; known: {', '.join(MODELS)}")
 
 
-def dry_run(model: BenchModel) -> dict:
-    """The CPU-side checks of a model without building it: its config, its size."""
+def dry_run(model: BenchModel, hf_home: Path) -> tuple[dict, BenchModel]:
+    """The CPU-side checks of a model without building it: its config and its
+    size; for the Llama, a scaled-down twin built by the same code (returned,
+    for the caller to run the workloads on)."""
     if model.name == "llama-1b":
         config = llama_1b_config()
         params = count_parameters(config)
+        build_llama_1b(hf_home, LLAMA_DRY_REPO, tiny=True)
+        twin = BenchModel("llama-dry-run", LLAMA_DRY_REPO, LLAMA_DRY_REPO, gpt2=False, dtype="bfloat16")
         return {"model": model.name, "repo_id": model.repo_id, "parameters": params,
-                "bf16_bytes": params * 2, "layers": config.num_hidden_layers}
-    return {"model": model.name, "repo_id": model.repo_id, "parameters": None}
+                "bf16_bytes": params * 2, "layers": config.num_hidden_layers}, twin
+    build(model, hf_home)
+    return {"model": model.name, "repo_id": model.repo_id}, model

@@ -335,7 +335,10 @@ class Bench:
         self.model = self.client(self.model_info.repo_id, local=True)
         self.null = NullServer().start()
         self.stack = self.new_stack()
+        started_stack = time.perf_counter()
         self.stack.start()
+        self.first_request()
+        self.out["stack_start_s"] = round(time.perf_counter() - started_stack, 3)
         for name in TIME_WORKLOADS:
             if name in self.only:
                 self.time_workload(name)
@@ -355,17 +358,42 @@ class Bench:
         self.emit(f"elapsed {self.out['elapsed_s']} s; JSON: {self.json_path}")
         return self.out
 
+    def first_request(self) -> None:
+        """The first request on a stack just started: the model is deployed by it,
+        in a worker that has not loaded any model yet (recorded, not a column)."""
+        from bench.workloads import small_trace
+
+        try:
+            ms, _, meta = self.call(small_trace, self.model, self.stack.url)
+        except Exception as error:  # noqa: BLE001 - recorded
+            self.out["first_request"] = {"error": f"{type(error).__name__}: {error}"}
+            return
+        self.out["first_request"] = {"ms": round(ms, 3), "meta": meta}
+        self.emit(f"first request on the new stack (deploys {self.model_info.repo_id} in a fresh worker): "
+                  f"{ms:.0f} ms (queue_ms {meta.get('queue_ms')}, run_ms {meta.get('run_ms')})")
+
     def close(self) -> None:
+        import shutil
+
         for stack in (self.iso_stack, self.stack):
             if stack is not None:
                 with contextlib.suppress(Exception):
                     stack.stop()
         if self.null is not None:
             self.null.stop()
-        import shutil
-
+        if self.had_errors():  # keep the stacks' logs next to the JSON, for whoever reads it
+            keep = self.json_path.with_name(self.json_path.stem + "-logs")
+            shutil.rmtree(keep, ignore_errors=True)
+            for i, home in enumerate(self.homes):
+                if (home / "logs").is_dir():
+                    shutil.copytree(home / "logs", keep / f"stack{i}", dirs_exist_ok=True)
+            self.emit(f"errors during the run; the stacks' logs are in {keep}")
         for home in self.homes:
             shutil.rmtree(home, ignore_errors=True)
+
+    def had_errors(self) -> bool:
+        text = json.dumps(self.out, default=str)
+        return '"errors": [' in text or '"crashed"' in text or '"error"' in text
 
     # -- workloads measured in three columns --
 
@@ -404,7 +432,15 @@ class Bench:
             extra["ours_result_bytes"] = columns["ours"].meta.get("result_bytes")
             extra["size_ok"] = extra["result_tensor_bytes"] >= self.plan.big_bytes
             extra["ours_inline"] = columns["ours"].meta.get("inline")
-        self.record(name, columns, f"{reps} reps + {self.plan.warmup} warm-up per column", extra)
+        notes = []
+        if name == "big_result":
+            wire = extra.get("ours_result_bytes") or 0
+            notes.append(f"result tensors {extra['result_tensor_bytes'] / MiB:.1f} MiB; on the wire (ours, "
+                         f"{'zstd' if self.compress else 'raw'}) {wire / MiB:.1f} MiB; floor p50 "
+                         f"{extra['floor']['total'].get('p50_ms', 0):.0f} ms; peak RSS increase: web "
+                         f"{extra['memory'].get('web', {}).get('peak_increase_bytes', 0) / MiB:.0f} MiB, worker "
+                         f"{extra['memory'].get('worker', {}).get('peak_increase_bytes', 0) / MiB:.0f} MiB")
+        self.record(name, columns, f"{reps} reps + {self.plan.warmup} warm-up per column", extra, notes=notes)
 
     def record(self, name: str, columns: dict, reps_text: str, extra: Optional[dict] = None,
                notes: Optional[list] = None) -> None:
@@ -813,24 +849,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--second-worker-gpus", default="", help="GPUs of the second worker (throughput)")
     parser.add_argument("--second-worker-memory-gib", type=float, default=4.0)
     parser.add_argument("--big-mib", type=int, help="size of the big result in MiB (overrides the plan)")
+    parser.add_argument("--reps", type=int, help="repetitions of every timed workload, cold start and isolation "
+                                                 "(overrides the plan)")
     parser.add_argument("--dry-run", action="store_true",
                         help="build nothing, start nothing: check the plan, the model's config and the workloads")
     return parser.parse_args(argv)
 
 
-def dry_run(args: argparse.Namespace, plan: Plan, model: BenchModel) -> int:
-    """What a run would do, and the CPU-side parts that can break before a GPU is there."""
+def dry_run(args: argparse.Namespace, plan: Plan, model: BenchModel, hf_home: Path) -> int:
+    """What a run would do, and the CPU-side parts that can break before a GPU
+    is there: every bench file parses, the model's config and size, and every
+    workload runs locally on a scaled-down twin of the model built by the same
+    code (for the Llama: 2 layers, hidden 64, bf16). Starts no server."""
     import ast
+
+    import torch
 
     from bench import models, workloads
 
     for path in sorted((ROOT / "bench").glob("*.py")):
         ast.parse(path.read_text(), str(path))
-    info = models.dry_run(model)
-    spec = workloads.Spec(gpt2=model.gpt2, gen_tokens=plan.gen_tokens, session_traces=plan.session_traces,
-                          big_bytes=plan.big_bytes)
-    print(json.dumps({"dry_run": True, "model": info, "spec": spec.__dict__, "only": args.only or ",".join(ALL),
-                      "plan": plan.__dict__, "commit": measure.git_commit()}, indent=1, default=str))
+    info, twin = models.dry_run(model, hf_home)
+    spec = workloads.Spec(gpt2=twin.gpt2, gen_tokens=plan.gen_tokens, session_traces=plan.session_traces,
+                          big_bytes=4 * MiB)
+    from tests.tiny_model import client_model
+
+    local = client_model(twin.repo_id, dtype=getattr(torch, twin.dtype))
+    ran = {}
+    for name, fn in workloads.WORKLOADS.items():
+        saves = fn(local, {}, spec)
+        again = fn(local, {}, spec)
+        found = measure.difference(again, saves)
+        if found:
+            raise RuntimeError(f"dry run: {name} on {twin.repo_id} is not deterministic: {found}")
+        ran[name] = measure.result_bytes(saves)
+    print(json.dumps({"dry_run": True, "model": info, "ran_locally_on": twin.repo_id, "workload_result_bytes": ran,
+                      "only": args.only or ",".join(ALL), "plan": plan.__dict__, "commit": measure.git_commit()},
+                     indent=1, default=str))
     return 0
 
 
@@ -839,6 +894,8 @@ def main(argv=None) -> int:
     plan = SMOKE if args.smoke else FULL
     if args.big_mib:
         plan = replace(plan, big_bytes=args.big_mib * MiB)
+    if args.reps:
+        plan = replace(plan, reps={k: args.reps for k in plan.reps}, cold_reps=args.reps, isolation_reps=args.reps)
     model = MODELS[args.model]
     hf_home = Path(args.hf_home or os.environ.get("HF_HOME") or ROOT / "tests" / "_out" / "hf").resolve()
     # Before anything imports transformers / huggingface_hub (they read these once).
@@ -846,7 +903,7 @@ def main(argv=None) -> int:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     if args.dry_run:
-        return dry_run(args, plan, model)
+        return dry_run(args, plan, model, hf_home)
     if args.device == "auto":
         import torch
 
