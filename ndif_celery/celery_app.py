@@ -41,6 +41,21 @@ def queue_for(model_key: str) -> str:
     return f"ndif.model.{slug}.{digest}"
 
 
+# Celery's Redis transport keeps one list per priority step of a queue and
+# serves the lower number first; a message with no priority is 0. Ordinary
+# jobs are sent at NORMAL, jobs of keys tagged ``priority`` at FIRST.
+PRIORITY_FIRST = 0
+PRIORITY_NORMAL = 6
+
+
+def send_job(app: Celery, job) -> None:
+    """Put ``job`` (a ``jobs.Job``) on its model's queue, at its priority."""
+    app.send_task(
+        RUN_JOB, kwargs={"job": job.to_message()}, queue=queue_for(job.model_key), task_id=job.id,
+        priority=PRIORITY_FIRST if job.priority else PRIORITY_NORMAL,
+    )
+
+
 def make_app(settings: Optional[config.Settings] = None) -> Celery:
     settings = settings or config.load()
     app = Celery("ndif_celery", broker=settings.redis_url, backend=None)

@@ -81,6 +81,7 @@ class Job:
     trusted: bool = True  # stamped by the web from the key; never from the client
     owner: str = "anonymous"
     attempt: int = 1  # 2 when re-run after its first worker died
+    priority: bool = False  # the key is tagged ``priority``: served before the others
 
     def to_message(self) -> dict:
         return asdict(self)

@@ -16,7 +16,7 @@ import time
 
 import redis
 
-from . import auth, config, jobs
+from . import auth, config, jobs, queues
 
 
 class LimitError(Exception):
@@ -53,8 +53,10 @@ def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, se
     pipe.expire(window, 120)
     pipe.zremrangebyscore(_active_key(identity.owner), 0, now - settings.job_ttl_s)
     pipe.zcard(_active_key(identity.owner))
-    pipe.llen(queue)
-    made, _, _, active, depth = pipe.execute()
+    for name in queues.lists(queue):
+        pipe.llen(name)
+    made, _, _, active, *depths = pipe.execute()
+    depth = sum(depths)
     if rate and made > rate:
         raise LimitError(
             f"Rate limit reached: at most {rate} requests per minute for this key (NDIF_RATE_LIMIT_PER_MIN). "

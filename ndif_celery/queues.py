@@ -1,10 +1,12 @@
 """What is waiting in the per-model queues, read straight from the broker.
 
-Celery's Redis transport keeps each queue as a Redis list of JSON envelopes
-(LPUSH to add, BRPOP to take, so the oldest is at the right). Reading the
-list gives depth, head wait and the jobs in order without taking anything, so
-the controller can tell clients their position and the CLI can show and
-remove queued jobs. Only our own task messages (JSON, protocol 2) are read.
+Celery's Redis transport keeps each queue as Redis lists of JSON envelopes,
+one per priority step (the queue's own name for priority 0, then
+``<queue>\x06\x16<step>``; LPUSH to add, BRPOP across them in priority order
+to take, so the oldest is at the right). Reading the lists gives depth, head
+wait and the jobs in the order they will run without taking anything, so the
+controller can tell clients their position and the CLI can show and remove
+queued jobs. Only our own task messages (JSON, protocol 2) are read.
 """
 
 from __future__ import annotations
@@ -20,10 +22,34 @@ import redis
 from . import jobs, registry
 
 
+# kombu's Redis transport: its priority steps and the separator of the list names.
+PRIORITY_STEPS = (0, 3, 6, 9)
+_SEP = "\x06\x16"
+
+
+def lists(queue: str) -> list[str]:
+    """The Redis lists of ``queue``, in the order the workers take from them."""
+    return [queue if step == 0 else f"{queue}{_SEP}{step}" for step in PRIORITY_STEPS]
+
+
+def lists_up_to(queue: str, priority: int) -> list[str]:
+    """The lists whose jobs run before (or with) a job sent at ``priority``."""
+    return [name for step, name in zip(PRIORITY_STEPS, lists(queue)) if step <= priority]
+
+
+def depth(client: redis.Redis, queue: str) -> int:
+    """How many messages wait in ``queue`` (all priorities)."""
+    pipe = client.pipeline(transaction=False)
+    for name in lists(queue):
+        pipe.llen(name)
+    return sum(pipe.execute())
+
+
 @dataclass
 class Waiting:
     job: jobs.Job
     raw: bytes  # the exact list element, for LREM
+    list_name: str = ""  # which of the queue's lists holds it
 
 
 def _decode(raw: bytes) -> Optional[jobs.Job]:
@@ -39,28 +65,36 @@ def _decode(raw: bytes) -> Optional[jobs.Job]:
 
 
 def waiting(client: redis.Redis, queue: str) -> list[Waiting]:
-    """The jobs waiting in ``queue``, oldest first."""
+    """The jobs waiting in ``queue``, in the order they will run (priority
+    first, then oldest first)."""
+    names = lists(queue)
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.lrange(name, 0, -1)
     entries = []
-    for raw in reversed(client.lrange(queue, 0, -1)):
-        job = _decode(raw)
-        if job is not None:
-            entries.append(Waiting(job, raw))
+    for name, raws in zip(names, pipe.execute()):
+        for raw in reversed(raws):
+            job = _decode(raw)
+            if job is not None:
+                entries.append(Waiting(job, raw, name))
     return entries
 
 
 def head_wait(client: redis.Redis, queue: str, now: Optional[float] = None) -> float:
-    """Seconds the oldest waiting job of ``queue`` has waited (0 when empty)."""
-    raw = client.lindex(queue, -1)
-    job = _decode(raw) if raw is not None else None
-    if job is None:
+    """Seconds the longest-waiting job of ``queue`` has waited (0 when empty)."""
+    pipe = client.pipeline(transaction=False)
+    for name in lists(queue):
+        pipe.lindex(name, -1)
+    oldest = [job.received_at for job in map(_decode, filter(None, pipe.execute())) if job is not None]
+    if not oldest:
         return 0.0
-    return max(0.0, (time.time() if now is None else now) - job.received_at)
+    return max(0.0, (time.time() if now is None else now) - min(oldest))
 
 
 def remove(client: redis.Redis, queue: str, job_id: str) -> Optional[jobs.Job]:
     """Take a waiting job out of ``queue``; None if it is not (or no longer) there."""
     for entry in waiting(client, queue):
-        if entry.job.id == job_id and client.lrem(queue, 1, entry.raw):
+        if entry.job.id == job_id and client.lrem(entry.list_name, 1, entry.raw):
             return entry.job
     return None
 
@@ -68,13 +102,15 @@ def remove(client: redis.Redis, queue: str, job_id: str) -> Optional[jobs.Job]:
 def drain(client: redis.Redis, queue: str) -> list[jobs.Job]:
     """Take every waiting job out of ``queue`` (to fail them all with one reason)."""
     taken = []
-    while True:
-        raw = client.rpop(queue)
-        if raw is None:
-            return taken
-        job = _decode(raw)
-        if job is not None:
-            taken.append(job)
+    for name in lists(queue):
+        while True:
+            raw = client.rpop(name)
+            if raw is None:
+                break
+            job = _decode(raw)
+            if job is not None:
+                taken.append(job)
+    return taken
 
 
 def model_queues(client: redis.Redis) -> list[str]:
@@ -92,7 +128,7 @@ def summary(client: redis.Redis, now: Optional[float] = None) -> list[dict]:
                 "queue": queue,
                 "model_key": entries[0].job.model_key if entries else client.hget(registry.QUEUE_MODELS, queue),
                 "depth": len(entries),
-                "head_wait_s": round(now - entries[0].job.received_at, 3) if entries else 0.0,
+                "head_wait_s": round(now - min(e.job.received_at for e in entries), 3) if entries else 0.0,
                 "jobs": [entry.job.id for entry in entries],
             }
         )

@@ -155,3 +155,32 @@ def test_a_session_opened_by_one_key_cannot_carry_anothers_job(stack, model):
         assert "session_id was not opened by this API key" in response.json()["detail"]
     finally:
         ws.close()
+
+
+def _recording_start(model):
+    """A non-blocking job that saves when (server time) it began running."""
+    import time
+
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        model.transformer.h[0].output.save()
+        began = nnsight.save(time.time())  # noqa: F841
+    return tracer.backend
+
+
+def test_a_priority_key_is_served_before_the_queue(stack, model, use_key):
+    """Four jobs wait behind a running one; the last, from a key tagged
+    ``priority``, runs first, and is told position 1 when it is queued."""
+    from tests.remote import slow_job, wait_status
+
+    use_key(make_key(stack, "queue@example.org", "--trusted"))
+    blocker = slow_job(model, 60)  # 3 s: the queue forms behind it
+    wait_status(stack.url, blocker.job_id, "RUNNING", headers={"ndif-api-key": blocker.api_key})
+    normal = [_recording_start(model) for _ in range(3)]
+    use_key(make_key(stack, "first@example.org", "--trusted", "--priority"))
+    first = _recording_start(model)
+    queued = httpx.get(f"{stack.url}/response/{first.job_id}", headers={"ndif-api-key": first.api_key}).json()
+    began = {backend.job_id: poll(backend)["began"] for backend in [first, *normal]}
+    poll(blocker)
+    assert queued["status"] in ("QUEUED", "RUNNING", "COMPLETED")
+    assert began[first.job_id] < min(began[b.job_id] for b in normal), began
+    assert sorted(began[b.job_id] for b in normal) == [began[b.job_id] for b in normal]  # the rest in order

@@ -13,8 +13,8 @@ import redis
 import zstandard
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery import auth, cleanup, environment, jobs, limits, registry, versions, wire
-from ndif_celery.celery_app import RUN_JOB, queue_for
+from ndif_celery import auth, cleanup, environment, jobs, limits, queues, registry, versions, wire
+from ndif_celery.celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for, send_job
 
 bp = Blueprint("api", __name__)
 
@@ -77,6 +77,7 @@ def submit():
         received_at=jobs.now(),
         payload_bytes=len(blob),
         trusted=identity.trusted,
+        priority="priority" in identity.tags,
         owner=identity.owner,
     )
     settings = _settings()
@@ -92,16 +93,16 @@ def submit():
         pipe.sadd(jobs.session_jobs_key(job.session_id), job.id)
         pipe.expire(jobs.session_jobs_key(job.session_id), settings.job_ttl_s)
     limits.track(pipe, job)
-    pipe.llen(queue)
-    position = pipe.execute()[-1] + 1
+    ahead = queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL)
+    for name in ahead:
+        pipe.llen(name)
+    position = sum(pipe.execute()[-len(ahead):]) + 1
     # QUEUED before the job is visible to anyone, so it is the first status the
     # client sees after RECEIVED, whatever the farm does next.
     jobs.StatusChannel(client, job, settings.job_ttl_s).send(
         wire.QUEUED, f"Your job is queued for {wire.repo_fields(job.model_key)['repo_id']} (position {position})."
     )
-    current_app.config["NDIF_CELERY"].send_task(
-        RUN_JOB, kwargs={"job": job.to_message()}, queue=queue, task_id=job.id
-    )
+    send_job(current_app.config["NDIF_CELERY"], job)
     _announce(queue, job.model_key)
     return Response(received, mimetype="application/json")
 

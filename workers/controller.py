@@ -27,7 +27,7 @@ from collections import defaultdict
 from typing import Optional
 
 from ndif_celery import config, jobs, ledger, queues, registry, wire
-from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, RUN_JOB, queue_for, worker_queue
+from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, send_job, worker_queue
 
 from . import placement, sizing
 
@@ -99,7 +99,7 @@ class Controller(threading.Thread):
             holders = farm.holders(model_key)
             if not holders:
                 self.place(farm, model_key, wish, fail_queue=queue)
-            elif self.needs_replica(model_key, holders, now - entries[0].job.received_at, now):
+            elif self.needs_replica(model_key, holders, now - min(e.job.received_at for e in entries), now):
                 if self.place(farm, model_key, wish, evict=False):
                     self.last_scaled[model_key] = now
         for model_key, wish in wishes.items():
@@ -136,7 +136,7 @@ class Controller(threading.Thread):
             return
         job.attempt += 1
         self.redis.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), keepttl=True)
-        self.app.send_task(RUN_JOB, kwargs={"job": job.to_message()}, queue=queue_for(job.model_key), task_id=job.id)
+        send_job(self.app, job)
         channel.send(wire.QUEUED, f"The worker running your job ({worker}) was lost; running it again elsewhere.")
 
     def needs_replica(self, model_key: str, holders: list[dict], head_wait: float, now: float) -> bool:

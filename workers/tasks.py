@@ -30,7 +30,7 @@ from celery.signals import worker_ready, worker_shutdown
 from celery.worker.control import control_command
 
 from ndif_celery import cleanup, config, jobs, queues, registry, wire
-from ndif_celery.celery_app import CLEANUP, EVICT_MODEL, LOAD_MODEL, RUN_JOB, make_app, queue_for
+from ndif_celery.celery_app import CLEANUP, EVICT_MODEL, LOAD_MODEL, RUN_JOB, make_app, queue_for, send_job
 from ndif_celery.store import StoreUnavailable
 
 settings = config.load()
@@ -132,7 +132,7 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
     if model is None:
         # Evicted between the broker handing us the job and now: back to the
         # queue, for whichever worker holds (or will hold) the model.
-        app.send_task(RUN_JOB, kwargs={"job": job.to_message()}, queue=queue_for(job.model_key), task_id=job.id)
+        send_job(app, job)
         registry.wake_controller(worker.redis, "requeued")
         return
     channel = jobs.StatusChannel(worker.redis, job, settings.job_ttl_s)
