@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -67,12 +68,46 @@ def top(raw_files: list[Path], limit: int) -> tuple[int, list, list]:
     return samples, share(own), share(total)
 
 
+# Where a sample falls, by a frame anywhere on its stack (a sample can count for several).
+MARKERS = {
+    "web": ["submit (web/routes", "send_job", "Celery.send_task", "_announce", "check_and_count", "identify",
+            "subscribe (web/subscribe", "get_message", "download (web/results", "ledger", "metrics"],
+    "worker": ["run_job (workers/tasks", "_run_in_process", "deserialize (workers/execute", "run (workers/execute",
+               "Meta.interleave", "encode (workers/results", "completed_frame", "StatusChannel.send",
+               "restore_if_changed", "request_scope", "Controller.run", "_heartbeat", "ledger", "metrics",
+               "kombu/", "redis/"],
+    "client": ["RemoteBackend._serialize", "RemoteBackend._post", "create_ssl_context", "create_connection (websocket",
+               "RemoteBackend.finalize", "ResponseModel.unpickle"],
+}
+
+
+def breakdown(raw_files: list[Path], markers: list[str]) -> list[tuple[float, str]]:
+    samples, hits = 0, collections.Counter()
+    for path in raw_files:
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit():
+                continue
+            samples += int(count)
+            for marker in markers:
+                if marker in stack:
+                    hits[marker] += int(count)
+    return [(hits[m] / samples, m) for m in markers] if samples else []
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--rate", type=int, default=250, help="samples per second per process")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--model", default="tiny", choices=sorted(MODELS))
+    parser.add_argument("--clients", type=int, default=1, help="client threads sending at once (each its own model)")
+    parser.add_argument("--warmup", type=int, default=20, help="requests before sampling (every gunicorn process "
+                                                               "imports Celery's and kombu's lazy modules on its first)")
+    parser.add_argument("--gil", action="store_true", help="only samples holding the GIL: Python CPU, no waits "
+                                                           "(torch kernels release it and drop out too)")
     args = parser.parse_args(argv)
     hf_home = Path(os.environ.get("HF_HOME") or ROOT / "tests" / "_out" / "hf").resolve()
     os.environ.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -90,13 +125,15 @@ def main(argv=None) -> int:
     model = client_model(model_info.repo_id)
     nnsight.CONFIG.APP.REMOTE_LOGGING = False
     OUT.mkdir(parents=True, exist_ok=True)
+    for old in OUT.glob("*.txt"):
+        old.unlink()
     home = Path(tempfile.mkdtemp(prefix="ndif-bench-profile-"))
     stack = Stack(home, env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     spies: list[subprocess.Popen] = []
     try:
         stack.start()
         nnsight.CONFIG.API.HOST = stack.url
-        for _ in range(5):
+        for _ in range(args.warmup):
             workloads.small_trace(model, {"remote": True}, spec)
         pids = stack.pids()
         groups = {
@@ -111,24 +148,37 @@ def main(argv=None) -> int:
                 files[group].append(path)
                 spies.append(subprocess.Popen(
                     [spy, "record", "--pid", str(pid), "--rate", str(args.rate), "--duration", str(int(args.seconds)),
-                     "--format", "raw", "--nonblocking", "--output", str(path)],
+                     "--format", "raw", "--nonblocking", "--output", str(path), *(["--gil"] if args.gil else [])],
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 ))
+        clients = [model] + [client_model(model_info.repo_id) for _ in range(args.clients - 1)]
+        for extra in clients[1:]:
+            workloads.small_trace(extra, {"remote": True}, spec)
         time.sleep(1.0)  # let py-spy attach
-        latencies = []
+        latencies: list[float] = []
         deadline = time.monotonic() + args.seconds - 1.5
-        while time.monotonic() < deadline:
-            started = time.perf_counter()
-            workloads.small_trace(model, {"remote": True}, spec)
-            latencies.append((time.perf_counter() - started) * 1000)
+
+        def send(client) -> None:
+            while time.monotonic() < deadline:
+                started = time.perf_counter()
+                workloads.small_trace(client, {"remote": True}, spec)
+                latencies.append((time.perf_counter() - started) * 1000)
+
+        threads = [threading.Thread(target=send, args=(c,), daemon=True) for c in clients]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         for proc in spies:
             try:
                 proc.wait(timeout=args.seconds + 30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-        print(f"profile of the small trace, commit {measure.git_commit()}: {len(latencies)} requests, "
+        print(f"profile of the small trace, commit {measure.git_commit()}, {args.clients} client thread(s): "
+              f"{len(latencies)} requests, "
               f"p50 {measure.percentile(latencies, .5):.1f} ms, p95 {measure.percentile(latencies, .95):.1f} ms; "
-              f"py-spy {args.rate} Hz, non-blocking, idle threads excluded")
+              f"py-spy {args.rate} Hz, non-blocking, idle threads excluded"
+              + (", GIL holders only" if args.gil else ""))
         for group, paths in files.items():
             samples, own, total = top(paths, args.top)
             print(f"\n== {group} ({len(paths)} process{'es' if len(paths) > 1 else ''}, {samples} busy samples "
@@ -139,6 +189,9 @@ def main(argv=None) -> int:
             print("   total time")
             for fraction, frame in total:
                 print(f"   {fraction * 100:5.1f}%  {frame}")
+            print("   by component (a frame anywhere on the stack)")
+            for fraction, marker in breakdown(paths, MARKERS.get(group, [])):
+                print(f"   {fraction * 100:5.1f}%  {marker}")
         print(f"\nraw collapsed stacks: {OUT}")
     finally:
         for proc in spies:
