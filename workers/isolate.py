@@ -165,11 +165,12 @@ def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log:
         spare = Spare(model, policy)
     try:
         outcome = spare.run(blob, compress, env, log)
-        outcome.meta["isolated_ms"] = round((time.perf_counter() - started) * 1000, 1)
-        outcome.meta["spare"] = warm
-        return outcome
     finally:
-        spare.close()
+        # Killing, reaping and cleaning up after the child is nobody's wait.
+        threading.Thread(target=spare.close, name="ndif-reap", daemon=True).start()
+    outcome.meta["isolated_ms"] = round((time.perf_counter() - started) * 1000, 1)
+    outcome.meta["spare"] = warm
+    return outcome
 
 
 class ForkedChild:
@@ -242,11 +243,12 @@ def _collect(forked: ForkedChild, fd: int, policy: Policy, log: Callable[[str], 
                 error = body.decode("utf-8", "replace")
             elif kind == b"M":
                 meta.update(json.loads(body))
-    status = forked.wait()
+        if result is not None or error is not None:
+            break  # the child's last word: no need to wait for it to exit
     if error is not None:
         raise RequestError(error)
     if result is None:
-        raise RequestError(_died(status, policy))
+        raise RequestError(_died(forked.wait(), policy))
     return Outcome(result, meta)
 
 
