@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import time
 
+import httpx
 import pytest
 import redis
 import torch
+from nnsight.intervention.backends.remote import RemoteBackend
 
 from ndif_celery import cleanup, jobs
 from ndif_celery.store import FilesystemStore
@@ -24,7 +26,8 @@ TTL_S = 8
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, hf_home):
     build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=42)
-    env = {"NDIF_MAX_INLINE_BYTES": "0", "NDIF_JOB_TTL_S": str(TTL_S), "NDIF_CLEANUP_INTERVAL_S": "1"}
+    env = {"NDIF_MAX_INLINE_BYTES": "0", "NDIF_JOB_TTL_S": str(TTL_S), "NDIF_CLEANUP_INTERVAL_S": "1",
+           "NDIF_RESULT_URL_TTL_S": "1"}
     with client_on_stack(tmp_path_factory.mktemp("expiry"), hf_home, env) as stack:
         yield stack
 
@@ -39,6 +42,13 @@ def test_an_expired_job_is_cleaned_up_and_says_so(stack):
     assert torch.equal(result["out"], expected)
     stored = stack.home / "results" / cleanup.result_key(backend.job_id)
     assert stored.is_file()
+    # The first URL has expired by now (NDIF_RESULT_URL_TTL_S=1): a late poll
+    # within the job's TTL gets a freshly signed one and still downloads.
+    first_url = httpx.get(f"{stack.url}/response/{backend.job_id}").json()["data"]
+    time.sleep(2.1)
+    assert httpx.get(first_url).status_code == 403
+    again = RemoteBackend(model.to_model_key(), blocking=False, job_id=backend.job_id)
+    assert torch.equal(poll(again, timeout_s=5)["out"], expected)
     deadline = time.monotonic() + TTL_S + 30
     while stored.exists():
         assert time.monotonic() < deadline, f"the beat's cleanup never deleted {stored}\n{stack.logs()}"

@@ -7,6 +7,7 @@ client it is QUEUED. It answers RECEIVED in the HTTP body, as NDIF does.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import redis
@@ -139,7 +140,22 @@ def response(job_id: str):
         return _fail(f"No response for request {job_id}.", 404)
     if client.get(jobs.owner_key(job_id)) != identity.owner.encode():
         return _fail(f"Request {job_id} was submitted with another API key.", 403)
-    return Response(latest, mimetype="application/json")
+    return Response(_fresh_url(latest, job_id), mimetype="application/json")
+
+
+def _fresh_url(latest: bytes, job_id: str) -> bytes:
+    """A stored COMPLETED status with a newly signed result URL.
+
+    The URL in the stored status was signed when the job completed and lives
+    ``NDIF_RESULT_URL_TTL_S``; the result itself lives ``NDIF_JOB_TTL_S``. Each
+    poll signs a new one, so a result collected late still downloads."""
+    if b'"COMPLETED"' not in latest:
+        return latest
+    status = json.loads(latest)
+    if status.get("status") != wire.COMPLETED or not isinstance(status.get("data"), str):
+        return latest
+    status["data"] = current_app.config["NDIF_STORE"].url(cleanup.result_key(job_id))
+    return json.dumps(status).encode()
 
 
 @bp.get("/status")
