@@ -37,6 +37,10 @@ class ResidentModels:
         kwargs = {"dispatch": True}
         if dtype:
             kwargs["dtype"] = dtype
+        if _gpus_visible():
+            # Onto this worker's GPUs (CUDA_VISIBLE_DEVICES is its own), spread
+            # over them when there are several, loaded straight there.
+            kwargs["device_map"] = "auto"
         try:
             model = Remotable.from_model_key(model_key, **kwargs)
         except Exception as error:  # noqa: BLE001 - any load failure is reported to the jobs
@@ -74,6 +78,12 @@ class ResidentModels:
 
     def keys(self) -> list[str]:
         return list(self.models)
+
+
+def _gpus_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 def _empty_cuda_cache() -> None:
