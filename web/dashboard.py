@@ -257,7 +257,7 @@ PAGE = """<!doctype html>
 <h1>ndif-celery</h1>
 <nav><a href="{{ flower_url }}" id="flower-link">Flower</a><a href="metrics">/metrics</a><a href="status">/status</a>
 <span class="muted">{{ now }}, refreshed every {{ refresh_s }} s;
-jobs ended: {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0) }} errors</span></nav>
+jobs ended: {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0) }} with an error</span></nav>
 
 <h2>Deployments</h2>
 <table id="deployments">
