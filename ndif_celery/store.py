@@ -85,6 +85,24 @@ def _bytes_view(data: Data) -> memoryview:
     return memoryview(data).cast("B")
 
 
+class _ViewReader(io.RawIOBase):
+    """Reads a memoryview in chunks without first copying all of it (as
+    ``io.BytesIO`` would): a big result is not held twice during upload."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        end = self._view.nbytes if size is None or size < 0 else min(self._pos + size, self._view.nbytes)
+        chunk = self._view[self._pos:end].tobytes()
+        self._pos = end
+        return chunk
+
+
 class FilesystemStore:
     """Results as files under ``root``, served by the web app.
 
@@ -321,7 +339,7 @@ class S3Store:
         for attempt in (1, 2):
             try:
                 self._client.put_object(
-                    self.bucket, key, io.BytesIO(view), size,
+                    self.bucket, key, _ViewReader(view), size,
                     content_type="application/octet-stream",
                 )
                 return size

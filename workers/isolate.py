@@ -40,7 +40,7 @@ _HEADER = struct.Struct(">cQ")
 
 @dataclass
 class Outcome:
-    data: bytes
+    data: Any  # bytes-like
     meta: dict = field(default_factory=dict)
 
 
@@ -233,12 +233,13 @@ def _collect(forked: ForkedChild, fd: int, policy: Policy, log: Callable[[str], 
             kind, length = _HEADER.unpack_from(buffer)
             if len(buffer) < _HEADER.size + length:
                 break
+            if kind == b"R":  # the last frame: keep it where it is, no copy
+                result = memoryview(buffer)[_HEADER.size : _HEADER.size + length]
+                break
             body = bytes(buffer[_HEADER.size : _HEADER.size + length])
             del buffer[: _HEADER.size + length]
             if kind == b"L":
                 log(body.decode("utf-8", "replace"))
-            elif kind == b"R":
-                result = body
             elif kind == b"E":
                 error = body.decode("utf-8", "replace")
             elif kind == b"M":
@@ -275,8 +276,13 @@ def _kill_group(pid: int) -> None:
 # --- the child --------------------------------------------------------------------
 
 
-def _send(fd: int, kind: bytes, body: bytes) -> None:
-    _write_all(fd, _HEADER.pack(kind, len(body)) + body)
+def _send(fd: int, kind: bytes, body) -> None:
+    body = memoryview(body)
+    if body.nbytes < 65536:
+        _write_all(fd, _HEADER.pack(kind, body.nbytes) + body.tobytes())
+    else:  # a big result: no copy of it just to prepend the header
+        _write_all(fd, _HEADER.pack(kind, body.nbytes))
+        _write_all(fd, body)
 
 
 def _write_all(fd: int, data: bytes) -> None:
