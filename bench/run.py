@@ -159,7 +159,7 @@ class NullServer:
         if len(data) <= max_inline:
             mode, body = "inline", results.completed_frame("0" * 32, "Your job has been completed.", data, {})
         else:
-            mode, body = "url", data
+            mode, body = "url", bytes(data)
         answer = httpx.put(self.url + "/_null/result", content=body, timeout=120,
                            headers={"X-Null-Mode": mode, "X-Null-Compress": "1" if compress else "0"})
         answer.raise_for_status()
