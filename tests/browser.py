@@ -149,7 +149,12 @@ class Chromium:
 
     def wait_loaded(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.evaluate("document.readyState") != "complete":
+        while True:
+            try:
+                if self.evaluate("document.readyState") == "complete":
+                    return
+            except BrowserError:
+                pass  # the old document went away mid-call; ask the new one
             if time.monotonic() > deadline:
                 raise BrowserError("the page did not finish loading")
             time.sleep(0.05)

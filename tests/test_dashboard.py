@@ -14,7 +14,7 @@ import httpx
 import pytest
 from nnsight.intervention.backends.remote import RemoteError
 
-from tests.browser import Chromium, chromium_path
+from tests.browser import BrowserError, Chromium, chromium_path
 from tests.conftest import OUT_DIR
 from tests.remote import final_status
 from tests.tiny_model import PROMPT, REPO_ID
@@ -94,8 +94,15 @@ def test_the_dashboard_shows_the_farm_and_recent_jobs(chromium, on_fs_stack, mod
 
     # It refreshes by itself: a job that ends after the page loaded shows up.
     later_id = _ok_job(stack.url, model)
+
+    def shown() -> str:
+        try:
+            return chromium.text("#jobs")
+        except BrowserError:
+            return ""  # caught between two loads of the page
+
     deadline = time.monotonic() + 15
-    while later_id not in chromium.text("#jobs"):
+    while later_id not in shown():
         assert time.monotonic() < deadline, "the dashboard did not refresh itself within 15 s"
         time.sleep(0.25)
     chromium.wait_loaded()
