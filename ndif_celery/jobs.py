@@ -134,11 +134,14 @@ class StatusChannel:
         data: Any = None,
         meta: Optional[dict] = None,
         kind: str = "",
+        pipe=None,
     ) -> None:
         """``kind``: what sort of ERROR this is, for the ledger and metrics
-        (see ``ndif_celery.ledger``)."""
+        (see ``ndif_celery.ledger``). With ``pipe`` (a pipeline the caller
+        executes), the writes join it: one round trip with the caller's own."""
         message = wire.response_json(self.job.id, status, description, data, meta)
-        pipe = self.redis.pipeline(transaction=False)
+        own = pipe is None
+        pipe = self.redis.pipeline(transaction=False) if own else pipe
         if status != wire.LOG:
             pipe.set(status_key(self.job.id), message, ex=self.ttl_s)
         if status in wire.TERMINAL:
@@ -146,7 +149,8 @@ class StatusChannel:
             _record(pipe, self.job, status, description, meta, kind)
         if self.job.session_id:
             pipe.publish(session_channel(self.job.session_id), message)
-        pipe.execute()
+        if own:
+            pipe.execute()
 
     def send_binary(self, frame: bytes, latest: str) -> bool:
         """Publish a pickled COMPLETED frame (inline result) to the websocket;

@@ -71,9 +71,17 @@ def set_deployment(client: redis.Redis, worker: str, model_key: str, state: str,
     client.hset(DEPLOYMENTS, field, json.dumps(entry))
 
 
-def touch_deployment(client: redis.Redis, worker: str, model_key: str) -> None:
-    """Record a use, for least-recently-used eviction and idle replicas."""
-    set_deployment(client, worker, model_key, RUNNING, last_used=time.time())
+def touched(raw: Optional[bytes], worker: str, model_key: str) -> tuple[str, str]:
+    """The deployment entry ``raw`` (as read) marked used now: ``(field, value)``
+    to HSET into :data:`DEPLOYMENTS`, for a caller that batches its writes."""
+    entry = json.loads(raw) if raw else {"model_key": model_key, "worker": worker, "created_at": time.time()}
+    now = time.time()
+    entry.update(state=RUNNING, last_used=now, updated_at=now)
+    return _deployment_field(worker, model_key), json.dumps(entry)
+
+
+def deployment_field(worker: str, model_key: str) -> str:
+    return _deployment_field(worker, model_key)
 
 
 def get_deployment(client: redis.Redis, worker: str, model_key: str) -> Optional[dict]:

@@ -327,3 +327,23 @@ def test_compressed_result_is_one_zstd_frame_with_content_size(on_fs_stack, mode
     with model.trace(PROMPT, remote=True):
         model.output.logits.save()
     assert seen["params"].content_size > 0
+
+
+def test_trusted_weight_edits_do_not_reach_the_next_job(on_fs_stack, model):
+    """In-process (trusted) jobs run on the resident model itself: edits in
+    place, through .data, and a replaced .data apply to their own run only;
+    the worker notices after answering and reloads before the next job."""
+    with model.trace(PROMPT, remote=True) as tracer:
+        model.transformer.h[0].mlp.c_fc.weight[:] = 0
+        model.transformer.h[1].mlp.c_proj.weight.data.zero_()
+        model.transformer.ln_f.weight.data = torch.zeros_like(model.transformer.ln_f.weight)
+        edited = model.transformer.h[-1].output.save()
+    assert tracer.backend.meta["isolated"] is False
+    with model.trace(PROMPT):
+        clean = model.transformer.h[-1].output.save()
+    assert not torch.equal(edited, clean), "the edit did not even apply to its own run"
+    with model.trace(PROMPT, remote=True):
+        after = model.transformer.h[-1].output.save()
+    assert torch.equal(after, clean)
+    log = (on_fs_stack.logs_dir / "worker.log").read_text()
+    assert f"job {tracer.backend.meta['job_id']} changed 3 weight tensors; model reloaded" in log

@@ -19,13 +19,23 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def fingerprint(module: torch.nn.Module) -> dict:
-    prints = {}
+    names, heads, sums = [], [], []
     with torch.no_grad():
         for name, tensor in module.state_dict(keep_vars=True).items():
             t = tensor.detach()
             bits = t.contiguous().view(_INT_VIEW[t.element_size()]) if t.element_size() in _INT_VIEW else t
-            prints[name] = (t.data_ptr(), tuple(t.shape), t.dtype, int(bits.sum(dtype=torch.int64)))
-    return prints
+            names.append(name)
+            heads.append((t.data_ptr(), tuple(t.shape), t.dtype))
+            sums.append(bits.sum(dtype=torch.int64))
+    # One synchronisation per device for all of them, not one per tensor.
+    totals: list = [None] * len(sums)
+    by_device: dict = {}
+    for i, total in enumerate(sums):
+        by_device.setdefault(total.device, []).append(i)
+    for indices in by_device.values():
+        for i, value in zip(indices, torch.stack([sums[i] for i in indices]).tolist()):
+            totals[i] = value
+    return {name: (*head, total) for name, head, total in zip(names, heads, totals)}
 
 
 def changed(module: torch.nn.Module, expected: dict) -> list[str]:

@@ -78,9 +78,10 @@ class WorkerState:
                 registry.set_deployment(self.redis, self.name, model_key, registry.RUNNING,
                                         size_bytes=self.models.sizes.get(model_key, 0))
 
-    def begin(self, job_id: str) -> None:
+    def begin(self, job_id: str, pipe) -> None:
+        """Report the job as this worker's (for the watchdog) in ``pipe``."""
         self.current_job, self.job_thread = job_id, threading.get_ident()
-        self.heartbeat()
+        registry.register_worker(pipe, dict(self.info, models=self.models.keys(), current_job=job_id))
 
     def end(self) -> None:
         with self._job_lock:
@@ -123,7 +124,13 @@ def run_job(self, job: dict) -> None:
 def run(worker: WorkerState, job: jobs.Job) -> None:
     from . import execute
 
-    if jobs.finished(worker.redis, job.id):
+    # What the job needs to start, in one round trip.
+    pipe = worker.redis.pipeline(transaction=False)
+    pipe.get(jobs.status_key(job.id))
+    pipe.get(jobs.payload_key(job.id))
+    pipe.hget(registry.DEPLOYMENTS, registry.deployment_field(worker.name, job.model_key))
+    latest, blob, deployment = pipe.execute()
+    if latest is not None and wire.frame_status(latest) in wire.TERMINAL:
         # A copy of a job that already ended (redelivered after its first
         # worker died and it was run again, or cancelled while queued).
         log.info("job %s already ended; not running it again", job.id)
@@ -139,17 +146,20 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
     started = time.time()
     meta = {"job_id": job.id, "worker": worker.name, "queue_ms": round((started - job.received_at) * 1000, 1)}
     outcome = wire.ERROR  # until the result is delivered
-    worker.begin(job.id)
-    # Marked at the start, so a placement decided while this job finishes
-    # already counts the model as just used.
-    registry.touch_deployment(worker.redis, worker.name, job.model_key)
+    # One more round trip: this worker runs the job (for the watchdog), the
+    # model was just used (so a placement decided meanwhile will not evict
+    # it), and RUNNING for the client.
+    pipe = worker.redis.pipeline(transaction=False)
+    worker.begin(job.id, pipe)
+    pipe.hset(registry.DEPLOYMENTS, *registry.touched(deployment, worker.name, job.model_key))
     try:
-        blob = worker.redis.get(jobs.payload_key(job.id))
         if blob is None:
+            pipe.execute()
             raise execute.RequestError(
                 f"The payload of job {job.id} is gone (it expires after {settings.job_ttl_s} s); please resend."
             )
-        channel.send(wire.RUNNING, "Your job has started running.")
+        channel.send(wire.RUNNING, "Your job has started running.", pipe=pipe)
+        pipe.execute()
         run_started = time.perf_counter()
         if job.trusted:
             deadline = threading.Timer(settings.execution_timeout_s, worker.cancel, args=(job.id, JobTimedOut))
@@ -159,10 +169,6 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
                 data = _run_in_process(model, job, blob, channel, meta, run_started)
             finally:
                 deadline.cancel()
-                restored = worker.models.restore_if_changed(job.model_key)
-                if restored:
-                    log.warning("job %s changed %d weight tensors; model reloaded", job.id, len(restored))
-                    meta["weights_restored"] = len(restored)
         else:
             data = _run_isolated(model, job, blob, channel, meta)
         meta["run_ms"] = _ms_since(run_started)
@@ -189,6 +195,12 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
                      kind="server")
     finally:
         worker.end()
+        if job.trusted:
+            # After the answer is sent, before the next job: the check reads
+            # every weight, which nobody should wait for.
+            restored = worker.models.restore_if_changed(job.model_key)
+            if restored:
+                log.warning("job %s changed %d weight tensors; model reloaded", job.id, len(restored))
         _job_metrics(outcome, time.time() - started)
         worker.redis.delete(jobs.payload_key(job.id))
     if not job.trusted and meta.get("isolated"):
