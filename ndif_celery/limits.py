@@ -40,8 +40,9 @@ def check_payload(size: int, settings: config.Settings) -> None:
         )
 
 
-def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, settings: config.Settings) -> None:
-    """Refuse a request over any limit; otherwise count it against the key's rate."""
+def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, settings: config.Settings) -> list[int]:
+    """Refuse a request over any limit; otherwise count it against the key's
+    rate and return the lengths of the queue's lists (``queues.lists``)."""
     now = time.time()
     rate = identity.rate_limit_per_min if identity.rate_limit_per_min is not None else settings.rate_limit_per_min
     concurrent = (
@@ -75,6 +76,7 @@ def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, se
             f"{settings.max_queue_depth}). Try again shortly.",
             503,
         )
+    return depths
 
 
 def track(pipe, job: jobs.Job) -> None:

@@ -126,6 +126,20 @@ def wake_controller(client: redis.Redis, reason: str = "") -> None:
     client.publish(WAKE, reason)
 
 
+# Wakes the controller unless this queue woke it within ARGV[1] ms: one round
+# trip, and a burst of requests costs the controller one tick, not one each.
+_WAKE_ONCE = """
+if redis.call('SET', KEYS[1], '1', 'NX', 'PX', ARGV[1]) then
+  return redis.call('PUBLISH', KEYS[2], ARGV[2])
+end
+return -1
+"""
+
+
+def wake_controller_once(client: redis.Redis, queue: str, within_ms: int = 250) -> None:
+    client.eval(_WAKE_ONCE, 2, f"ndif:woken:{queue}", WAKE, within_ms, queue)
+
+
 def status_document(client: redis.Redis) -> dict:
     """``GET /status`` in the shape ``nnsight.status()`` parses: one entry per replica,
     plus the cluster: each worker with its GPUs and memory used and free."""

@@ -83,28 +83,31 @@ def submit():
     )
     settings = _settings()
     queue = queue_for(job.model_key)
-    limits.check_and_count(client, identity, queue, settings)
+    depths = limits.check_and_count(client, identity, queue, settings)
+    ahead = queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL)
+    position = sum(depths[: len(ahead)]) + 1
     received = wire.response_json(job.id, wire.RECEIVED, wire.RECEIVED_DESCRIPTION)
+    # One round trip for the job's state, its QUEUED status (the first the
+    # client sees after RECEIVED, before the job is visible to any worker) and
+    # the queue's registration; then the message; then the controller.
     pipe = client.pipeline(transaction=False)
     pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
-    pipe.set(jobs.status_key(job.id), received, ex=settings.job_ttl_s)
     pipe.set(jobs.owner_key(job.id), job.owner, ex=settings.job_ttl_s)
     pipe.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), ex=settings.job_ttl_s)
     if job.session_id:
         pipe.sadd(jobs.session_jobs_key(job.session_id), job.id)
         pipe.expire(jobs.session_jobs_key(job.session_id), settings.job_ttl_s)
     limits.track(pipe, job)
-    ahead = queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL)
-    for name in ahead:
-        pipe.llen(name)
-    position = sum(pipe.execute()[-len(ahead):]) + 1
-    # QUEUED before the job is visible to anyone, so it is the first status the
-    # client sees after RECEIVED, whatever the farm does next.
+    pipe.sadd(registry.QUEUES, queue)
+    pipe.hset(registry.QUEUE_MODELS, queue, job.model_key)
     jobs.StatusChannel(client, job, settings.job_ttl_s).send(
-        wire.QUEUED, f"Your job is queued for {wire.repo_fields(job.model_key)['repo_id']} (position {position})."
+        wire.QUEUED, f"Your job is queued for {wire.repo_fields(job.model_key)['repo_id']} (position {position}).",
+        pipe=pipe,
     )
+    pipe.execute()
     send_job(current_app.config["NDIF_CELERY"], job)
-    _announce(queue, job.model_key)
+    # The controller deploys the model if no worker holds it (``workers.controller``).
+    registry.wake_controller_once(client, queue)
     return Response(received, mimetype="application/json")
 
 
@@ -117,15 +120,6 @@ def _zstd_problem(blob: bytes) -> str:
     if params.content_size in (0, zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
         return "The payload is declared compressed but its zstd frame has no content size."
     return ""
-
-
-def _announce(queue: str, model_key: str) -> None:
-    """Make the model's queue known and wake the controller, which deploys the
-    model if no worker holds it (see ``workers.controller``)."""
-    client = _redis()
-    if client.sadd(registry.QUEUES, queue):
-        client.hset(registry.QUEUE_MODELS, queue, model_key)
-    registry.wake_controller(client, queue)
 
 
 @bp.get("/response/<job_id>")
