@@ -237,6 +237,9 @@ def drain(client: redis.Redis, engine, batch: int = BATCH, wait_s: float = 0.0, 
     return written
 
 
+EVERY_S = 2.0
+
+
 class Drainer:
     """The controller's drain: cheap when nothing waits, quiet while the
     database is down (one warning, then one line when it is back), and backing
@@ -275,6 +278,9 @@ class Drainer:
             log.warning("ledger: the database is back after %.0f s; %d waiting jobs written",
                         time.time() - self.down_since, written)
         self.down_since, self.failures = None, 0
+        # Batched: at most one database transaction per EVERY_S, so a busy
+        # farm's controller (which shares its process with a job) stays light.
+        self.next_try = now + EVERY_S
         return written
 
 
