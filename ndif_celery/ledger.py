@@ -3,7 +3,7 @@
 When a job ends, :class:`ndif_celery.jobs.StatusChannel` pushes a compact JSON
 summary (:func:`summary`) onto the Redis list ``ndif:ledger`` in the same
 pipeline as its final status, so finishing a job never waits on the
-database. The farm controller (the leading worker, every tick) moves the list
+database. The farm controller (the leading worker, at most every ``EVERY_S``) moves the list
 into the ``job_ledger`` table (:class:`ndif_celery.db.LedgerEntry`) in
 batches (:class:`Drainer`); a row is written once per job id, however often it
 is offered. While the database is unreachable the summaries stay in Redis
