@@ -17,14 +17,9 @@ from dataclasses import dataclass
 import nnsight
 import torch
 
-PROMPT = "The Eiffel Tower is in the city of"
-PROMPTS = [
-    "The Eiffel Tower is in the city of",
-    "Madison Square Garden is located in the city of",
-    "The quick brown fox jumps over the lazy dog",
-    "Hello world",
-    "It was the best of times, it was the worst of times.",
-]
+from tests.tiny_model import PROMPT, PROMPTS as TEST_PROMPTS
+
+PROMPTS = [*TEST_PROMPTS, "It was the best of times, it was the worst of times."]
 
 MiB = 1024 * 1024
 

@@ -163,6 +163,21 @@ class Stack:
         self.extra_processes[f"{service}-{proc.pid}"] = proc
         return proc
 
+    def wait_answers(self, timeout_s: float = 60) -> None:
+        """Until ``GET /ping`` answers 200 (a web or Redis coming back)."""
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{self.url}/ping", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise StackFailed(f"{self.url} did not answer /ping within {timeout_s:.0f} s\n{self.logs()}")
+            time.sleep(0.2)
+
     def farm(self) -> dict:
         """``GET /status``."""
         import httpx

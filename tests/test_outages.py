@@ -11,7 +11,6 @@ import signal
 import threading
 import time
 
-import httpx
 import pytest
 import torch
 
@@ -61,18 +60,6 @@ def _wait_gone(pid: int, timeout_s: float = 20) -> None:
     raise AssertionError(f"process {pid} did not exit")
 
 
-def _wait_answers(url: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"{url}/ping", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, f"{url} did not answer /ping again"
-        time.sleep(0.2)
-
-
 def test_a_redis_restart_loses_no_queued_job(stack):
     """Redis (the broker and every job's state) stops and comes back from its
     append-only file while one job runs and others wait, one of them for a
@@ -100,7 +87,7 @@ def test_a_redis_restart_loses_no_queued_job(stack):
     _wait_gone(redis_pid)
     time.sleep(1.0)  # down for a moment: the workers and the web notice
     stack.run_service("redis")
-    _wait_answers(stack.url)
+    stack.wait_answers()
     expected = {0: _local(model, 0), 1: _local(model, 1)}
     for backend, layer in zip([running, *queued], (1, 0, 1, 0, 1)):
         result = poll(backend, timeout_s=90)

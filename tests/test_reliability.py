@@ -109,15 +109,7 @@ def test_a_web_restart_loses_no_queued_job_and_strands_no_blocking_client(farm):
     assert not client.is_alive(), "a blocking client hung when the web died"
     assert blocked["outcome"] != "completed"
     farm.run_service("web")
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{farm.url}/ping", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the web did not come back"
-        time.sleep(0.2)
+    farm.wait_answers()
     local = _local(model)
     for backend in [running, *queued]:
         assert torch.equal(poll(backend)["out"], local)
