@@ -25,7 +25,14 @@ from nnsight.tracing.util import clean_traceback
 
 
 class RequestError(Exception):
-    """A failure the user should read as one sentence, not a server traceback."""
+    """A failure the user should read as one sentence, not a server traceback.
+
+    ``kind`` is what sort of failure it is for the ledger and metrics
+    (``user`` unless said otherwise)."""
+
+    def __init__(self, message: str, kind: str = "user") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def result_too_big(size: int, limit: int) -> RequestError:

@@ -217,7 +217,7 @@ def _collect(forked: ForkedChild, fd: int, policy: Policy, log: Callable[[str], 
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             forked.kill()
-            raise RequestError(f"Your job exceeded the execution timeout of {policy.timeout_s:g}s.")
+            raise RequestError(f"Your job exceeded the execution timeout of {policy.timeout_s:g}s.", kind="timeout")
         # Short waits, so a cancel (an exception raised in this thread) lands promptly.
         ready, _, _ = select.select([fd], [], [], min(remaining, 0.1))
         if not ready:

@@ -184,7 +184,7 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         channel.send(wire.ERROR, f"Your job exceeded the execution timeout of {settings.execution_timeout_s:g}s.", meta=meta,
                      kind="timeout")
     except execute.RequestError as error:
-        channel.send(wire.ERROR, str(error), meta=meta, kind=_error_kind(error))
+        channel.send(wire.ERROR, str(error), meta=meta, kind=error.kind)
     except StoreUnavailable as error:
         log.error("job %s: %s", job.id, error)
         channel.send(wire.ERROR, f"Your job ran, but the result store is unavailable so its result could not be "
@@ -205,15 +205,6 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         worker.redis.delete(jobs.payload_key(job.id))
     if not job.trusted and meta.get("isolated"):
         _prepare_spare(worker, job.model_key)
-
-
-def _error_kind(error: BaseException) -> str:
-    """The ledger's kind of a RequestError: the user's request or code failed,
-    or it ran past its deadline in the isolated child."""
-    kind = getattr(error, "kind", "")
-    if kind:
-        return kind
-    return "timeout" if "exceeded the execution timeout" in str(error) else "user"
 
 
 def _job_metrics(outcome: str, seconds: float) -> None:
