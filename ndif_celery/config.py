@@ -49,6 +49,7 @@ class Settings:
     cleanup_interval_s: float
     database_url: str
     flower_port: int
+    flower_host: str
     log_level: str
     worker_gpus: str
     worker_name: str
@@ -186,6 +187,8 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         cleanup_interval_s=_float(env, "NDIF_CLEANUP_INTERVAL_S", 300.0),
         database_url=env.get("NDIF_DATABASE_URL") or f"sqlite:///{home / 'ndif.db'}",
         flower_port=_int(env, "NDIF_FLOWER_PORT", 5555),
+        # Loopback by default: Flower has no authentication of its own.
+        flower_host=env.get("NDIF_FLOWER_HOST") or "127.0.0.1",
         log_level=(env.get("NDIF_LOG_LEVEL") or "INFO").upper(),
         worker_gpus=env.get("NDIF_WORKER_GPUS", ""),
         worker_name=env.get("NDIF_WORKER_NAME", ""),

@@ -108,7 +108,7 @@ def command(settings: config.Settings, service: str, worker_name: Optional[str] 
     if service == "flower":
         return [
             sys.executable, "-m", "celery", "-A", CELERY_APP, "flower",
-            f"--port={settings.flower_port}", "--address=127.0.0.1",
+            f"--port={settings.flower_port}", f"--address={settings.flower_host}",
         ]
     raise StackError(f"unknown service {service!r}; the services are {', '.join(SERVICES)}")
 
@@ -289,7 +289,7 @@ def _check_ports(settings: config.Settings, services: Iterable[str]) -> None:
     wanted = {
         "web": (settings.api_host, settings.api_port, "NDIF_API_PORT", "the web API"),
         "redis": ("127.0.0.1", settings.embedded_redis_port, "NDIF_EMBEDDED_REDIS_PORT", "the embedded Redis"),
-        "flower": ("127.0.0.1", settings.flower_port, "NDIF_FLOWER_PORT", "Flower"),
+        "flower": (settings.flower_host, settings.flower_port, "NDIF_FLOWER_PORT", "Flower"),
     }
     problems = [p for s in services if s in wanted for p in [_port_problem(*wanted[s])] if p]
     if problems:
@@ -314,7 +314,7 @@ def ping_url(settings: config.Settings) -> str:
 
 
 def flower_url(settings: config.Settings) -> str:
-    return f"http://127.0.0.1:{settings.flower_port}"
+    return f"http://{_local_host(settings.flower_host)}:{settings.flower_port}"
 
 
 def api_answers(settings: config.Settings, timeout: float = 2.0) -> bool:
