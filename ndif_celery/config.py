@@ -53,6 +53,7 @@ class Settings:
     log_level: str
     worker_gpus: str
     worker_name: str
+    torch_threads: int
     worker_memory_bytes: int
     padding_factor: float
     padding_bytes: int
@@ -192,6 +193,8 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         log_level=(env.get("NDIF_LOG_LEVEL") or "INFO").upper(),
         worker_gpus=env.get("NDIF_WORKER_GPUS", ""),
         worker_name=env.get("NDIF_WORKER_NAME", ""),
+        # 0 = torch's default (every core); see docs/performance.md.
+        torch_threads=_int(env, "NDIF_TORCH_THREADS", 0),
         # 0 = measure: the GPUs' memory, or half the host's RAM on a CPU worker.
         worker_memory_bytes=int(_float(env, "NDIF_WORKER_MEMORY_GIB", 0) * GiB),
         padding_factor=_float(env, "NDIF_PADDING_FACTOR", 0.15),

@@ -37,6 +37,9 @@ settings = config.load()
 if settings.worker_gpus:
     # Before anything imports torch: this process sees only its own GPUs.
     os.environ["CUDA_VISIBLE_DEVICES"] = settings.worker_gpus
+if settings.torch_threads:
+    # Before torch starts its thread pools (isolated children inherit it too).
+    os.environ["OMP_NUM_THREADS"] = str(settings.torch_threads)
 app = make_app(settings)
 log = logging.getLogger("ndif_celery.worker")
 
@@ -408,7 +411,10 @@ def _on_ready(sender, **_) -> None:
 
     worker = state(sender.hostname)
     import nnsight.modeling.transformers  # noqa: F401 - now, not during the first job
-    import torch  # noqa: F401
+    import torch
+
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
 
     global _JAIL_READABLE, _JAIL_AS_NOBODY
     from . import jail
