@@ -57,11 +57,17 @@ def _counting_client(app) -> redis.Redis:
 
 @bp.after_app_request
 def count_request(response):
+    """Counted once the answer has gone out (``call_on_close``), off its path."""
     rule = request.url_rule.rule if request.url_rule is not None else "<unmatched>"
-    try:
-        metrics.count_request(_counting_client(current_app), rule, request.method, response.status_code)
-    except (redis.RedisError, OSError):
-        pass  # Redis away: this request goes uncounted
+    client, method, status = _counting_client(current_app), request.method, response.status_code
+
+    def count() -> None:
+        try:
+            metrics.count_request(client, rule, method, status)
+        except (redis.RedisError, OSError):
+            pass  # Redis away: this request goes uncounted
+
+    response.call_on_close(count)
     return response
 
 
