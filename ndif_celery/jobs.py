@@ -200,10 +200,14 @@ def latest_status(client: redis.Redis, job_id: str) -> Optional[bytes]:
     return client.get(status_key(job_id))
 
 
+def ended(latest: Optional[bytes]) -> bool:
+    """Whether a stored latest status is COMPLETED or ERROR."""
+    return latest is not None and wire.frame_status(latest) in wire.TERMINAL
+
+
 def finished(client: redis.Redis, job_id: str) -> bool:
     """Whether the job already ended (COMPLETED or ERROR)."""
-    latest = latest_status(client, job_id)
-    return latest is not None and wire.frame_status(latest) in wire.TERMINAL
+    return ended(latest_status(client, job_id))
 
 
 def now() -> float:

@@ -63,7 +63,7 @@ def submit():
     blob = blob_file.read()
     if not blob:
         return _fail("The 'blob' part is empty: there is no request payload to run.", 400)
-    limits.check_payload(len(blob), _settings())
+    limits.check_payload(len(blob), settings)
     if envelope.compress:
         problem = _zstd_problem(blob)
         if problem:
@@ -81,7 +81,6 @@ def submit():
         priority="priority" in identity.tags,
         owner=identity.owner,
     )
-    settings = _settings()
     queue = queue_for(job.model_key)
     depths = limits.check_and_count(client, identity, queue, settings)
     ahead = queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL)

@@ -76,7 +76,7 @@ def _ended_meanwhile(client, session_id: str) -> Optional[bytes]:
     """
     for job_id in client.smembers(jobs.session_jobs_key(session_id)):
         latest = jobs.latest_status(client, job_id.decode())
-        if latest is None or wire.frame_status(latest) not in wire.TERMINAL:
+        if not jobs.ended(latest):
             continue
         if (json.loads(latest).get("meta") or {}).get("inline"):
             continue  # its result frame was delivered to this socket: read it next

@@ -133,7 +133,7 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
     pipe.get(jobs.payload_key(job.id))
     pipe.hget(registry.DEPLOYMENTS, registry.deployment_field(worker.name, job.model_key))
     latest, blob, deployment = pipe.execute()
-    if latest is not None and wire.frame_status(latest) in wire.TERMINAL:
+    if jobs.ended(latest):
         # A copy of a job that already ended (redelivered after its first
         # worker died and it was run again, or cancelled while queued).
         log.info("job %s already ended; not running it again", job.id)
