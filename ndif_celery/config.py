@@ -47,6 +47,7 @@ class Settings:
     visibility_timeout_s: int
     redis_outage_s: float
     cleanup_interval_s: float
+    ledger_retention_days: float
     database_url: str
     flower_port: int
     flower_host: str
@@ -186,6 +187,7 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         visibility_timeout_s=_int(env, "NDIF_VISIBILITY_TIMEOUT_S", 6 * 3600),
         redis_outage_s=_float(env, "NDIF_REDIS_OUTAGE_S", 30.0),
         cleanup_interval_s=_float(env, "NDIF_CLEANUP_INTERVAL_S", 300.0),
+        ledger_retention_days=_float(env, "NDIF_LEDGER_RETENTION_DAYS", 90.0),
         database_url=env.get("NDIF_DATABASE_URL") or f"sqlite:///{home / 'ndif.db'}",
         flower_port=_int(env, "NDIF_FLOWER_PORT", 5555),
         # Loopback by default: Flower has no authentication of its own.

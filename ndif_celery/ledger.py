@@ -284,6 +284,22 @@ class Drainer:
         return written
 
 
+def prune(engine, retention_days: float, now: Optional[datetime.datetime] = None) -> int:
+    """Delete rows of jobs that finished more than ``retention_days`` ago (run
+    by the beat's cleanup); 0 days keeps everything. Returns how many went."""
+    from sqlalchemy import delete
+    from sqlalchemy.orm import Session
+
+    from .db import LedgerEntry
+
+    if retention_days <= 0:
+        return 0
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    cutoff = now - datetime.timedelta(days=retention_days)
+    with Session(engine) as session, session.begin():
+        return session.execute(delete(LedgerEntry).where(LedgerEntry.finished_at < cutoff)).rowcount or 0
+
+
 # --- reading ----------------------------------------------------------------------
 
 _SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")

@@ -21,13 +21,14 @@ from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 REPO = "expiry/tiny"
 TTL_S = 8
+LEDGER_DAYS = 10 / 86400  # ten seconds, so the test sees the ledger pruned too
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, hf_home):
     build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=42)
     env = {"NDIF_MAX_INLINE_BYTES": "0", "NDIF_JOB_TTL_S": str(TTL_S), "NDIF_CLEANUP_INTERVAL_S": "1",
-           "NDIF_RESULT_URL_TTL_S": "1"}
+           "NDIF_RESULT_URL_TTL_S": "1", "NDIF_LEDGER_RETENTION_DAYS": str(LEDGER_DAYS)}
     with client_on_stack(tmp_path_factory.mktemp("expiry"), hf_home, env) as stack:
         yield stack
 
@@ -42,6 +43,7 @@ def test_an_expired_job_is_cleaned_up_and_says_so(stack):
     assert torch.equal(result["out"], expected)
     stored = stack.home / "results" / cleanup.result_key(backend.job_id)
     assert stored.is_file()
+    assert backend.job_id in stack.cli("jobs", "--json", check=True).stdout  # in the ledger, for now
     # The first URL has expired by now (NDIF_RESULT_URL_TTL_S=1): a late poll
     # within the job's TTL gets a freshly signed one and still downloads.
     first_url = httpx.get(f"{stack.url}/response/{backend.job_id}").json()["data"]
@@ -58,6 +60,11 @@ def test_an_expired_job_is_cleaned_up_and_says_so(stack):
     with pytest.raises(Exception, match="has expired") as raised:
         backend()  # the real client's poll
     assert f"{TTL_S} s (NDIF_JOB_TTL_S)" in str(raised.value)
+    # Its ledger row goes too, past NDIF_LEDGER_RETENTION_DAYS.
+    deadline = time.monotonic() + 30
+    while backend.job_id in stack.cli("jobs", "--json", check=True).stdout:
+        assert time.monotonic() < deadline, f"the ledger row of {backend.job_id} was never pruned\n{stack.logs()}"
+        time.sleep(0.5)
 
 
 def test_the_sweep_removes_only_what_is_past_its_ttl(stack, tmp_path):

@@ -179,3 +179,19 @@ def test_since_takes_spans_and_iso_times():
     assert ledger.parse_since("2026-01-01", now).tzinfo == datetime.timezone.utc
     with pytest.raises(ValueError, match="--since"):
         ledger.parse_since("soon", now)
+
+
+def test_rows_past_their_retention_are_pruned(tmp_path):
+    """NDIF_LEDGER_RETENTION_DAYS: the beat's cleanup deletes older rows only."""
+    from ndif_celery import db
+    from ndif_celery.jobs import Job
+
+    engine = db.engine_for(f"sqlite:///{tmp_path / 'ledger.db'}")
+    now = time.time()
+    for job_id, age_days in (("a" * 32, 100), ("b" * 32, 10)):
+        job = Job(id=job_id, model_key='x:{"repo_id": "r"}', received_at=now - age_days * 86400)
+        ledger._insert(engine, [ledger.summary(job, "COMPLETED", "done", {}, now=now - age_days * 86400)])
+    assert ledger.prune(engine, 0) == 0  # 0 keeps everything
+    assert ledger.prune(engine, 90) == 1
+    assert [row["job_id"] for row in ledger.recent(engine)] == ["b" * 32]
+    assert ledger.prune(engine, 90) == 0

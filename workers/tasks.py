@@ -325,9 +325,30 @@ def cleanup_expired(self) -> dict:
     """Sent by ``ndif-celery beat``: delete results and job state past ``NDIF_JOB_TTL_S``."""
     worker = state(self.request.hostname)
     swept = cleanup.sweep(worker.redis, worker.store, settings.job_ttl_s)
+    swept["ledger_rows"] = _prune_ledger()
     if any(swept.values()):
-        log.info("cleanup: %(jobs)d expired jobs, %(orphan_results)d orphaned results deleted", swept)
+        log.info("cleanup: %(jobs)d expired jobs, %(orphan_results)d orphaned results, "
+                 "%(ledger_rows)d ledger rows deleted", swept)
     return swept
+
+
+_ledger_engine = None
+
+
+def _prune_ledger() -> int:
+    """Ledger rows past NDIF_LEDGER_RETENTION_DAYS; a database away only waits."""
+    global _ledger_engine
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ndif_celery import db, ledger
+
+    try:
+        if _ledger_engine is None:
+            _ledger_engine = db.engine_for(settings.database_url)
+        return ledger.prune(_ledger_engine, settings.ledger_retention_days)
+    except (SQLAlchemyError, OSError) as error:
+        log.warning("cleanup: the ledger database cannot be reached (%s); pruning later", type(error).__name__)
+        return 0
 
 
 # --- deployments (sent by the controller to this worker's own queue) -------------
