@@ -37,14 +37,6 @@ def lists_up_to(queue: str, priority: int) -> list[str]:
     return [name for step, name in zip(PRIORITY_STEPS, lists(queue)) if step <= priority]
 
 
-def depth(client: redis.Redis, queue: str) -> int:
-    """How many messages wait in ``queue`` (all priorities)."""
-    pipe = client.pipeline(transaction=False)
-    for name in lists(queue):
-        pipe.llen(name)
-    return sum(pipe.execute())
-
-
 @dataclass
 class Waiting:
     job: jobs.Job
@@ -78,17 +70,6 @@ def waiting(client: redis.Redis, queue: str) -> list[Waiting]:
             if job is not None:
                 entries.append(Waiting(job, raw, name))
     return entries
-
-
-def head_wait(client: redis.Redis, queue: str, now: Optional[float] = None) -> float:
-    """Seconds the longest-waiting job of ``queue`` has waited (0 when empty)."""
-    pipe = client.pipeline(transaction=False)
-    for name in lists(queue):
-        pipe.lindex(name, -1)
-    oldest = [job.received_at for job in map(_decode, filter(None, pipe.execute())) if job is not None]
-    if not oldest:
-        return 0.0
-    return max(0.0, (time.time() if now is None else now) - min(oldest))
 
 
 def remove(client: redis.Redis, queue: str, job_id: str) -> Optional[jobs.Job]:

@@ -59,38 +59,35 @@ def unregister_worker(client: redis.Redis, name: str) -> None:
     pipe.execute()
 
 
-def _deployment_field(worker: str, model_key: str) -> str:
+def deployment_field(worker: str, model_key: str) -> str:
     return f"{worker}|{model_key}"
 
 
-def set_deployment(client: redis.Redis, worker: str, model_key: str, state: str, **extra) -> None:
-    field = _deployment_field(worker, model_key)
-    raw = client.hget(DEPLOYMENTS, field)
+def _merged(raw: Optional[bytes], worker: str, model_key: str, state: str, **extra) -> str:
+    """The deployment entry ``raw`` (as read, or None) updated with ``extra``."""
     entry = json.loads(raw) if raw else {"model_key": model_key, "worker": worker, "created_at": time.time()}
     entry.update(extra, state=state, updated_at=time.time())
-    client.hset(DEPLOYMENTS, field, json.dumps(entry))
+    return json.dumps(entry)
+
+
+def set_deployment(client: redis.Redis, worker: str, model_key: str, state: str, **extra) -> None:
+    field = deployment_field(worker, model_key)
+    client.hset(DEPLOYMENTS, field, _merged(client.hget(DEPLOYMENTS, field), worker, model_key, state, **extra))
 
 
 def touched(raw: Optional[bytes], worker: str, model_key: str) -> tuple[str, str]:
     """The deployment entry ``raw`` (as read) marked used now: ``(field, value)``
     to HSET into :data:`DEPLOYMENTS`, for a caller that batches its writes."""
-    entry = json.loads(raw) if raw else {"model_key": model_key, "worker": worker, "created_at": time.time()}
-    now = time.time()
-    entry.update(state=RUNNING, last_used=now, updated_at=now)
-    return _deployment_field(worker, model_key), json.dumps(entry)
-
-
-def deployment_field(worker: str, model_key: str) -> str:
-    return _deployment_field(worker, model_key)
+    return deployment_field(worker, model_key), _merged(raw, worker, model_key, RUNNING, last_used=time.time())
 
 
 def get_deployment(client: redis.Redis, worker: str, model_key: str) -> Optional[dict]:
-    raw = client.hget(DEPLOYMENTS, _deployment_field(worker, model_key))
+    raw = client.hget(DEPLOYMENTS, deployment_field(worker, model_key))
     return json.loads(raw) if raw else None
 
 
 def remove_deployment(client: redis.Redis, worker: str, model_key: str) -> None:
-    client.hdel(DEPLOYMENTS, _deployment_field(worker, model_key))
+    client.hdel(DEPLOYMENTS, deployment_field(worker, model_key))
 
 
 def all_workers(client: redis.Redis) -> dict:

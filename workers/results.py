@@ -43,7 +43,7 @@ def encode(saved: dict, compress: bool) -> memoryview:
     return out.view()
 
 
-_SMALL = 1 << 20  # below this, one plain pass is cheaper than two
+_SMALL = 1 << 20  # below this, after the count, a plain BytesIO pass is cheaper than streaming
 
 # Level 3 as before; every core, since a big result is on the request's path.
 _COMPRESSOR = zstandard.ZstdCompressor(level=3, threads=-1)
