@@ -65,6 +65,7 @@ class Settings:
     controller_interval_s: float
     auth: bool
     default_trusted: bool
+    isolation: str
     auth_cache_s: float
     execution_timeout_s: float
     job_memory_bytes: int
@@ -94,6 +95,16 @@ class Settings:
     @property
     def uses_s3(self) -> bool:
         return bool(self.object_store_url)
+
+
+ISOLATION_MODES = ("fork", "zygote")  # the first is the default
+
+
+def _choice(env: Mapping[str, str], name: str, choices: tuple) -> str:
+    value = (env.get(name) or choices[0]).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -208,6 +219,8 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         controller_interval_s=_float(env, "NDIF_CONTROLLER_INTERVAL_S", 0.5),
         auth=_bool(env, "NDIF_AUTH", False),
         default_trusted=_bool(env, "NDIF_DEFAULT_TRUSTED", True),
+        # How untrusted jobs are isolated: see docs/security.md.
+        isolation=_choice(env, "NDIF_ISOLATION", ISOLATION_MODES),
         auth_cache_s=_float(env, "NDIF_AUTH_CACHE_S", 5.0),
         execution_timeout_s=_float(env, "NDIF_EXECUTION_TIMEOUT_S", 3600.0),
         job_memory_bytes=int(_float(env, "NDIF_JOB_MEMORY_GIB", 8) * GiB),

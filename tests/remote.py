@@ -117,4 +117,6 @@ VARIANTS = [
     Variant("s3", blocking=False, compress=True, inline=False),
     Variant("isolated", blocking=True, compress=True, inline=True),
     Variant("isolated", blocking=False, compress=False, inline=False),
+    Variant("zygote", blocking=True, compress=True, inline=True),
+    Variant("zygote", blocking=False, compress=False, inline=False),
 ]

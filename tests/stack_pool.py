@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.servers import MotoServer
 from tests.stack import Stack
 
-STACK_KINDS = ("fs", "fs-noinline", "s3", "isolated")
+STACK_KINDS = ("fs", "fs-noinline", "s3", "isolated", "zygote")
 SECRETS = {
     "NDIF_SECRET_KEY": "ndif-signing-secret-4f1d2a9c7e",
     "NDIF_OBJECT_STORE_SECRET_KEY": "object-store-secret-8b3e6d0a1f",
@@ -45,6 +45,9 @@ class StackPool:
             # Auth off, but every request untrusted: the fork-per-request jail,
             # with secrets in the workers' environment for it to keep away.
             return {"NDIF_DEFAULT_TRUSTED": "0", "NDIF_EXECUTION_TIMEOUT_S": "6", **SECRETS}
+        if kind == "zygote":
+            # The same, with the children forked by each model's clean zygote.
+            return {"NDIF_DEFAULT_TRUSTED": "0", "NDIF_EXECUTION_TIMEOUT_S": "6", "NDIF_ISOLATION": "zygote", **SECRETS}
         if kind == "s3":
             if self.moto is None:
                 self.moto = MotoServer()

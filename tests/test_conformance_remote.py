@@ -24,8 +24,9 @@ def test_results_take_the_expected_path(variant, model, stack_for_variant, stack
         model.output.logits.save()
     meta = tracer.backend.meta
     assert meta["inline"] is variant.inline
-    assert meta["isolated"] is (variant.stack == "isolated")
+    assert meta["isolated"] is (variant.stack in ("isolated", "zygote"))
     if meta["isolated"]:
+        assert meta["isolation"] == ("zygote" if variant.stack == "zygote" else "fork")
         # This machine's kernel has every layer; the child gave up root.
         assert meta["jail"]["user"] in ("nobody", "root-without-capabilities")
         assert meta["jail"]["landlock_abi"] >= 4

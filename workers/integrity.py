@@ -27,7 +27,42 @@ def fingerprint(module: torch.nn.Module) -> dict:
             names.append(name)
             heads.append((t.data_ptr(), tuple(t.shape), t.dtype))
             sums.append(bits.sum(dtype=torch.int64))
-    # One synchronisation per device for all of them, not one per tensor.
+    totals = _read_all(sums)
+    return {name: (*head, total) for name, head, total in zip(names, heads, totals)}
+
+
+_CHUNK = 1 << 24  # elements per step of the keyed sum: bounds its scratch memory
+
+
+def keyed_fingerprint(module: torch.nn.Module, key: int) -> dict:
+    """Per tensor, a sum of its bits each times a secret pseudo-random odd
+    coefficient (wrapping 64-bit arithmetic), the coefficients drawn from
+    ``key``. Used where the one who may have written the weights is an
+    adversary (a GPU child holding a writable IPC mapping): the plain sum
+    survives swapping two values, this one does not, unless the writer knows
+    the key, which lives only in the worker. Three passes over the weights
+    (bits, coefficients, product) on their own device."""
+    names, heads, sums = [], [], []
+    with torch.no_grad():
+        for index, (name, tensor) in enumerate(module.state_dict(keep_vars=True).items()):
+            t = tensor.detach()
+            bits = (t.contiguous().view(_INT_VIEW[t.element_size()]) if t.element_size() in _INT_VIEW else t).reshape(-1)
+            generator = torch.Generator(device=t.device)
+            generator.manual_seed((key * 1_000_003 + index) & ((1 << 63) - 1))
+            total = torch.zeros((), dtype=torch.int64, device=t.device)
+            for start in range(0, bits.numel(), _CHUNK):
+                part = bits[start : start + _CHUNK].to(torch.int64)
+                coefficients = torch.randint(-(1 << 62), 1 << 62, part.shape, generator=generator,
+                                             dtype=torch.int64, device=t.device) | 1
+                total += (part * coefficients).sum()
+            names.append(name)
+            sums.append(total)
+            heads.append((tuple(t.shape), t.dtype))
+    return {name: (*head, total) for name, head, total in zip(names, heads, _read_all(sums))}
+
+
+def _read_all(sums: list) -> list:
+    """The values of on-device scalars, with one synchronisation per device, not one per tensor."""
     totals: list = [None] * len(sums)
     by_device: dict = {}
     for i, total in enumerate(sums):
@@ -35,12 +70,13 @@ def fingerprint(module: torch.nn.Module) -> dict:
     for indices in by_device.values():
         for i, value in zip(indices, torch.stack([sums[i] for i in indices]).tolist()):
             totals[i] = value
-    return {name: (*head, total) for name, head, total in zip(names, heads, totals)}
+    return totals
 
 
-def changed(module: torch.nn.Module, expected: dict) -> list[str]:
-    """Names of the tensors that differ from ``expected`` (empty: intact)."""
-    current = fingerprint(module)
+def changed(module: torch.nn.Module, expected: dict, key: int | None = None) -> list[str]:
+    """Names of the tensors that differ from ``expected`` (empty: intact);
+    ``key``: compare keyed fingerprints (``keyed_fingerprint``)."""
+    current = fingerprint(module) if key is None else keyed_fingerprint(module, key)
     names = set(current) | set(expected)
     return sorted(name for name in names if current.get(name) != expected.get(name))
 

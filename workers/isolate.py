@@ -68,8 +68,9 @@ class Spare:
     fork would have been made.
     """
 
-    def __init__(self, model: Any, policy: Policy) -> None:
+    def __init__(self, model: Any, policy: Policy, zygote: Any = None) -> None:
         self.model_id = id(model)
+        self.zygote = zygote
         self.policy = policy
         self.workdir = tempfile.mkdtemp(prefix="ndif-job-")
         self.cgroup = jail.pids_cgroup_path(os.path.basename(self.workdir))
@@ -82,14 +83,26 @@ class Spare:
             os.close(in_write)
             _child(model, policy, out_write, in_read, self.workdir, self.cgroup)
 
-        self.forked = ForkedChild(child)
+        try:
+            if zygote is not None:  # forked by the model's zygote (workers.zygote), not by us
+                os.set_inheritable(out_write, False)
+                self.forked = zygote.fork(out_write, in_read, policy, self.workdir, self.cgroup)
+            else:
+                self.forked = ForkedChild(child)
+        except BaseException:
+            for fd in (out_read, out_write, in_read, in_write):
+                os.close(fd)
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            jail.remove_cgroup(self.cgroup)
+            raise
         os.close(out_write)
         os.close(in_read)
         self.out_fd, self.in_fd = out_read, in_write
         self.fork_ms = round((time.perf_counter() - started) * 1000, 1)
 
-    def fits(self, model: Any, policy: Policy) -> bool:
-        return self.model_id == id(model) and self.policy == policy and self.forked.status is None
+    def fits(self, model: Any, policy: Policy, zygote: Any = None) -> bool:
+        return (self.model_id == id(model) and self.policy == policy and self.zygote is zygote
+                and self.forked.status is None)
 
     def run(self, blob: bytes, compress: bool, env: dict, log: Callable[[str], None]) -> Outcome:
         """Hand the request to the child and collect what it sends back."""
@@ -120,17 +133,17 @@ _spare: "Spare | None" = None
 _spare_lock = threading.Lock()
 
 
-def _take_spare(model: Any, policy: Policy) -> "Spare | None":
+def _take_spare(model: Any, policy: Policy, zygote: Any) -> "Spare | None":
     global _spare
     with _spare_lock:
         spare, _spare = _spare, None
-    if spare is not None and not spare.fits(model, policy):
+    if spare is not None and not spare.fits(model, policy, zygote):
         spare.close()
         return None
     return spare
 
 
-def prepare(model: Any, policy: Policy) -> None:
+def prepare(model: Any, policy: Policy, zygote: Any = None) -> None:
     """Make a spare for the next request on ``model`` (replacing any other).
 
     Called by the job's own thread after a job has ended, so no torch work runs
@@ -138,10 +151,10 @@ def prepare(model: Any, policy: Policy) -> None:
     global _spare
     with _spare_lock:
         current = _spare
-    if current is not None and current.fits(model, policy):
+    if current is not None and current.fits(model, policy, zygote):
         return
     discard()
-    spare = Spare(model, policy)
+    spare = Spare(model, policy, zygote)
     with _spare_lock:
         _spare = spare
 
@@ -155,14 +168,16 @@ def discard() -> None:
         spare.close()
 
 
-def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log: Callable[[str], None]) -> Outcome:
-    """Run one request in a jailed child (the spare if one fits, else a new one);
-    return its result bytes or raise RequestError."""
+def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log: Callable[[str], None],
+        zygote: Any = None) -> Outcome:
+    """Run one request in a jailed child (the spare if one fits, else a new one),
+    forked by this process or by ``zygote``; return its result bytes or raise
+    RequestError."""
     started = time.perf_counter()
-    spare = _take_spare(model, policy)
+    spare = _take_spare(model, policy, zygote)
     warm = spare is not None
     if spare is None:
-        spare = Spare(model, policy)
+        spare = Spare(model, policy, zygote)
     try:
         outcome = spare.run(blob, compress, env, log)
     finally:
@@ -314,7 +329,10 @@ def _receive_request(fd: int) -> tuple[bytes, bool, dict]:
     return blob, bool(header.get("compress")), header.get("env") or {}
 
 
-def _child(model, policy, fd, request_fd, workdir, cgroup) -> None:
+def _child(model, policy, fd, request_fd, workdir, cgroup, before_jail=None) -> None:
+    """The forked child. ``before_jail`` (a GPU child of the zygote) maps the
+    GPU weights first; such a child stays in its parent's PID namespace (CUDA
+    IPC does not cross one) and runs the code itself (CUDA cannot fork)."""
     code = 1
     try:
         os.setsid()  # its own process group: killed as one, and it cannot signal ours
@@ -322,10 +340,14 @@ def _child(model, policy, fd, request_fd, workdir, cgroup) -> None:
         jail.join_cgroup(cgroup, policy.max_processes)
         jail.close_inherited_fds(keep=(fd, request_fd))
         try:
-            jail.enter_namespaces()
+            if before_jail is not None:
+                before_jail()
+            jail.enter_namespaces(pid=before_jail is None)
         except (jail.JailError, OSError) as error:
             _send(fd, b"E", _refuse(error).encode())
             os._exit(0)
+        if before_jail is not None:
+            _run_jailed(model, policy, fd, request_fd, workdir, gpu=True)
         inner = os.fork()  # PID 1 of the new PID namespace runs the code
         if inner == 0:
             _run_jailed(model, policy, fd, request_fd, workdir)
@@ -348,15 +370,22 @@ def _refuse(error: BaseException) -> str:
     )
 
 
-def _run_jailed(model, policy, fd, request_fd, workdir) -> None:
+def _run_jailed(model, policy, fd, request_fd, workdir, gpu: bool = False) -> None:
+    """Lock in, take the one request, run it, send the result, exit.
+
+    ``gpu``: this is the zygote's CUDA child itself (no inner fork, so it
+    already leads its session), and RLIMIT_AS stays unset (the CUDA driver
+    reserves far more virtual memory than any sane cap; GPU memory is bounded
+    by the allocator fraction instead)."""
     from . import execute, results
 
     try:
         jail.die_with_parent()
-        os.setsid()
+        if not gpu:
+            os.setsid()
         jail.private_mounts(workdir, policy.disk_bytes, policy.as_nobody)
         jail.set_limits(
-            jail.Limits(memory_bytes=policy.memory_bytes, cpu_seconds=int(policy.timeout_s) + 1,
+            jail.Limits(memory_bytes=0 if gpu else policy.memory_bytes, cpu_seconds=int(policy.timeout_s) + 1,
                         file_bytes=policy.disk_bytes, processes=policy.max_processes)
         )
         jail.scrub_secrets(list(policy.secrets))

@@ -81,13 +81,14 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-def enter_namespaces() -> None:
+def enter_namespaces(pid: bool = True) -> None:
     """New mount, network, PID, IPC and UTS namespaces (user namespace if not root).
 
     The PID namespace applies to children: the caller must fork once more and
-    run the code in that child, which is PID 1 of the new namespace.
+    run the code in that child, which is PID 1 of the new namespace. ``pid``
+    False leaves it out (a CUDA child: IPC handles do not cross it).
     """
-    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWPID if pid else 0)
     uid, gid = os.getuid(), os.getgid()
     if uid != 0:
         flags |= CLONE_NEWUSER
@@ -211,6 +212,8 @@ def set_limits(limits: Limits) -> None:
         (resource.RLIMIT_CORE, 0),
     ]
     for which, value in pairs:
+        if which == resource.RLIMIT_AS and not limits.memory_bytes:
+            continue  # no cap asked for (a CUDA process: see isolate._run_jailed)
         resource.setrlimit(which, (value, value))
 
 

@@ -8,6 +8,8 @@ reachable) and stays resident for every later job until it is evicted.
 from __future__ import annotations
 
 import gc
+import os
+import secrets
 import time
 from typing import Any, Optional
 
@@ -19,6 +21,9 @@ class ResidentModels:
     def __init__(self) -> None:
         self.models: dict[str, Any] = {}
         self.fingerprints: dict[str, dict] = {}
+        self.zygotes: dict[str, Any] = {}  # model key -> its workers.zygote.Zygote (NDIF_ISOLATION=zygote)
+        self.shared: dict[str, Any] = {}  # model key -> its shared_weights.Shared
+        self.keyed: dict[str, tuple] = {}  # model key -> (key, keyed fingerprint): GPU weights a child could write
         self.dtypes: dict[str, Optional[str]] = {}
         self.sizes: dict[str, int] = {}  # as placed, for re-registering
 
@@ -54,12 +59,51 @@ class ResidentModels:
         self.dtypes[model_key] = dtype
         return round(time.monotonic() - started, 3)
 
-    def restore_if_changed(self, model_key: str) -> list[str]:
-        """Reload the model if a job changed its weights; return what had changed."""
+    def zygote(self, model_key: str) -> Optional[Any]:
+        """The model's zygote (``workers.zygote``), started on first use: its
+        weights move into shared memory once, then a clean process maps them."""
+        from . import shared_weights
+        from .zygote import Zygote
+
+        model = self.models.get(model_key)
+        if model is None:
+            return None
+        current = self.zygotes.get(model_key)
+        if current is not None and current.fits(model):
+            return current
+        if current is not None:
+            current.close()
+        shared = self.shared.get(model_key)
+        if shared is None:
+            shared = self.shared[model_key] = shared_weights.share(model._module)
+            self.fingerprints[model_key] = integrity.fingerprint(model._module)  # same values, new storage
+            if shared.cuda:
+                key = secrets.randbits(62)
+                self.keyed[model_key] = (key, integrity.keyed_fingerprint(model._module, key))
+        zygote = self.zygotes[model_key] = Zygote(model, shared, model_key, self.dtypes.get(model_key))
+        return zygote
+
+    def drop_zygote(self, model_key: str) -> None:
+        zygote = self.zygotes.pop(model_key, None)
+        if zygote is not None:
+            zygote.close()
+
+    def restore_if_changed(self, model_key: str, keyed: bool = False) -> list[str]:
+        """Reload the model if a job changed its weights; return what had changed.
+
+        ``keyed`` (after an untrusted job that could write the GPU weights
+        through CUDA IPC) compares the keyed fingerprint, which an adversary
+        who cannot read the key cannot preserve while changing a value."""
         model = self.models.get(model_key)
         if model is None:
             return []
-        changed = integrity.changed(model._module, self.fingerprints[model_key])
+        if keyed:
+            if model_key not in self.keyed:
+                return []
+            key, expected = self.keyed[model_key]
+            changed = integrity.changed(model._module, expected, key=key)
+        else:
+            changed = integrity.changed(model._module, self.fingerprints[model_key])
         if changed:
             dtype = self.dtypes.get(model_key)
             self.evict(model_key)
@@ -67,6 +111,13 @@ class ResidentModels:
         return changed
 
     def evict(self, model_key: str) -> bool:
+        zygote = self.zygotes.pop(model_key, None)
+        if zygote is not None:
+            zygote.close()
+        shared = self.shared.pop(model_key, None)
+        if shared is not None and shared.cpu_fd >= 0:
+            os.close(shared.cpu_fd)
+        self.keyed.pop(model_key, None)
         model = self.models.pop(model_key, None)
         self.fingerprints.pop(model_key, None)
         if model is None:

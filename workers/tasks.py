@@ -173,7 +173,7 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
             finally:
                 deadline.cancel()
         else:
-            data = _run_isolated(model, job, blob, channel, meta)
+            data = _run_isolated(model, job, blob, channel, meta, worker)
         meta["run_ms"] = _ms_since(run_started)
         meta["result_bytes"] = len(data)
         meta["payload_bytes"] = job.payload_bytes
@@ -204,6 +204,12 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
             restored = worker.models.restore_if_changed(job.model_key)
             if restored:
                 log.warning("job %s changed %d weight tensors; model reloaded", job.id, len(restored))
+        elif meta.get("isolation") == "zygote":
+            # A GPU child maps the weights writable (CUDA IPC has no read-only
+            # mapping): check them with the key it never saw (CPU: no-op).
+            restored = worker.models.restore_if_changed(job.model_key, keyed=True)
+            if restored:
+                log.warning("untrusted job %s changed %d GPU weight tensors; model reloaded", job.id, len(restored))
         _job_metrics(outcome, time.time() - started)
         worker.redis.delete(jobs.payload_key(job.id))
     if not job.trusted and meta.get("isolated"):
@@ -235,50 +241,87 @@ def _run_in_process(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChann
     return results.encode(saved, job.compress)
 
 
-def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel, meta: dict) -> bytes:
-    """Untrusted: a fresh jailed child per request (``workers.isolate``)."""
-    import torch
-
+def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel, meta: dict,
+                  worker: "WorkerState") -> bytes:
+    """Untrusted: a fresh jailed child per request (``workers.isolate``), forked
+    by this worker or, with NDIF_ISOLATION=zygote, by the model's zygote."""
     from . import execute, isolate
 
     meta["isolated"] = True
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    zygote = _zygote(worker, job.model_key)
+    if zygote is None and _cuda_initialized():
         # A CUDA process cannot fork a usable child; never run the code unconfined instead.
         raise execute.RequestError(
-            "This GPU worker cannot run untrusted code yet (the GPU isolation path is not built; "
-            "see docs/security.md). Ask the operator for a trusted key or a CPU worker."
+            "This GPU worker does not run untrusted code: its operator has not enabled the GPU isolation "
+            "path (NDIF_ISOLATION=zygote; see docs/security.md). Ask the operator for a trusted key."
         )
-    outcome = isolate.run(model, blob, job.compress, job.env, _isolation_policy(), channel.log)
+    outcome = isolate.run(model, blob, job.compress, job.env, _isolation_policy(zygote), channel.log, zygote=zygote)
     meta.update(outcome.meta)
+    meta["isolation"] = "zygote" if zygote is not None else "fork"
     return outcome.data
 
 
-def _isolation_policy():
+def _zygote(worker: "WorkerState", model_key: str):
+    """The model's zygote when NDIF_ISOLATION=zygote (started on first use), else None."""
+    from . import execute
+    from .zygote import ZygoteError
+
+    if settings.isolation != "zygote":
+        return None
+    try:
+        zygote = worker.models.zygote(model_key)
+        zygote.wait_ready()
+    except ZygoteError as error:
+        worker.models.drop_zygote(model_key)  # the next job tries a fresh one
+        raise execute.RequestError(f"This worker could not start its isolation process, so it did not run your "
+                                   f"job: {error}. Ask the operator (see docs/security.md).", kind="server") from None
+    return zygote
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _isolation_policy(zygote=None):
     from . import isolate
 
+    readable = _JAIL_READABLE
+    if zygote is not None and zygote.cuda:
+        readable = readable + _gpu_readable()
     return isolate.Policy(
         timeout_s=settings.execution_timeout_s,
         memory_bytes=settings.job_memory_bytes,
         disk_bytes=settings.job_disk_bytes,
         secrets=settings.secrets(),
         max_result_bytes=settings.max_result_bytes,
-        readable=_JAIL_READABLE,
+        readable=readable,
         as_nobody=_JAIL_AS_NOBODY,
     )
+
+
+def _gpu_readable() -> tuple:
+    """What a CUDA child may still read once locked in: the driver's device
+    nodes and its /proc and /sys entries (not tested on a GPU yet)."""
+    import glob
+
+    return tuple(glob.glob("/dev/nvidia*")) + tuple(p for p in ("/proc/driver/nvidia", "/sys") if os.path.exists(p))
 
 
 def _prepare_spare(worker: WorkerState, model_key: str) -> None:
     """After an untrusted job: fork and jail the next one's child now, while
     idle (``isolate.Spare``). Best effort: a failure here only costs speed."""
-    import torch
-
     from . import isolate
 
     model = worker.models.get(model_key)
-    if model is None or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if model is None:
         return
     try:
-        isolate.prepare(model, _isolation_policy())
+        zygote = worker.models.zygotes.get(model_key) if settings.isolation == "zygote" else None
+        if zygote is None and _cuda_initialized():
+            return
+        isolate.prepare(model, _isolation_policy(zygote), zygote=zygote)
     except Exception:  # noqa: BLE001
         log.exception("could not prepare a spare isolated process")
 
@@ -380,6 +423,11 @@ def load_model(self, model_key: str, dtype: Optional[str] = None, size_bytes: in
         worker.redis, worker.name, model_key, registry.RUNNING,
         size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,
     )
+    if settings.isolation == "zygote":
+        try:  # started now, ready by the first untrusted job (it takes seconds of imports)
+            worker.models.zygote(model_key)
+        except Exception:  # noqa: BLE001 - the first untrusted job retries and reports
+            log.exception("could not start the isolation zygote for %s", repo)
     worker.heartbeat()
     registry.publish_status(worker.redis)
     app.control.add_consumer(queue, destination=[worker.name], reply=True, timeout=10)
@@ -477,6 +525,8 @@ def _on_shutdown(**_) -> None:
 
     isolate.discard()
     if _state is not None:
+        for model_key in list(_state.models.zygotes):
+            _state.models.drop_zygote(model_key)
         if _state.controller is not None:
             _state.controller.stop()
         registry.unregister_worker(_state.redis, _state.name)

@@ -1,0 +1,158 @@
+"""NDIF_ISOLATION=zygote: untrusted children forked by a clean per-model process.
+
+The attacks of tests/test_security.py and every conformance case run on this
+mode too (the ``zygote`` stack); here: the weight sharing underneath it, the
+keyed weight check of the GPU path, and the zygote process itself.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+
+import pytest
+import torch
+
+from tests.stack_pool import SECRETS
+from tests.tiny_model import PROMPT, REPO_ID, client_model
+
+
+@pytest.fixture(scope="module")
+def resident():
+    """A model loaded as a worker loads it (``from_model_key``, dispatched)."""
+    from nnsight.modeling.mixins.remotable import Remotable
+
+    key = client_model(REPO_ID).to_model_key()
+    model = Remotable.from_model_key(key, dispatch=True)
+    model._module.requires_grad_(False)
+    return key, model
+
+
+def logits(module, ids):
+    with torch.no_grad():
+        return module(ids).logits
+
+
+def test_shared_weights_give_the_same_model_and_a_private_copy_on_write(resident):
+    from nnsight.modeling.mixins.remotable import Remotable
+
+    from workers import shared_weights
+
+    key, model = resident
+    module = model._module
+    ids = torch.tensor([[5, 17, 99, 3, 42]])
+    before = logits(module, ids)
+    tied = module.lm_head.weight is module.transformer.wte.weight
+    shared = shared_weights.share(module)
+    # The worker's own model: same values, same Parameter objects, now in the shared file.
+    assert torch.equal(logits(module, ids), before)
+    assert (module.lm_head.weight is module.transformer.wte.weight) == tied
+    assert shared.cpu_fd >= 0 and shared.cpu_bytes >= sum(p.nbytes for p in module.parameters())
+
+    # What the zygote does: a skeleton from the model key, pointed at a private mapping.
+    kwargs = pickle.loads(pickle.dumps({"tokenizer": model.tokenizer, "config": module.config}))
+    skeleton = Remotable.from_model_key(key, dispatch=False, **kwargs)
+    shared_weights.attach(skeleton._module, shared.header(), shared.cpu_fd, "cpu")
+    skeleton._module.eval()
+    assert not [n for n, t in skeleton._module.state_dict().items() if t.device.type == "meta"]
+    assert torch.equal(logits(skeleton._module, ids), before)
+    assert skeleton._module.lm_head.weight.data_ptr() == skeleton._module.transformer.wte.weight.data_ptr()
+
+    # A write in the mapping's holder changes its own copy only.
+    with torch.no_grad():
+        skeleton._module.transformer.h[0].mlp.c_fc.weight.zero_()
+    assert not torch.equal(logits(skeleton._module, ids), before)
+    assert torch.equal(logits(module, ids), before)
+    os.close(shared.cpu_fd)
+
+
+def test_the_keyed_fingerprint_catches_what_a_plain_sum_misses():
+    """A GPU child can write the shared weights; an adversary who swaps two
+    values keeps the plain sum, not the keyed one (whose key it never sees)."""
+    from workers import integrity
+
+    module = torch.nn.Linear(64, 64)
+    key = 123456789
+    plain, keyed = integrity.fingerprint(module), integrity.keyed_fingerprint(module, key)
+    assert integrity.changed(module, plain) == [] and integrity.changed(module, keyed, key=key) == []
+    with torch.no_grad():
+        w = module.weight.view(-1)
+        w[0], w[1] = w[1].clone(), w[0].clone()
+    assert not torch.equal(module.weight.view(-1)[:2], module.weight.view(-1)[:2].flip(0))  # they differed
+    assert integrity.changed(module, plain) == [], "a swap was expected to keep the plain sum"
+    assert integrity.changed(module, keyed, key=key) == ["weight"]
+    assert integrity.keyed_fingerprint(module, key + 1) != integrity.keyed_fingerprint(module, key)
+
+
+# --- the zygote process on a real stack --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zygote_stack(stack_pool):
+    import nnsight
+
+    stack = stack_pool.get("zygote")
+    saved = nnsight.CONFIG.API.HOST
+    nnsight.CONFIG.API.HOST = stack.url
+    yield stack
+    nnsight.CONFIG.API.HOST = saved
+
+
+def worker_pid(stack) -> int:
+    (info,) = stack.farm()["cluster"]["workers"].values()
+    return info["pid"]
+
+
+def zygotes_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+            status = open(f"/proc/{entry}/status").read()
+        except OSError:
+            continue
+        ppid = int(status.split("PPid:")[1].split()[0])
+        if b"workers.zygote" in cmdline and ppid == pid:
+            found.append(int(entry))
+    return found
+
+
+def trace_matches_local(model) -> dict:
+    with model.trace(PROMPT, remote=True) as tracer:
+        remote = model.transformer.h[2].output.save()
+    with model.trace(PROMPT):
+        local = model.transformer.h[2].output.save()
+    assert torch.equal(remote, local)
+    return tracer.backend.meta
+
+
+def test_the_zygote_holds_no_secrets_and_serves(zygote_stack, model):
+    meta = trace_matches_local(model)
+    assert meta["isolation"] == "zygote" and meta["isolated"] is True
+    (zygote,) = zygotes_of(worker_pid(zygote_stack))
+    environ = open(f"/proc/{zygote}/environ", "rb").read()
+    worker_environ = open(f"/proc/{worker_pid(zygote_stack)}/environ", "rb").read()
+    for name, secret in SECRETS.items():
+        assert secret.encode() in worker_environ, f"the test stack was expected to give the worker {name}"
+        assert secret.encode() not in environ, f"{name} reached the zygote"
+    assert b"NDIF_REDIS_URL" not in environ and b"NDIF_DATABASE_URL" not in environ
+
+
+def test_a_dead_zygote_is_replaced_and_the_next_job_is_right(zygote_stack, model):
+    trace_matches_local(model)
+    pid = worker_pid(zygote_stack)
+    (zygote,) = zygotes_of(pid)
+    os.kill(zygote, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while zygote in zygotes_of(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    meta = trace_matches_local(model)  # a fresh zygote, started for this job
+    assert meta["isolation"] == "zygote"
+    (replacement,) = zygotes_of(pid)
+    assert replacement != zygote
+    assert worker_pid(zygote_stack) == pid, "the worker was replaced"
+    trace_matches_local(model)
