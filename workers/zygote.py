@@ -83,6 +83,9 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
         env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP}
+        # torch.cuda.is_available() without this initialises the CUDA driver,
+        # after which no forked child can use the GPU.
+        env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         keep = [theirs.fileno()] + ([shared.cpu_fd] if shared.cpu_fd >= 0 else [])
         self.process = subprocess.Popen(
             [sys.executable, "-m", "workers.zygote", str(theirs.fileno()), str(shared.cpu_fd)],
@@ -233,6 +236,8 @@ def _build(header: dict, cpu_fd: int) -> Any:
     for path, sub in module.named_modules():
         sub.training = path in training
     model.dispatched = True
+    if torch.cuda.is_initialized():
+        raise ZygoteError("building the model's skeleton initialised CUDA, so no child could use the GPU")
     return model
 
 
