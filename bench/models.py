@@ -8,8 +8,15 @@
   the tiny model's (512 tokens; every id is valid in the 32000-token
   vocabulary). Its cold start evicts and reloads the model itself (building a
   second 2 GiB copy is not worth it).
+- ``gpt2-medium``: GPT-2 medium's shape (24 layers, n_embd 1024, 16 heads; the
+  tiny model's 512-token vocabulary and tokenizer), random float32 weights,
+  ~300M parameters, 1.2 GB on disk, ~12 s to build on 2 cores. The CPU run's
+  throughput model: one forward of a short prompt on one thread takes
+  ~250 ms, so requests are bound by the workers' compute, not by the client
+  (~30 ms of CPU per call) or the web, as they are with the tiny model.
+  Built (once per HF_HOME, like the others) only when a run uses it.
 
-Both lay files out exactly as the hub cache does (``refs/main`` and
+All lay files out exactly as the hub cache does (``refs/main`` and
 ``snapshots/<rev>/``), so the client and the server load them by repo id with
 ``HF_HUB_OFFLINE=1``.
 """
@@ -32,6 +39,8 @@ from tests import tiny_model  # noqa: E402  (imports no torch/transformers at im
 
 LLAMA_REPO = "ndif-bench/random-llama-1b"
 TINY_COLD_REPO = "ndif-bench/tiny-gpt2-cold"
+MEDIUM_REPO = "ndif-bench/gpt2-medium-random"
+MEDIUM_SHAPE = dict(n_layer=24, n_embd=1024, n_head=16)
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,8 @@ class BenchModel:
 MODELS = {
     "tiny": BenchModel("tiny", tiny_model.REPO_ID, TINY_COLD_REPO, gpt2=True, dtype="float32"),
     "llama-1b": BenchModel("llama-1b", LLAMA_REPO, LLAMA_REPO, gpt2=False, dtype="bfloat16"),
+    # Its cold start reloads the model itself (like the Llama).
+    "gpt2-medium": BenchModel("gpt2-medium", MEDIUM_REPO, MEDIUM_REPO, gpt2=True, dtype="float32"),
 }
 
 
@@ -134,6 +145,8 @@ def build(model: BenchModel, hf_home: Path) -> None:
         tiny_model.build_tiny_gpt2(hf_home, model.cold_repo_id, seed=7)
     elif model.name == "llama-1b":
         build_llama_1b(hf_home, model.repo_id)
+    elif model.name == "gpt2-medium":
+        tiny_model.build_tiny_gpt2(hf_home, model.repo_id, **MEDIUM_SHAPE)
     else:
         raise ValueError(f"unknown model {model.name!r}; known: {', '.join(MODELS)}")
 
