@@ -23,12 +23,27 @@ def fingerprint(module: torch.nn.Module) -> dict:
     with torch.no_grad():
         for name, tensor in module.state_dict(keep_vars=True).items():
             t = tensor.detach()
-            bits = t.contiguous().view(_INT_VIEW[t.element_size()]) if t.element_size() in _INT_VIEW else t
             names.append(name)
             heads.append((t.data_ptr(), tuple(t.shape), t.dtype))
-            sums.append(bits.sum(dtype=torch.int64))
+            sums.append(_word_sum(t))
     totals = _read_all(sums)
     return {name: (*head, total) for name, head, total in zip(names, heads, totals)}
+
+
+def _word_sum(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes summed as 64-bit words (wrapping): any one changed
+    word changes it. Summed natively as int64, it runs at memory bandwidth;
+    widening each 32-bit element to 64 bits first was 20x slower on a CPU
+    (1 s per GiB here, more than a forward pass of the model it guarded)."""
+    raw = t.contiguous().reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 8 * 8
+    try:
+        total = raw[:whole].view(torch.int64).sum()
+    except RuntimeError:  # not 8-byte aligned: bytes one by one (small, odd tensors)
+        return raw.sum(dtype=torch.int64)
+    if whole < raw.numel():
+        total = total + raw[whole:].sum(dtype=torch.int64)
+    return total
 
 
 _CHUNK = 1 << 24  # elements per step of the keyed sum: bounds its scratch memory
