@@ -3,10 +3,12 @@
 A trusted block runs against the resident model itself, and may edit a weight
 in place (``w[:] = 0``, ``w.data.zero_()``, ``w.data = ...``). The edit is
 the user's to make for their own run; the next user must not see it. A
-fingerprint per tensor (its storage, shape, dtype and an integer sum of its
-bits: any single changed element changes it) costs one read of the weights;
-a mismatch reloads the model. Untrusted jobs run in a forked child whose
-edits die with it (copy-on-write), so they need no check.
+fingerprint per tensor (its storage, shape, dtype and a wrapping sum of its
+bytes as 64-bit words: any single changed element changes it) costs one read
+of the weights at memory bandwidth; a mismatch reloads the model. Untrusted
+jobs run in a child whose edits die with it (copy-on-write), so they need no
+check, except a GPU child of the zygote, which maps the weights writable:
+after its job the worker compares a keyed fingerprint (``keyed_fingerprint``).
 """
 
 from __future__ import annotations
