@@ -99,6 +99,8 @@ class Plan:
     session_traces: int = 5
 
 
+ISOLATION_GAP_S = 0.25  # between the isolation table's requests (see Bench.isolation)
+
 FULL = Plan(
     reps={"small_trace": 40, "every_layer": 30, "generate": 15, "session": 20, "big_result": 5},
     warmup=2, big_bytes=256 * MiB, cold_reps=5, isolation_reps=30,
@@ -261,6 +263,7 @@ class Bench:
         self.null: Optional[NullServer] = None
         self.stack = None
         self.iso_stack = None
+        self.zygote_stack = None
         self.compute_stack = None
         # Client models that have made their first (slower) request, kept alive so their ids stay theirs.
         self.warmed: dict = {}
@@ -400,7 +403,7 @@ class Bench:
     def close(self) -> None:
         import shutil
 
-        for stack in (self.compute_stack, self.iso_stack, self.stack):
+        for stack in (self.compute_stack, self.iso_stack, self.zygote_stack, self.stack):
             if stack is not None:
                 with contextlib.suppress(Exception):
                     stack.stop()
@@ -618,14 +621,20 @@ class Bench:
     # -- isolation --
 
     def isolation(self) -> None:
+        """The same trace in-process, in a child forked by the worker
+        (NDIF_ISOLATION=fork, the default) and in one forked by the model's
+        zygote (NDIF_ISOLATION=zygote), each its own stack, interleaved."""
         from bench.workloads import small_trace
 
         reps = self.plan.isolation_reps
         self.iso_stack = self.new_stack(NDIF_DEFAULT_TRUSTED="0")
         self.iso_stack.start()
+        self.zygote_stack = self.new_stack(NDIF_DEFAULT_TRUSTED="0", NDIF_ISOLATION="zygote")
+        self.zygote_stack.start()
         ref = self.refs.get("small_trace") or self.reference("isolation", small_trace, self.model)
         self.null.prepare(ref, self.compress, self.max_inline)
-        hosts = {"local": None, "null": self.null.url, "ours": self.stack.url, "ours_isolated": self.iso_stack.url}
+        hosts = {"local": None, "null": self.null.url, "ours": self.stack.url, "ours_isolated": self.iso_stack.url,
+                 "ours_zygote": self.zygote_stack.url}
         columns = {col: Column() for col in hosts}
         for host in hosts.values():
             for _ in range(max(self.plan.warmup, 2)):
@@ -633,21 +642,52 @@ class Bench:
                     self.call(small_trace, self.model, host)
         order = list(hosts)
         for rep in range(reps):
-            for col in order[rep % 4:] + order[: rep % 4]:
+            shift = rep % len(order)
+            for col in order[shift:] + order[:shift]:
+                # Spaced: each stack's spare child is prepared (forked, jailed,
+                # warmed) in the background after a job; without a pause the
+                # next column would be timed against the previous stack's
+                # preparation on these few cores, not against its own path.
+                time.sleep(ISOLATION_GAP_S)
                 self.measure_into(columns[col], small_trace, self.model, hosts[col], ref)
-        self.iso_stack.stop()
-        self.iso_stack = None
+        # And back to back on each stack: the next request may have to wait for its spare.
+        burst = {col: Column() for col in ("ours", "ours_isolated", "ours_zygote")}
+        for col, column in burst.items():
+            for _ in range(max(reps // 2, 2)):
+                self.measure_into(column, small_trace, self.model, hosts[col], ref)
+        burst_p50 = {col: column.summary().get("p50_ms") for col, column in burst.items()}
+        for stack in (self.iso_stack, self.zygote_stack):
+            stack.stop()
+        self.iso_stack = self.zygote_stack = None
         summary = {col: c.summary() for col, c in columns.items()}
-        added = None
-        if summary["ours"].get("p50_ms") and summary["ours_isolated"].get("p50_ms"):
-            added = round(summary["ours_isolated"]["p50_ms"] - summary["ours"]["p50_ms"], 3)
-        isolated = [m for m in columns["ours_isolated"].server.get("isolated_ms", [])]
-        self.record("isolation", columns, f"{reps} reps per column, interleaved; ours_isolated is a second stack "
-                                          "with NDIF_DEFAULT_TRUSTED=0",
-                    {"isolated_added_p50_ms": added,
-                     "isolated_meta": {"isolated_ms_p50": round(measure.percentile(isolated, .5), 3) if isolated else None}},
-                    notes=[f"isolated - in-process, client p50: {added:+.1f} ms" if added is not None else
-                           "isolated - in-process: not measured"])
+
+        def added(col: str) -> Optional[float]:
+            if summary["ours"].get("p50_ms") and summary[col].get("p50_ms"):
+                return round(summary[col]["p50_ms"] - summary["ours"]["p50_ms"], 3)
+            return None
+
+        def server_p50(col: str) -> Optional[float]:
+            values = columns[col].server.get("isolated_ms", [])
+            return round(measure.percentile(values, .5), 3) if values else None
+
+        fork_added, zygote_added = added("ours_isolated"), added("ours_zygote")
+        burst_notes = []
+        if all(burst_p50.values()):
+            burst_notes = [f"back to back ({max(reps // 2, 2)} each, no pause): client p50 in-process "
+                           f"{burst_p50['ours']:.1f} ms, fork {burst_p50['ours_isolated']:.1f} ms "
+                           f"({burst_p50['ours_isolated'] - burst_p50['ours']:+.1f}), zygote "
+                           f"{burst_p50['ours_zygote']:.1f} ms ({burst_p50['ours_zygote'] - burst_p50['ours']:+.1f})"]
+        self.record("isolation", columns, f"{reps} reps per column, interleaved, {ISOLATION_GAP_S * 1000:.0f} ms apart; "
+                                          "ours_isolated and ours_zygote are stacks with NDIF_DEFAULT_TRUSTED=0 "
+                                          "(NDIF_ISOLATION=fork / zygote)",
+                    {"isolated_added_p50_ms": fork_added, "zygote_added_p50_ms": zygote_added,
+                     "back_to_back_p50_ms": burst_p50, "gap_s": ISOLATION_GAP_S,
+                     "isolated_meta": {"isolated_ms_p50": server_p50("ours_isolated"),
+                                       "zygote_isolated_ms_p50": server_p50("ours_zygote")}},
+                    notes=[f"{label} - in-process, client p50: {value:+.1f} ms" if value is not None else
+                           f"{label} - in-process: not measured"
+                           for label, value in (("isolated (fork)", fork_added), ("isolated (zygote)", zygote_added))]
+                    + burst_notes)
 
     # -- throughput --
 
@@ -699,7 +739,7 @@ class Bench:
         started = time.perf_counter()
         models.build(info, self.hf_home)
         built_s = time.perf_counter() - started
-        for stack_name in ("iso_stack", "stack"):  # done with them: free the cores
+        for stack_name in ("iso_stack", "zygote_stack", "stack"):  # done with them: free the cores
             stack = getattr(self, stack_name)
             if stack is not None:
                 with contextlib.suppress(Exception):
@@ -926,6 +966,9 @@ class Bench:
         added = iso.get("isolated_added_p50_ms")
         add("isolated adds <= 25 ms p50 over in-process", None if added is None else added <= 25,
             "not measured" if added is None else f"{added:+.1f} ms")
+        zygote = iso.get("zygote_added_p50_ms")
+        add("isolated through the zygote adds <= 25 ms p50 over in-process", None if zygote is None else zygote <= 25,
+            "not measured" if zygote is None else f"{zygote:+.1f} ms")
         return checks
 
     def throughput_check(self, w: dict, add: Callable) -> None:

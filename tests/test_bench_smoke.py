@@ -63,7 +63,7 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
         assert big["memory"][service]["peak_rss_bytes"] > 0
 
     isolation = workloads["isolation"]["columns"]
-    for col in COLUMNS + ("ours_isolated",):
+    for col in COLUMNS + ("ours_isolated", "ours_zygote"):
         _positive_cell(isolation[col], f"isolation/{col}")
         if col != "local":
             assert isolation[col]["correct"] is True, f"isolation/{col}: {isolation[col]}"

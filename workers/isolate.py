@@ -395,7 +395,7 @@ def _run_jailed(model, policy, fd, request_fd, workdir, gpu: bool = False) -> No
         os.chdir(workdir)
         os.environ.update(HOME=workdir, TMPDIR=workdir)
         tempfile.tempdir = workdir
-        _warm_up()
+        _warm_up(model)
     except BaseException as error:  # noqa: BLE001
         _send(fd, b"E", _refuse(error).encode())
         os._exit(0)
@@ -404,12 +404,18 @@ def _run_jailed(model, policy, fd, request_fd, workdir, gpu: bool = False) -> No
     except BaseException:  # noqa: BLE001 - discarded unused: the worker let go of it
         os._exit(0)
     try:
+        marks = [time.perf_counter()]
         tracer = execute.deserialize(model, blob, compress, env)
+        marks.append(time.perf_counter())
         saved = execute.run(tracer, lambda line: _send(fd, b"L", line.encode("utf-8", "replace")))
+        marks.append(time.perf_counter())
         data = results.encode(saved, compress)
+        marks.append(time.perf_counter())
         if policy.max_result_bytes and len(data) > policy.max_result_bytes:
             raise result_too_big(len(data), policy.max_result_bytes)
-        _send(fd, b"M", json.dumps({"jail": layers}).encode())
+        child_ms = {name: round((b - a) * 1000, 1)
+                    for name, a, b in zip(("deserialize_ms", "run_ms", "encode_ms"), marks, marks[1:])}
+        _send(fd, b"M", json.dumps({"jail": layers, "child": child_ms}).encode())
         _send(fd, b"R", data)
     except BaseException as error:  # noqa: BLE001 - user code may raise anything, SystemExit included
         message = str(error) if isinstance(error, RequestError) else execute.format_user_error(error)
@@ -420,9 +426,19 @@ def _run_jailed(model, policy, fd, request_fd, workdir, gpu: bool = False) -> No
     os._exit(0)
 
 
-def _warm_up() -> None:
-    """Start this process's OpenMP thread pool (a fresh one: see ForkedChild)
-    before the request arrives, so the request does not pay for it."""
+def _warm_up(model) -> None:
+    """Pay, before the request arrives, what its first forward pass would:
+    this process's own OpenMP thread pool (a fresh one: see ForkedChild), and
+    the copy-on-write faults and lazy setup of one tiny forward pass through
+    the model (a one-token input; best effort: a model that takes something
+    else simply starts cold). No user data is involved."""
     import torch
 
     torch.ones(1 << 16).add_(1).sum()
+    try:
+        module = model._module
+        device = next(module.parameters()).device
+        with torch.no_grad():
+            module(torch.zeros((1, 1), dtype=torch.long, device=device))
+    except Exception:  # noqa: BLE001
+        pass
