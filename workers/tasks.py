@@ -423,7 +423,7 @@ def load_model(self, model_key: str, dtype: Optional[str] = None, size_bytes: in
         worker.redis, worker.name, model_key, registry.RUNNING,
         size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,
     )
-    if settings.isolation == "zygote":
+    if settings.isolation == "zygote" and (settings.auth or not settings.default_trusted):
         try:  # started now, ready by the first untrusted job (it takes seconds of imports)
             worker.models.zygote(model_key)
         except Exception:  # noqa: BLE001 - the first untrusted job retries and reports

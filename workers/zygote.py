@@ -142,14 +142,16 @@ class Zygote:
             return self._forked.pop(request)
 
     def close(self) -> None:
+        """Stop the zygote: EOF on its socket ends it (and it kills its
+        children); one still importing is killed, as it holds nothing to keep."""
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # EOF: the zygote kills its children and exits
+            self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         try:
-            self.process.wait(10)
+            self.process.wait(1)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self.process.kill()  # its children die with it (parent-death signal)
             self.process.wait()
         self.sock.close()
         self._fail("the isolation zygote was stopped")
