@@ -156,3 +156,60 @@ def test_a_dead_zygote_is_replaced_and_the_next_job_is_right(zygote_stack, model
     assert replacement != zygote
     assert worker_pid(zygote_stack) == pid, "the worker was replaced"
     trace_matches_local(model)
+
+
+class _ForksTheGpuWay:
+    """Stands in for a zygote whose model has GPU weights: its children take
+    the CUDA child's path (``isolate._child`` with ``before_jail``), which on a
+    GPU maps the weights and here does nothing else."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def fork(self, out_fd, in_fd, policy, workdir, cgroup):
+        from workers import isolate
+
+        def child() -> None:
+            isolate._child(self.model, policy, out_fd, in_fd, workdir, cgroup, before_jail=lambda: None)
+
+        return isolate.ForkedChild(child)
+
+
+def test_the_gpu_childs_path_runs_a_request_jailed(resident, hf_home, monkeypatch):
+    """No PID namespace (CUDA IPC does not cross one), no inner fork (CUDA
+    cannot fork), no address-space cap: the rest of the jail and the request
+    itself must work the same. Checked on a CPU model (no GPU here)."""
+    import io
+
+    import nnsight
+    from nnsight.schema.request import RequestModel
+
+    from workers import isolate, jail
+
+    blobs = []
+    original = RequestModel.serialize.__func__
+
+    def serialize(cls, tracer, compress=False):
+        blobs.append(original(cls, tracer, compress))
+        return blobs[-1]
+
+    monkeypatch.setattr(RequestModel, "serialize", classmethod(serialize))
+    client = client_model(REPO_ID)
+    with client.trace(PROMPT, remote="local"):  # serialized as for a server, then run here
+        hidden = client.transformer.h[2].output.save()
+        pid = nnsight.save(os.getpid())
+    assert blobs and pid == os.getpid()
+
+    _, model = resident
+    policy = isolate.Policy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
+                            readable=tuple(jail.readable_paths((str(hf_home / "hub"),))))
+    spare = isolate.Spare(model, policy, zygote=_ForksTheGpuWay(model))
+    try:
+        outcome = spare.run(blobs[-1], False, {}, lambda line: None)
+    finally:
+        spare.close()
+    saved = torch.load(io.BytesIO(bytes(outcome.data)), weights_only=False)
+    assert torch.equal(saved["hidden"], hidden)
+    assert saved["pid"] != 1, "the child ran in a PID namespace of its own (the CPU path)"
+    assert outcome.meta["jail"]["user"] in ("nobody", "root-without-capabilities")
+    assert outcome.meta["jail"]["landlock_abi"] >= 4
