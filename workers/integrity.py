@@ -17,9 +17,6 @@ from typing import Any
 
 import torch
 
-_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def fingerprint(module: torch.nn.Module) -> dict:
     names, heads, sums = [], [], []
     with torch.no_grad():
@@ -37,41 +34,46 @@ def _word_sum(t: torch.Tensor) -> torch.Tensor:
     word changes it. Summed natively as int64, it runs at memory bandwidth;
     widening each 32-bit element to 64 bits first was 20x slower on a CPU
     (1 s per GiB here, more than a forward pass of the model it guarded)."""
+    words, rest = _words(t)
+    return words.sum() + rest.sum()
+
+
+def _words(t: torch.Tensor) -> tuple:
+    """The tensor's bytes as int64 words (a view, no copy), and the 0-7 bytes
+    after the last whole word, one int64 each. A tensor whose bytes do not
+    start 8-byte aligned comes back as all bytes, one int64 each (a copy)."""
     raw = t.contiguous().reshape(-1).view(torch.uint8)
     whole = raw.numel() // 8 * 8
     try:
-        total = raw[:whole].view(torch.int64).sum()
-    except RuntimeError:  # not 8-byte aligned: bytes one by one (small, odd tensors)
-        return raw.sum(dtype=torch.int64)
-    if whole < raw.numel():
-        total = total + raw[whole:].sum(dtype=torch.int64)
-    return total
+        return raw[:whole].view(torch.int64), raw[whole:].to(torch.int64)
+    except RuntimeError:
+        return raw.to(torch.int64), raw[:0].to(torch.int64)
 
 
 _CHUNK = 1 << 24  # elements per step of the keyed sum: bounds its scratch memory
 
 
 def keyed_fingerprint(module: torch.nn.Module, key: int) -> dict:
-    """Per tensor, a sum of its bits each times a secret pseudo-random odd
-    coefficient (wrapping 64-bit arithmetic), the coefficients drawn from
+    """Per tensor, a sum of its 64-bit words each times a secret pseudo-random
+    odd coefficient (wrapping 64-bit arithmetic), the coefficients drawn from
     ``key``. Used where the one who may have written the weights is an
     adversary (a GPU child holding a writable IPC mapping): the plain sum
     survives swapping two values, this one does not, unless the writer knows
     the key, which lives only in the worker. Three passes over the weights
-    (bits, coefficients, product) on their own device."""
+    (words, coefficients, product) on their own device."""
     names, heads, sums = [], [], []
     with torch.no_grad():
         for index, (name, tensor) in enumerate(module.state_dict(keep_vars=True).items()):
             t = tensor.detach()
-            bits = (t.contiguous().view(_INT_VIEW[t.element_size()]) if t.element_size() in _INT_VIEW else t).reshape(-1)
             generator = torch.Generator(device=t.device)
             generator.manual_seed((key * 1_000_003 + index) & ((1 << 63) - 1))
             total = torch.zeros((), dtype=torch.int64, device=t.device)
-            for start in range(0, bits.numel(), _CHUNK):
-                part = bits[start : start + _CHUNK].to(torch.int64)
-                coefficients = torch.randint(-(1 << 62), 1 << 62, part.shape, generator=generator,
-                                             dtype=torch.int64, device=t.device) | 1
-                total += (part * coefficients).sum()
+            for part in _words(t):
+                for start in range(0, part.numel(), _CHUNK):
+                    chunk = part[start : start + _CHUNK]
+                    coefficients = torch.randint(-(1 << 62), 1 << 62, chunk.shape, generator=generator,
+                                                 dtype=torch.int64, device=t.device) | 1
+                    total += (chunk * coefficients).sum()
             names.append(name)
             sums.append(total)
             heads.append((tuple(t.shape), t.dtype))

@@ -111,9 +111,7 @@ class ResidentModels:
         return changed
 
     def evict(self, model_key: str) -> bool:
-        zygote = self.zygotes.pop(model_key, None)
-        if zygote is not None:
-            zygote.close()
+        self.drop_zygote(model_key)
         shared = self.shared.pop(model_key, None)
         if shared is not None and shared.cpu_fd >= 0:
             os.close(shared.cpu_fd)
@@ -137,8 +135,15 @@ def _gpus_visible() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
+def cuda_initialized() -> bool:
+    """Whether this process has initialised CUDA (after which it cannot fork a usable child)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def _empty_cuda_cache() -> None:
     import torch
 
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda_initialized():
         torch.cuda.empty_cache()

@@ -24,7 +24,6 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -110,7 +109,7 @@ def share(module: torch.nn.Module) -> Shared:
             target = flats[region["device"]][region["start"] : region["start"] + region["nbytes"]]
             source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
             target.copy_(source)
-    _point(module, shared, flats, in_place=True)
+    _point(module, shared.header(), flats, in_place=True)
     for device, flat in flats.items():
         if device != "cpu":
             from torch.multiprocessing.reductions import reduce_tensor
@@ -139,13 +138,12 @@ def attach(module: torch.nn.Module, header: dict, cpu_fd: int = -1, devices: str
     _point(module, header, flats)
 
 
-def _point(module: torch.nn.Module, shared: Any, flats: dict, in_place: bool = False) -> None:
+def _point(module: torch.nn.Module, header: dict, flats: dict, in_place: bool = False) -> None:
     """Re-point every manifest entry whose region lives in ``flats``.
 
     ``in_place`` (the worker) keeps each Parameter object and swaps its data;
     otherwise (a skeleton) new Parameters are made, one per tied tensor."""
-    manifest = shared["manifest"] if isinstance(shared, dict) else shared.manifest
-    regions = shared["regions"] if isinstance(shared, dict) else shared.regions
+    manifest, regions = header["manifest"], header["regions"]
     made: dict[tuple, torch.Tensor] = {}  # one object per (region, view): ties stay tied
     modules = dict(module.named_modules(remove_duplicate=False))
     for entry in manifest:

@@ -246,10 +246,11 @@ def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel
     """Untrusted: a fresh jailed child per request (``workers.isolate``), forked
     by this worker or, with NDIF_ISOLATION=zygote, by the model's zygote."""
     from . import execute, isolate
+    from .resident import cuda_initialized
 
     meta["isolated"] = True
     zygote = _zygote(worker, job.model_key)
-    if zygote is None and _cuda_initialized():
+    if zygote is None and cuda_initialized():
         # A CUDA process cannot fork a usable child; never run the code unconfined instead.
         raise execute.RequestError(
             "This GPU worker does not run untrusted code: its operator has not enabled the GPU isolation "
@@ -276,12 +277,6 @@ def _zygote(worker: "WorkerState", model_key: str):
         raise execute.RequestError(f"This worker could not start its isolation process, so it did not run your "
                                    f"job: {error}. Ask the operator (see docs/security.md).", kind="server") from None
     return zygote
-
-
-def _cuda_initialized() -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _isolation_policy(zygote=None):
@@ -313,13 +308,14 @@ def _prepare_spare(worker: WorkerState, model_key: str) -> None:
     """After an untrusted job: fork and jail the next one's child now, while
     idle (``isolate.Spare``). Best effort: a failure here only costs speed."""
     from . import isolate
+    from .resident import cuda_initialized
 
     model = worker.models.get(model_key)
     if model is None:
         return
     try:
         zygote = worker.models.zygotes.get(model_key) if settings.isolation == "zygote" else None
-        if zygote is None and _cuda_initialized():
+        if zygote is None and cuda_initialized():
             return
         isolate.prepare(model, _isolation_policy(zygote), zygote=zygote)
     except Exception:  # noqa: BLE001
