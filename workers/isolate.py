@@ -85,7 +85,6 @@ class Spare:
 
         try:
             if zygote is not None:  # forked by the model's zygote (workers.zygote), not by us
-                os.set_inheritable(out_write, False)
                 self.forked = zygote.fork(out_write, in_read, policy, self.workdir, self.cgroup)
             else:
                 self.forked = ForkedChild(child)

@@ -169,7 +169,3 @@ def _point(module: torch.nn.Module, header: dict, flats: dict, in_place: bool = 
             owner._parameters[entry["name"]] = tensor
         else:
             owner._buffers[entry["name"]] = tensor
-
-
-def devices_of(header: dict) -> set:
-    return {region["device"] for region in header["regions"]}

@@ -57,8 +57,8 @@ class ZygoteChild:
         self.status = status
         self._exited.set()
 
-    def wait(self, timeout: Optional[float] = None) -> int:
-        self._exited.wait(timeout)
+    def wait(self) -> int:
+        self._exited.wait()
         return self.status if self.status is not None else 0
 
     def kill(self) -> None:
