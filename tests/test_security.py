@@ -21,53 +21,11 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from tests.remote import final_status, poll, wait_status
+from tests.jail_fixtures import attempt, isolation, jail, still_serving_after, worker_pid  # noqa: F401
 from tests.stack_pool import SECRETS
 from tests.tiny_model import PROMPT
 
 nnsight.register(__name__)  # the helpers below ship with the blocks, by value
-
-
-@pytest.fixture(scope="module", params=["isolated", "zygote"])
-def jail(stack_pool, request):
-    """Each attack runs against both isolation modes: children forked by the
-    worker (NDIF_ISOLATION=fork) and by the model's zygote (=zygote)."""
-    stack = stack_pool.get(request.param)
-    saved = nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS
-    nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = stack.url, True
-    yield stack
-    nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
-
-
-@pytest.fixture
-def worker_pid(jail):
-    (info,) = jail.farm()["cluster"]["workers"].values()
-    return info["pid"]
-
-
-@pytest.fixture(autouse=True)
-def still_serving_after(jail, worker_pid, model):
-    """After every attack: the same worker answers, and exactly right."""
-    yield
-    with model.trace(PROMPT, remote=True) as tracer:
-        remote = model.transformer.h[3].output.save()
-    with model.trace(PROMPT):
-        local = model.transformer.h[3].output.save()
-    assert torch.equal(remote, local)
-    assert tracer.backend.meta["isolated"] is True
-    (info,) = jail.farm()["cluster"]["workers"].values()
-    assert info["pid"] == worker_pid, "the worker was replaced"
-
-
-def isolation(stack) -> str:
-    return stack.env.get("NDIF_ISOLATION", "fork")
-
-
-def attempt(fn):
-    """Run ``fn``; its outcome as a string (value, or the error's type and text)."""
-    try:
-        return f"ok: {fn()!r}"
-    except BaseException as error:  # noqa: BLE001
-        return f"{type(error).__name__}: {error}"
 
 
 def test_reading_etc_shadow_is_refused(jail, model):
