@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -51,14 +52,63 @@ class Identity:
         return f"key:{self.key_id}" if self.key_id is not None else "anonymous"
 
 
+THROTTLED = (
+    "Too many attempts with unknown API keys from this address; new keys from it are refused "
+    "for up to a minute (NDIF_AUTH_FAILURES_PER_MIN). Check the key you set."
+)
+
+
+class BoundedCache:
+    """A least-recently-used map that never holds more than ``size`` entries.
+
+    Every table the web fills from what a client sends (keys it presented, the
+    addresses they came from) is one of these: whatever a flood of made-up
+    keys does, a web process keeps at most ``size`` entries per table."""
+
+    def __init__(self, size: int) -> None:
+        self.size = max(1, size)
+        self._data: OrderedDict = OrderedDict()
+
+    def get(self, key, default=None):
+        value = self._data.get(key, default)
+        if key in self._data:
+            self._data.move_to_end(key)
+        return value
+
+    def put(self, key, value) -> None:
+        self._data[key] = value
+        self._data.move_to_end(key)
+        while len(self._data) > self.size:
+            self._data.popitem(last=False)
+
+    def pop(self, key) -> None:
+        self._data.pop(key, None)
+
+    def __contains__(self, key) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
 class Authenticator:
     """Resolves keys to identities, with a short cache so a busy client does not
-    cost a database query per request (a revoked key stops within the cache time)."""
+    cost a database query per request (a revoked key stops within the cache time).
+
+    Made-up keys can neither grow the web nor hammer the database: known and
+    unknown keys are cached in separate LRU tables of ``NDIF_AUTH_CACHE_MAX``
+    entries each (so a flood of unknown keys never pushes a real key out), and
+    a client address whose never-seen keys failed ``NDIF_AUTH_FAILURES_PER_MIN``
+    times this minute gets 429 for its next never-seen keys without a lookup.
+    A key this process has seen valid is always looked up, so a flood from a
+    shared address (a NAT, a proxy) does not lock out its real users' keys."""
 
     def __init__(self, settings: config.Settings) -> None:
         self.settings = settings
         self._engine = None
-        self._cache: dict[str, tuple[float, Optional[dict]]] = {}
+        self._known = BoundedCache(settings.auth_cache_max)  # key -> (looked up at, row)
+        self._unknown = BoundedCache(settings.auth_cache_max)  # key -> looked up at
+        self._failures = BoundedCache(settings.auth_cache_max)  # address -> (minute, failed lookups)
         self._lock = threading.Lock()
 
     @property
@@ -67,7 +117,8 @@ class Authenticator:
             self._engine = db.engine_for(self.settings.database_url)
         return self._engine
 
-    def identify(self, key: Optional[str]) -> Identity:
+    def identify(self, key: Optional[str], address: Optional[str] = None) -> Identity:
+        """``address``: the client's address, for the failed-lookup throttle."""
         if not self.settings.auth:
             return Identity(trusted=self.settings.default_trusted)
         if not key:
@@ -78,7 +129,7 @@ class Authenticator:
                 "xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx",
                 400,
             )
-        row = self._lookup(key)
+        row = self._lookup(key, address or "")
         if row is None:
             raise AuthError(INVALID, 403)
         return Identity(
@@ -86,12 +137,19 @@ class Authenticator:
             rate_limit_per_min=row["rate_limit_per_min"], max_concurrent_jobs=row["max_concurrent_jobs"],
         )
 
-    def _lookup(self, key: str) -> Optional[dict]:
+    def _lookup(self, key: str, address: str) -> Optional[dict]:
         now = time.monotonic()
+        fresh = self.settings.auth_cache_s
+        minute = int(now // 60)
         with self._lock:
-            hit = self._cache.get(key)
-        if hit is not None and now - hit[0] < self.settings.auth_cache_s:
-            return hit[1]
+            known = self._known.get(key)
+            if known is not None and now - known[0] < fresh:
+                return known[1]
+            unknown = self._unknown.get(key)
+            if unknown is not None and now - unknown < fresh:
+                return None
+            if known is None and self._throttled(address, minute):
+                raise AuthError(THROTTLED, 429)
         try:
             row = db.find_key(self.engine, key)
         except Exception as error:  # noqa: BLE001 - any database failure fails closed
@@ -101,5 +159,25 @@ class Authenticator:
                 "please retry shortly)", 503,
             ) from None
         with self._lock:
-            self._cache[key] = (now, row)
+            if row is not None:
+                self._known.put(key, (now, row))
+                self._unknown.pop(key)
+            else:
+                self._known.pop(key)  # revoked
+                self._unknown.put(key, now)
+                if known is None:
+                    seen_minute, failed = self._failures.get(address, (minute, 0))
+                    self._failures.put(address, (minute, failed + 1 if seen_minute == minute else 1))
         return row
+
+    def _throttled(self, address: str, minute: int) -> bool:
+        limit = self.settings.auth_failures_per_min
+        if not limit:
+            return False
+        seen_minute, failed = self._failures.get(address, (minute, 0))
+        return seen_minute == minute and failed >= limit
+
+    def sizes(self) -> dict:
+        """How many entries each table holds (for tests and operators)."""
+        with self._lock:
+            return {"known": len(self._known), "unknown": len(self._unknown), "addresses": len(self._failures)}

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .jail_layers import parse_disable, parse_require
 from .versions import parse_minimum
 
 MiB = 1024 * 1024
@@ -66,20 +67,31 @@ class Settings:
     auth: bool
     default_trusted: bool
     isolation: str
+    jail_waived: tuple
+    jail_disabled: tuple
+    jail_cgroup_root: str
+    verify_untrusted: bool
     auth_cache_s: float
+    auth_cache_max: int
+    auth_failures_per_min: int
     execution_timeout_s: float
     job_memory_bytes: int
     job_disk_bytes: int
+    log_lines_per_s: float
+    log_bytes_per_job: int
     max_result_bytes: int
     max_payload_bytes: int
     rate_limit_per_min: int
     max_concurrent_jobs: int
     max_queue_depth: int
+    max_websockets_per_key: int
     worker_metrics_port: int
     worker_metrics_host: str
     flower_url: str
     min_nnsight_version: str
     min_python_version: str
+    models: str
+    trust_remote_code: str
 
     def secrets(self) -> tuple:
         """Values an untrusted child must not be able to read."""
@@ -97,7 +109,26 @@ class Settings:
         return bool(self.object_store_url)
 
 
-ISOLATION_MODES = ("fork", "zygote")  # the first is the default
+# The first is the default. Both fork the jailed children from a per-model
+# zygote that holds no secret and no job's data: exec'd fresh ("zygote"), or
+# forked from the fork server the worker makes of itself at start ("fork").
+ISOLATION_MODES = ("zygote", "fork")
+
+# With NDIF_AUTH=1 the farm is shared by people who need not trust each other,
+# so these limits replace the single-host defaults (no limit, 4 GiB results,
+# 256 MiB payloads) that suit one researcher on their own machine. Why each
+# number: docs/configuration.md and docs/security.md "Defaults with auth on".
+# A variable that is set, 0 (no limit) included, always wins over these; a
+# key's own limits in the database (keys create --rate-limit/--max-concurrent)
+# win over both.
+AUTH_ON_DEFAULTS = {
+    "NDIF_MAX_CONCURRENT_JOBS": 4,
+    "NDIF_MAX_QUEUE_DEPTH": 32,
+    "NDIF_RATE_LIMIT_PER_MIN": 120,
+    "NDIF_MAX_RESULT_BYTES": 1 * GiB,
+    "NDIF_MAX_PAYLOAD_BYTES": 64 * MiB,
+    "NDIF_MAX_WEBSOCKETS_PER_KEY": 16,
+}
 
 
 def _choice(env: Mapping[str, str], name: str, choices: tuple) -> str:
@@ -115,6 +146,14 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _limit(env: Mapping[str, str], name: str, single_host: int, auth: bool) -> int:
+    """A limit: the variable when it is set (0 = no limit); when unset, the
+    auth-on default if auth is on, else the single-host default."""
+    if auth and env.get(name, "") == "":
+        return AUTH_ON_DEFAULTS[name]
+    return _int(env, name, single_host)
 
 
 def _float(env: Mapping[str, str], name: str, default: float) -> float:
@@ -173,6 +212,7 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
     redis_port = _int(env, "NDIF_EMBEDDED_REDIS_PORT", 6380)
     redis_url = env.get("NDIF_REDIS_URL", "")
     object_store_url = env.get("NDIF_OBJECT_STORE_URL", "")
+    auth = _bool(env, "NDIF_AUTH", False)
     settings = Settings(
         home=home,
         api_host=api_host,
@@ -217,19 +257,35 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         replica_idle_s=_float(env, "NDIF_REPLICA_IDLE_S", 600.0),
         autoscale_backoff_s=_float(env, "NDIF_AUTOSCALE_BACKOFF_S", 30.0),
         controller_interval_s=_float(env, "NDIF_CONTROLLER_INTERVAL_S", 0.5),
-        auth=_bool(env, "NDIF_AUTH", False),
+        auth=auth,
         default_trusted=_bool(env, "NDIF_DEFAULT_TRUSTED", True),
         # How untrusted jobs are isolated: see docs/security.md.
         isolation=_choice(env, "NDIF_ISOLATION", ISOLATION_MODES),
+        # Jail layers: all required unless waived ("all,-seccomp"); see ndif_celery.jail_layers.
+        jail_waived=parse_require(env.get("NDIF_JAIL_REQUIRE", "")),
+        jail_disabled=parse_disable(env.get("NDIF_JAIL_DISABLE", "")),
+        jail_cgroup_root=env.get("NDIF_JAIL_CGROUP_ROOT", ""),
+        # The keyed weight check after every untrusted job on every model (always on GPU models).
+        verify_untrusted=_bool(env, "NDIF_VERIFY_UNTRUSTED", False),
         auth_cache_s=_float(env, "NDIF_AUTH_CACHE_S", 5.0),
+        # Entries in each of the web's auth tables (known keys, unknown keys,
+        # addresses that failed): made-up keys cannot grow a web process.
+        auth_cache_max=_int(env, "NDIF_AUTH_CACHE_MAX", 10000),
+        # Database lookups of never-seen keys that fail, per client address per
+        # minute per web process, before that address's new keys are refused (0 = off).
+        auth_failures_per_min=_int(env, "NDIF_AUTH_FAILURES_PER_MIN", 60),
         execution_timeout_s=_float(env, "NDIF_EXECUTION_TIMEOUT_S", 3600.0),
         job_memory_bytes=int(_float(env, "NDIF_JOB_MEMORY_GIB", 8) * GiB),
         job_disk_bytes=_int(env, "NDIF_JOB_DISK_MB", 256) * MiB,
-        max_result_bytes=_int(env, "NDIF_MAX_RESULT_BYTES", 4 * GiB),
-        max_payload_bytes=_int(env, "NDIF_MAX_PAYLOAD_BYTES", 256 * MiB),
-        rate_limit_per_min=_int(env, "NDIF_RATE_LIMIT_PER_MIN", 0),
-        max_concurrent_jobs=_int(env, "NDIF_MAX_CONCURRENT_JOBS", 0),
-        max_queue_depth=_int(env, "NDIF_MAX_QUEUE_DEPTH", 0),
+        log_lines_per_s=_float(env, "NDIF_LOG_LINES_PER_S", 100.0),
+        log_bytes_per_job=_int(env, "NDIF_LOG_BYTES_PER_JOB", 4 * MiB),
+        # Limits: single-host defaults here, AUTH_ON_DEFAULTS when auth is on.
+        max_result_bytes=_limit(env, "NDIF_MAX_RESULT_BYTES", 4 * GiB, auth),
+        max_payload_bytes=_limit(env, "NDIF_MAX_PAYLOAD_BYTES", 256 * MiB, auth),
+        rate_limit_per_min=_limit(env, "NDIF_RATE_LIMIT_PER_MIN", 0, auth),
+        max_concurrent_jobs=_limit(env, "NDIF_MAX_CONCURRENT_JOBS", 0, auth),
+        max_queue_depth=_limit(env, "NDIF_MAX_QUEUE_DEPTH", 0, auth),
+        max_websockets_per_key=_limit(env, "NDIF_MAX_WEBSOCKETS_PER_KEY", 0, auth),
         # 0 = no metrics endpoint on the worker; a taken port moves to the next few.
         worker_metrics_port=_int(env, "NDIF_WORKER_METRICS_PORT", 9108),
         worker_metrics_host=env.get("NDIF_WORKER_METRICS_HOST") or "127.0.0.1",
@@ -237,6 +293,9 @@ def load(env: Optional[Mapping[str, str]] = None) -> Settings:
         # "" = no gate; see ndif_celery.versions.
         min_nnsight_version=parse_minimum("NDIF_MIN_NNSIGHT_VERSION", env.get("NDIF_MIN_NNSIGHT_VERSION", "")),
         min_python_version=parse_minimum("NDIF_MIN_PYTHON_VERSION", env.get("NDIF_MIN_PYTHON_VERSION", "")),
+        # Which repos may be loaded, and which may run their own code: ndif_celery.model_policy.
+        models=env.get("NDIF_MODELS", "").strip(),
+        trust_remote_code=env.get("NDIF_TRUST_REMOTE_CODE", "").strip(),
     )
     for field in fields(Settings):
         value = getattr(settings, field.name)

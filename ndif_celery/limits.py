@@ -5,6 +5,8 @@ Counters live in Redis so every web process (and host) shares them:
 - ``ndif:rate:<owner>:<minute>``  requests this key made in this minute (fixed window)
 - ``ndif:active:<owner>``         the key's jobs queued or running (a sorted set by
                                    start time; a job leaves it when it ends)
+- ``ndif:sockets:<owner>``        the key's open /subscribe websockets (session id ->
+                                   lease deadline; see claim_socket)
 
 A key's own limits (``ndif-celery keys create --rate-limit --max-concurrent``)
 override the farm-wide ``NDIF_*`` defaults; 0 means no limit.
@@ -86,3 +88,62 @@ def track(pipe, job: jobs.Job) -> None:
 
 def release(pipe, job: jobs.Job) -> None:
     pipe.zrem(_active_key(job.owner), job.id)
+
+
+# Open /subscribe websockets per key. Each open socket holds one web thread for
+# as long as it is open, so one key holding many can starve everyone's streams.
+# Counted in Redis across every web process as a sorted set per key
+# (``ndif:sockets:<owner>``: session id -> lease deadline, epoch seconds). A live
+# socket renews its lease every few seconds; a web process that dies with
+# sockets open (SIGKILL, OOM, host lost) stops renewing, and its entries lapse
+# after SOCKET_LEASE_S and are dropped by the next claim, so nothing leaks.
+SOCKET_LEASE_S = 30.0
+
+
+def _sockets_key(owner: str) -> str:
+    return f"ndif:sockets:{owner}"
+
+
+def claim_socket(client: redis.Redis, identity: auth.Identity, session_id: str, settings: config.Settings) -> bool:
+    """Count a new socket for the key, or refuse it (429) when the key already
+    holds ``NDIF_MAX_WEBSOCKETS_PER_KEY``. False when there is no limit (nothing counted)."""
+    limit = settings.max_websockets_per_key
+    if not limit:
+        return False
+    now = time.time()
+    key = _sockets_key(identity.owner)
+    # Add first, then count: two web processes racing for the last slot may
+    # both refuse, but never both admit.
+    pipe = client.pipeline(transaction=True)
+    pipe.zremrangebyscore(key, "-inf", now)
+    pipe.zadd(key, {session_id: now + SOCKET_LEASE_S})
+    pipe.zcard(key)
+    pipe.expire(key, int(SOCKET_LEASE_S * 2))
+    _, _, held, _ = pipe.execute()
+    if held > limit:
+        client.zrem(key, session_id)
+        raise LimitError(
+            f"Too many open connections: this API key already holds {limit} /subscribe websockets "
+            f"(NDIF_MAX_WEBSOCKETS_PER_KEY), each one a running blocking trace or an open session. "
+            "Let some finish (or close them), or use blocking=False, then try again.",
+            429,
+        )
+    return True
+
+
+def renew_socket(client: redis.Redis, identity: auth.Identity, session_id: str) -> None:
+    """Keep a live socket counted (call well within SOCKET_LEASE_S)."""
+    key = _sockets_key(identity.owner)
+    pipe = client.pipeline(transaction=False)
+    pipe.zadd(key, {session_id: time.time() + SOCKET_LEASE_S})
+    pipe.expire(key, int(SOCKET_LEASE_S * 2))
+    pipe.execute()
+
+
+def release_socket(client: redis.Redis, identity: auth.Identity, session_id: str) -> None:
+    client.zrem(_sockets_key(identity.owner), session_id)
+
+
+def sockets_held(client: redis.Redis, identity: auth.Identity) -> int:
+    """Live sockets the key holds now (lapsed leases not counted)."""
+    return client.zcount(_sockets_key(identity.owner), time.time(), "+inf")

@@ -39,6 +39,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.register_blueprint(dashboard.bp)  # /metrics, /dashboard, and every request counted
     subscribe.sock.init_app(app)
     app.before_request(subscribe.refuse_unknown_keys)
+    app.teardown_request(subscribe.release_socket)
 
     @app.errorhandler(AuthError)
     @app.errorhandler(LimitError)

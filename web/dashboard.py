@@ -107,7 +107,7 @@ def _admin_refusal():
     if not key:
         return _challenge("The dashboard needs an admin API key: sign in with any user name and the key as password.")
     try:
-        identity = current_app.config["NDIF_AUTH"].identify(key)
+        identity = current_app.config["NDIF_AUTH"].identify(key, request.remote_addr)
     except AuthError as error:
         if error.status == 503:
             return _challenge(error.detail, 503)
@@ -170,7 +170,7 @@ def _duration(seconds) -> str:
 
 
 def page_data(client: redis.Redis) -> dict:
-    farm = registry.status_document(client)
+    farm = registry.status_document(client, operator=True)
     deployments = []
     for entry in farm["deployments"].values():
         level = entry.get("deployment_level")

@@ -14,7 +14,7 @@ import redis
 import zstandard
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery import auth, cleanup, environment, jobs, limits, queues, registry, versions, wire
+from ndif_celery import auth, cleanup, environment, jobs, limits, model_policy, queues, registry, versions, wire
 from ndif_celery.celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for, send_job
 
 bp = Blueprint("api", __name__)
@@ -39,7 +39,7 @@ def ping():
 
 def identify() -> auth.Identity:
     """The caller's identity; raises AuthError (turned into its JSON refusal)."""
-    return current_app.config["NDIF_AUTH"].identify(request.headers.get(auth.HEADER))
+    return current_app.config["NDIF_AUTH"].identify(request.headers.get(auth.HEADER), request.remote_addr)
 
 
 @bp.post("/request")
@@ -55,6 +55,12 @@ def submit():
     except versions.VersionRefused as error:
         return _fail(error.detail, error.status)
     client = _redis()
+    try:  # the key and env as nnsight sends them, canonical; what this key may load (ndif_celery.model_policy)
+        offered = () if identity.trusted else model_policy.offered_keys(client)
+        envelope.model_key, envelope.env = model_policy.Policy.from_settings(settings).admit(
+            envelope.model_key, envelope.env, identity.trusted, offered)
+    except model_policy.PolicyError as error:
+        return _fail(error.detail, error.status)
     if envelope.session_id and client.get(jobs.session_owner_key(envelope.session_id)) != identity.owner.encode():
         return _fail("session_id was not opened by this API key (open /subscribe with the same key).", 403)
     blob_file = request.files.get("blob")

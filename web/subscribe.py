@@ -13,10 +13,10 @@ import time
 import uuid
 from typing import Optional
 
-from flask import current_app, request
+from flask import current_app, g, request
 from flask_sock import Sock
 
-from ndif_celery import auth, jobs, wire
+from ndif_celery import auth, jobs, limits, wire
 
 sock = Sock()
 POLL_S = 1.0
@@ -25,16 +25,29 @@ RESYNC_S = 5.0
 
 
 def refuse_unknown_keys():
-    """Before the websocket upgrade: with auth on, only a valid key may subscribe
-    (the handshake fails with the same JSON refusal as ``POST /request``)."""
+    """Before the websocket upgrade: with auth on, only a valid key may subscribe,
+    and only while it holds fewer than ``NDIF_MAX_WEBSOCKETS_PER_KEY`` sockets
+    (the handshake fails with the same JSON refusal as ``POST /request``; the
+    nnsight client shows it in its ``Handshake status 429 ...`` error)."""
     if request.path == "/subscribe":
-        current_app.config["NDIF_AUTH"].identify(request.headers.get(auth.HEADER))
+        identity = current_app.config["NDIF_AUTH"].identify(request.headers.get(auth.HEADER), request.remote_addr)
+        session_id = uuid.uuid4().hex
+        if limits.claim_socket(current_app.config["NDIF_REDIS"], identity, session_id, current_app.config["NDIF_SETTINGS"]):
+            g.ndif_socket = session_id
+        g.ndif_identity, g.ndif_session_id = identity, session_id
+
+
+def release_socket(_error=None) -> None:
+    """After the socket closed (or its handshake failed): free the key's slot."""
+    session_id = g.pop("ndif_socket", None)
+    if session_id is not None:
+        limits.release_socket(current_app.config["NDIF_REDIS"], g.ndif_identity, session_id)
 
 
 @sock.route("/subscribe")
 def subscribe(ws) -> None:
-    identity = current_app.config["NDIF_AUTH"].identify(request.headers.get(auth.HEADER))
-    session_id = uuid.uuid4().hex
+    identity, session_id = g.ndif_identity, g.ndif_session_id
+    counted = "ndif_socket" in g
     client = current_app.config["NDIF_REDIS"]
     # Only the key that opened the socket may submit jobs that report to it.
     client.set(jobs.session_owner_key(session_id), identity.owner, ex=current_app.config["NDIF_SETTINGS"].job_ttl_s)
@@ -42,8 +55,11 @@ def subscribe(ws) -> None:
     pubsub.subscribe(jobs.session_channel(session_id))
     try:
         ws.send(json.dumps({"session_id": session_id}))
-        checked = time.monotonic()
+        checked = renewed = time.monotonic()
         while ws.connected:
+            if counted and time.monotonic() - renewed >= RESYNC_S:
+                renewed = time.monotonic()
+                limits.renew_socket(client, identity, session_id)
             message = pubsub.get_message(timeout=POLL_S)
             if message is None:
                 if time.monotonic() - checked >= RESYNC_S:

@@ -1,0 +1,315 @@
+"""Defaults with auth on (issue #12 item 9): with ``NDIF_AUTH=1`` a farm is
+shared, so the limits default to values that protect it (per-key concurrency,
+queue depth, rate, payload and result sizes, open websockets per key), and the
+auth cache cannot be grown, nor the key database hammered, by made-up keys.
+
+The unit tests pin the rules (config, the cache's bound, the database queries
+a flood costs); the end-to-end tests are the attacks, by raw HTTP and the real
+client, against a real stack started with ``NDIF_AUTH=1`` and nothing else
+set, so every limit below is the auth-on default."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import nnsight
+import psutil
+import pytest
+import torch
+import websocket
+from nnsight.intervention.backends.remote import RemoteError
+from sqlalchemy import event
+
+from ndif_celery import auth, config, db, limits
+from tests.remote import poll, slow_job, wait_status
+from tests.stack import client_on_stack
+from tests.tiny_model import PROMPT
+
+MiB = 1024 * 1024
+LIMITS = ("NDIF_MAX_CONCURRENT_JOBS", "NDIF_MAX_QUEUE_DEPTH", "NDIF_RATE_LIMIT_PER_MIN",
+          "NDIF_MAX_RESULT_BYTES", "NDIF_MAX_PAYLOAD_BYTES", "NDIF_MAX_WEBSOCKETS_PER_KEY")
+FIELDS = ("max_concurrent_jobs", "max_queue_depth", "rate_limit_per_min",
+          "max_result_bytes", "max_payload_bytes", "max_websockets_per_key")
+
+
+# --- config -----------------------------------------------------------------------
+
+
+def test_auth_on_defaults_apply_only_with_auth_on_and_only_when_unset(tmp_path):
+    home = {"NDIF_HOME": str(tmp_path)}
+    off, on = config.load(home), config.load({**home, "NDIF_AUTH": "1"})
+    assert [getattr(off, f) for f in FIELDS] == [0, 0, 0, 4 * 1024**3, 256 * MiB, 0], "single-host defaults"
+    assert [getattr(on, f) for f in FIELDS] == [4, 32, 120, 1024**3, 64 * MiB, 16]
+    assert [getattr(on, f) for f in FIELDS] == [config.AUTH_ON_DEFAULTS[v] for v in LIMITS]
+    # A variable that is set wins over the auth-on default, 0 (no limit) included.
+    explicit = config.load({**home, "NDIF_AUTH": "1", **{v: "0" for v in LIMITS}})
+    assert [getattr(explicit, f) for f in FIELDS] == [0] * len(FIELDS)
+    chosen = config.load({**home, "NDIF_AUTH": "1", "NDIF_MAX_CONCURRENT_JOBS": "9", "NDIF_MAX_PAYLOAD_BYTES": "1000"})
+    assert (chosen.max_concurrent_jobs, chosen.max_payload_bytes, chosen.max_queue_depth) == (9, 1000, 32)
+    # With auth off a set variable is used as before.
+    assert config.load({**home, "NDIF_RATE_LIMIT_PER_MIN": "7"}).rate_limit_per_min == 7
+    with pytest.raises(ValueError, match="NDIF_MAX_WEBSOCKETS_PER_KEY must be an integer"):
+        config.load({**home, "NDIF_AUTH": "1", "NDIF_MAX_WEBSOCKETS_PER_KEY": "many"})
+
+
+# --- the auth cache ---------------------------------------------------------------
+
+
+@pytest.fixture
+def keys_db(tmp_path):
+    settings = config.load({
+        "NDIF_HOME": str(tmp_path), "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_MAX": "100",
+        "NDIF_DATABASE_URL": f"sqlite:///{tmp_path / 'keys.db'}",
+    })
+    engine = db.engine_for(settings.database_url)
+    return settings, engine
+
+
+def _counting(authenticator: auth.Authenticator, engine) -> list:
+    """Every statement the authenticator's engine runs, recorded."""
+    authenticator._engine = engine
+    statements: list = []
+    event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+    return statements
+
+
+def test_made_up_keys_cannot_grow_the_auth_cache(keys_db):
+    settings, engine = keys_db
+    settings = config.load({**{"NDIF_HOME": str(settings.home)}, "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_MAX": "100",
+                            "NDIF_DATABASE_URL": settings.database_url, "NDIF_AUTH_FAILURES_PER_MIN": "0"})
+    real = db.create_key(engine, "real@example.org")
+    authenticator = auth.Authenticator(settings)
+    authenticator._engine = engine
+    assert authenticator.identify(real, "10.0.0.1").email == "real@example.org"
+    for i in range(20000):  # no throttle here: every one is looked up and refused
+        with pytest.raises(auth.AuthError) as refused:
+            authenticator.identify(str(uuid.uuid4()), f"10.1.{i // 250}.{i % 250}")
+        assert refused.value.status == 403 and refused.value.detail == auth.INVALID
+    assert authenticator.sizes() == {"known": 1, "unknown": 100, "addresses": 100}
+    statements = _counting(authenticator, engine)
+    assert authenticator.identify(real, "10.0.0.1").email == "real@example.org"
+    assert statements == [], "the flood pushed the real key out of its cache"
+
+
+def test_a_flood_of_made_up_keys_hits_the_database_a_bounded_number_of_times(keys_db):
+    settings, engine = keys_db
+    seen, fresh = db.create_key(engine, "seen@example.org"), db.create_key(engine, "fresh@example.org")
+    authenticator = auth.Authenticator(settings)
+    statements = _counting(authenticator, engine)
+    authenticator.identify(seen, "192.0.2.7")
+    before, outcomes = len(statements), {}
+    for _ in range(20000):
+        try:
+            authenticator.identify(str(uuid.uuid4()), "192.0.2.7")
+        except auth.AuthError as error:
+            outcomes[error.status] = outcomes.get(error.status, 0) + 1
+    limit = settings.auth_failures_per_min
+    assert outcomes == {403: limit, 429: 20000 - limit}
+    queries = len(statements) - before
+    assert queries <= limit * 3, f"{queries} statements for 20000 made-up keys"  # find_key: key, then its user
+    with pytest.raises(auth.AuthError, match="Too many attempts with unknown API keys from this address"):
+        authenticator.identify(fresh, "192.0.2.7")  # a never-seen key from the flooding address waits
+    authenticator._known.put(seen, (0.0, authenticator._known.get(seen)[1]))  # its cache entry is stale now
+    assert authenticator.identify(seen, "192.0.2.7").email == "seen@example.org", "a key seen valid is not locked out"
+    assert authenticator.identify(fresh, "198.51.100.1").email == "fresh@example.org", "other addresses unaffected"
+    assert max(authenticator.sizes().values()) <= 100
+
+
+# --- the attacks, against a real stack with auth on and no limit set --------------
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, hf_home):
+    with client_on_stack(tmp_path_factory.mktemp("auth-defaults"), hf_home, {"NDIF_AUTH": "1"}) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def engine(stack):
+    return db.engine_for(config.load(stack.env).database_url)
+
+
+def _key(engine, *tags, **limits_) -> str:
+    return db.create_key(engine, f"{uuid.uuid4().hex[:8]}@example.org", tags, **limits_)
+
+
+def _post(stack, key, model, blob=b"not a pickle"):
+    envelope = {"model_key": model.to_model_key(), "session_id": "", "compress": False, "env": {}}
+    return httpx.post(
+        f"{stack.url}/request", data={"data": json.dumps(envelope)},
+        files={"blob": ("request", blob, "application/octet-stream")}, headers={"ndif-api-key": key}, timeout=60,
+    )
+
+
+def _works(model, key, monkeypatch):
+    monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", key)
+    with model.trace(PROMPT, remote=True):
+        remote = model.transformer.h[0].output.save()
+    with model.trace(PROMPT):
+        local = model.transformer.h[0].output.save()
+    assert torch.equal(remote, local)
+
+
+def test_the_stack_runs_with_the_auth_on_defaults(stack):
+    settings = config.load(stack.env)
+    assert not any(v in stack.env for v in LIMITS)
+    assert [getattr(settings, f) for f in FIELDS] == [config.AUTH_ON_DEFAULTS[v] for v in LIMITS]
+
+
+def test_one_key_cannot_queue_more_than_its_share_nor_overfill_a_model(stack, engine, model, monkeypatch):
+    """A running job holds the only worker; one key then queues jobs as fast as
+    it can: the 5th is refused (4 per key); a key given more in the database
+    gets its own number; more keys together stop at 32 waiting (503)."""
+    monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", _key(engine, "trusted"))
+    blocker = slow_job(model, 200)  # 10 s on the only worker
+    wait_status(stack.url, blocker.job_id, "RUNNING", headers={"ndif-api-key": blocker.api_key})
+    greedy = _key(engine, "trusted")
+    assert [_post(stack, greedy, model).status_code for _ in range(4)] == [200] * 4
+    refused = _post(stack, greedy, model)
+    assert refused.status_code == 429
+    assert "at most 4 queued or running (NDIF_MAX_CONCURRENT_JOBS)" in refused.json()["detail"]
+    generous = _key(engine, "trusted", max_concurrent_jobs=6)  # the database's per-key limit wins
+    assert [_post(stack, generous, model).status_code for _ in range(6)] == [200] * 6
+    fillers = [_key(engine, "trusted") for _ in range(6)]
+    codes = [_post(stack, key, model).status_code for key in fillers for _ in range(4)]
+    assert codes[:22] == [200] * 22 and set(codes[22:]) == {503}  # 4 + 6 + 22 = 32 waiting
+    full = _post(stack, _key(engine, "trusted"), model)
+    assert full.status_code == 503
+    assert "queue for this model is full (32 jobs waiting; NDIF_MAX_QUEUE_DEPTH=32)" in full.json()["detail"]
+    poll(blocker)
+    _works(model, greedy, monkeypatch)  # once the queue drains, the greedy key is served again
+
+
+def test_a_payload_over_the_default_limit_is_refused(stack, engine, model, monkeypatch):
+    key = _key(engine, "trusted")
+    over = _post(stack, key, model, b"x" * (64 * MiB + 1))
+    assert over.status_code == 413
+    assert f"at most {64 * MiB} bytes (NDIF_MAX_PAYLOAD_BYTES)" in over.json()["detail"]
+    monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", key)
+    monkeypatch.setattr(nnsight.CONFIG.API, "COMPRESS", False)
+    noise = torch.rand(17 * MiB)  # 68 MiB of floats saved by value into the payload
+    with pytest.raises(RemoteError, match="NDIF_MAX_PAYLOAD_BYTES"):
+        with model.trace(PROMPT, remote=True):
+            out = (model.transformer.h[0].output.sum() + noise.sum()).save()  # noqa: F841
+    _works(model, key, monkeypatch)
+
+
+def _open(stack, key):
+    return websocket.create_connection(f"ws{stack.url[4:]}/subscribe", header={"ndif-api-key": key}, timeout=30)
+
+
+def _hold(stack, key, count):
+    """Open ``count`` sockets for ``key`` at once: (open sockets, refusals)."""
+    def one(_):
+        try:
+            ws = _open(stack, key)
+            json.loads(ws.recv())["session_id"]
+            return ws
+        except websocket.WebSocketBadStatusException as error:
+            return error
+
+    with ThreadPoolExecutor(8) as pool:
+        outcomes = list(pool.map(one, range(count)))
+    return ([o for o in outcomes if not isinstance(o, Exception)],
+            [o for o in outcomes if isinstance(o, Exception)])
+
+
+def test_one_key_cannot_hold_more_than_16_websockets(stack, engine, model, monkeypatch):
+    hog, other = _key(engine, "trusted"), _key(engine, "trusted")
+    held, refused = _hold(stack, hog, 100)
+    try:
+        assert len(held) == 16 and len(refused) == 84
+        assert {e.status_code for e in refused} == {429}
+        assert all("already holds 16 /subscribe websockets (NDIF_MAX_WEBSOCKETS_PER_KEY)" in str(e) for e in refused)
+        _works(model, other, monkeypatch)  # other keys are unaffected
+        monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", hog)
+        with pytest.raises(Exception, match="Handshake status 429.*NDIF_MAX_WEBSOCKETS_PER_KEY"):
+            with model.trace(PROMPT, remote=True):  # what the researcher sees
+                model.transformer.h[0].output.save()
+    finally:
+        for ws in held:
+            ws.close()
+    deadline = time.monotonic() + 10
+    while limits.sockets_held(_redis(stack), auth.Identity(key_id=_key_id(engine, hog))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    _works(model, hog, monkeypatch)  # closed sockets free their slots at once
+
+
+def test_sockets_of_a_killed_web_process_do_not_count_forever(stack, engine, model, monkeypatch):
+    """A web process SIGKILLed with the key's sockets open cannot release them;
+    their leases lapse instead, and the key can subscribe again."""
+    key = _key(engine, "trusted")
+    held, refused = _hold(stack, key, 16)
+    assert len(held) == 16 and not refused
+    holders = {p.pid for p in _web_workers(stack)}
+    for pid in holders:
+        os.kill(pid, signal.SIGKILL)  # gunicorn's master starts new ones
+    for ws in held:
+        ws.shutdown()  # the client's end; the server's end died with its process
+    identity = auth.Identity(key_id=_key_id(engine, key))
+    assert limits.sockets_held(_redis(stack), identity) == 16, "nobody released them"
+    stack.wait_answers()
+    deadline = time.monotonic() + limits.SOCKET_LEASE_S + 15
+    while limits.sockets_held(_redis(stack), identity) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert limits.sockets_held(_redis(stack), identity) == 0
+    _works(model, key, monkeypatch)
+
+
+def test_a_flood_of_made_up_keys_is_refused_and_does_not_grow_the_web(stack, engine, model, monkeypatch):
+    seen = _key(engine, "trusted")
+    _works(model, seen, monkeypatch)  # seen valid by the web before the flood
+    envelope = json.dumps({"model_key": model.to_model_key(), "session_id": "", "compress": False, "env": {}})
+
+    def flood(n):
+        codes = {}
+        with httpx.Client(base_url=stack.url, timeout=60) as client:
+            for _ in range(n):
+                response = client.post("/request", data={"data": envelope},
+                                       files={"blob": ("request", b"x", "application/octet-stream")},
+                                       headers={"ndif-api-key": str(uuid.uuid4())})
+                codes[response.status_code] = codes.get(response.status_code, 0) + 1
+        return codes
+
+    def total(results):
+        codes = {}
+        for result in results:
+            for code, n in result.items():
+                codes[code] = codes.get(code, 0) + n
+        return codes
+
+    with ThreadPoolExecutor(8) as pool:
+        warm = total(pool.map(flood, [250] * 8))  # the web's steady state: 2000 made-up keys
+    rss_before = sum(p.memory_info().rss for p in _web_workers(stack))
+    with ThreadPoolExecutor(8) as pool:
+        codes = total(pool.map(flood, [2500] * 8))
+    rss_after = sum(p.memory_info().rss for p in _web_workers(stack))
+    assert set(warm) | set(codes) <= {403, 429}, (warm, codes)  # all refused
+    assert sum(codes.values()) == 20000
+    grown = rss_after - rss_before
+    assert grown < 8 * MiB, f"the web grew by {grown / MiB:.1f} MiB over 20000 made-up keys"
+    _works(model, seen, monkeypatch)  # a key the web knows is still served from the flooding address
+
+
+# --- helpers ----------------------------------------------------------------------
+
+
+def _redis(stack):
+    import redis
+
+    return redis.Redis.from_url(stack.redis_url)
+
+
+def _key_id(engine, key) -> int:
+    return db.find_key(engine, key)["key_id"]
+
+
+def _web_workers(stack) -> list:
+    """The gunicorn worker processes (the master's children)."""
+    return psutil.Process(stack.pids()["web"]).children()
