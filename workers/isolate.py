@@ -1,11 +1,13 @@
 """Untrusted requests run in a fresh, jailed child forked per request.
 
-The worker keeps the model resident and forks: the child shares the weights
-copy-on-write (an in-place edit copies the page into the child and dies with
-it), deserializes and runs the user's block inside the jail (``workers.jail``)
-and hands back only bytes: LOG lines, the result blob, a JSON error. The
-parent never unpickles anything the child sends. At the deadline the child's
-whole process group is killed.
+The worker keeps the model resident; the child is forked by the model's
+zygote (``workers.zygote``), never by the worker itself, so it holds no
+secret and no residue of any job the worker ran. It shares the weights
+(copy-on-write on CPU: an in-place edit copies the page into the child and
+dies with it), deserializes and runs the user's block inside the jail
+(``workers.jail``) and hands back only bytes: LOG lines, the result blob, a
+JSON error. The worker never unpickles anything the child sends. At the
+deadline the child's whole process group is killed.
 
 The fork and the jail are paid ahead of time: after an untrusted job the
 worker prepares a :class:`Spare` (forked, jailed, OpenMP pool started) that
@@ -16,12 +18,23 @@ Frames on the pipes: one type byte, an 8-byte big-endian length, the body.
 Child to worker: ``L`` a LOG line (UTF-8), ``R`` the result blob, ``E`` an
 error message (UTF-8), ``M`` meta (JSON). Worker to child: ``J`` the request's
 JSON header (compress, env), then ``B`` the payload blob.
+
+The child runs user code, so everything it sends is hostile until checked:
+each frame kind has a size limit (``FRAME_LIMITS``; only ``R`` may be as
+large as the result limit), read from its header before its body is
+buffered; a header over its kind's limit, or of an unknown kind, kills the
+child and ends the job with an ERROR. Meta passes only the keys the worker
+expects, with bounded values (``child_meta``). Every wait on a child (the
+request write, its frames, its exit, its reaping) has a deadline.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -32,10 +45,28 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ndif_celery import bounds
+
 from . import jail
 from .execute import RequestError, result_too_big
 
 _HEADER = struct.Struct(">cQ")
+
+try:  # import the seccomp binding once here, so no child pays for finding libseccomp
+    jail.load_seccomp_binding()
+except jail.JailError:
+    pass  # each child finds the layer missing and says so (refused unless NDIF_JAIL_REQUIRE waives it)
+
+#: The largest body of each frame kind a child may send (``R``: the policy's result limit).
+FRAME_LIMITS = {b"L": bounds.LOG_LINE_BYTES, b"E": bounds.ERROR_BYTES, b"M": bounds.META_BYTES}
+_FRAME_NAMES = {b"L": "LOG", b"E": "ERROR", b"M": "meta", b"R": "result"}
+#: How long reaping a SIGKILLed child may take before the worker stops waiting for it.
+REAP_TIMEOUT_S = 10.0
+#: The slices every wait on a child is cut into, so ``ndif-celery kill`` (an
+#: exception raised in the job's thread) lands within one of them.
+_SLICE_S = 0.1
+
+log = logging.getLogger("ndif_celery.worker")
 
 
 @dataclass
@@ -54,6 +85,10 @@ class Policy:
     readable: tuple = ()  # paths user code may read (see jail.readable_paths)
     max_processes: int = 256
     as_nobody: bool = True
+    jail_waived: tuple = ()  # layers that may be absent (NDIF_JAIL_REQUIRE); every other one is required
+    jail_disabled: tuple = ()  # layers not even tried (NDIF_JAIL_DISABLE)
+    cgroup_root: str = ""  # NDIF_JAIL_CGROUP_ROOT ("" = the usual mount points)
+    hidden: tuple = ()  # directories masked in the child's mounts (NDIF_HOME: its sockets, its files)
 
 
 class Spare:
@@ -68,26 +103,20 @@ class Spare:
     fork would have been made.
     """
 
-    def __init__(self, model: Any, policy: Policy, zygote: Any = None) -> None:
+    def __init__(self, model: Any, policy: Policy, zygote: Any) -> None:
+        if zygote is None:  # the worker itself is never the parent: it holds secrets and earlier jobs
+            raise ValueError("an isolated child is forked by its model's zygote")
         self.model_id = id(model)
         self.zygote = zygote
         self.policy = policy
         self.workdir = tempfile.mkdtemp(prefix="ndif-job-")
-        self.cgroup = jail.pids_cgroup_path(os.path.basename(self.workdir))
+        self.cgroup = ("" if "pids_cgroup" in policy.jail_disabled
+                       else jail.pids_cgroup_path(os.path.basename(self.workdir), policy.cgroup_root))
         out_read, out_write = os.pipe()  # child -> worker: frames
         in_read, in_write = os.pipe()  # worker -> child: the request
         started = time.perf_counter()
-
-        def child() -> None:  # never returns
-            os.close(out_read)
-            os.close(in_write)
-            _child(model, policy, out_write, in_read, self.workdir, self.cgroup)
-
         try:
-            if zygote is not None:  # forked by the model's zygote (workers.zygote), not by us
-                self.forked = zygote.fork(out_write, in_read, policy, self.workdir, self.cgroup)
-            else:
-                self.forked = ForkedChild(child)
+            self.forked = zygote.fork(out_write, in_read, policy, self.workdir, self.cgroup)
         except BaseException:
             for fd in (out_read, out_write, in_read, in_write):
                 os.close(fd)
@@ -99,27 +128,34 @@ class Spare:
         self.out_fd, self.in_fd = out_read, in_write
         self.fork_ms = round((time.perf_counter() - started) * 1000, 1)
 
-    def fits(self, model: Any, policy: Policy, zygote: Any = None) -> bool:
+    def fits(self, model: Any, policy: Policy, zygote: Any) -> bool:
         return (self.model_id == id(model) and self.policy == policy and self.zygote is zygote
                 and self.forked.status is None)
 
-    def run(self, blob: bytes, compress: bool, env: dict, log: Callable[[str], None]) -> Outcome:
-        """Hand the request to the child and collect what it sends back."""
+    def run(self, blob: bytes, compress: bool, env: dict, log: Callable[[str], None],
+            deadline: float | None = None) -> Outcome:
+        """Hand the request to the child and collect what it sends back, all by
+        ``deadline`` (``time.monotonic()``; default: the policy's timeout from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.policy.timeout_s
         header = json.dumps({"compress": bool(compress), "env": env}).encode()
         try:
-            _write_all(self.in_fd, _HEADER.pack(b"J", len(header)) + header)
-            _write_all(self.in_fd, _HEADER.pack(b"B", len(blob)))
-            _write_all(self.in_fd, blob)
+            os.set_blocking(self.in_fd, False)
+            _write_until(self.forked, self.in_fd, _HEADER.pack(b"J", len(header)) + header, deadline, self.policy)
+            _write_until(self.forked, self.in_fd, _HEADER.pack(b"B", len(blob)), deadline, self.policy)
+            _write_until(self.forked, self.in_fd, blob, deadline, self.policy)
         except BrokenPipeError:
             pass  # the child died before reading (its jail failed): _collect says why
         finally:
             os.close(self.in_fd)
             self.in_fd = -1
-        return _collect(self.forked, self.out_fd, self.policy, log)
+        return _collect(self.forked, self.out_fd, self.policy, log, deadline)
 
     def close(self) -> None:
         self.forked.kill()
-        self.forked.wait()
+        if self.forked.wait(REAP_TIMEOUT_S) is None:  # bounded: this runs on a reaper thread, or at eviction
+            log.warning("isolated process %d did not exit %g s after SIGKILL; not waiting for it",
+                        self.forked.pid, REAP_TIMEOUT_S)
         for fd in (self.in_fd, self.out_fd):
             if fd >= 0:
                 os.close(fd)
@@ -142,7 +178,7 @@ def _take_spare(model: Any, policy: Policy, zygote: Any) -> "Spare | None":
     return spare
 
 
-def prepare(model: Any, policy: Policy, zygote: Any = None) -> None:
+def prepare(model: Any, policy: Policy, zygote: Any) -> None:
     """Make a spare for the next request on ``model`` (replacing any other).
 
     Called by the job's own thread after a job has ended, so no torch work runs
@@ -168,83 +204,72 @@ def discard() -> None:
 
 
 def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log: Callable[[str], None],
-        zygote: Any = None) -> Outcome:
-    """Run one request in a jailed child (the spare if one fits, else a new one),
-    forked by this process or by ``zygote``; return its result bytes or raise
-    RequestError."""
+        zygote: Any) -> Outcome:
+    """Run one request in a jailed child (the spare if one fits, else a new one)
+    forked by ``zygote``; return its result bytes or raise RequestError."""
     started = time.perf_counter()
+    deadline = time.monotonic() + policy.timeout_s  # the job's whole isolated life, fork included
     spare = _take_spare(model, policy, zygote)
     warm = spare is not None
     if spare is None:
         spare = Spare(model, policy, zygote)
     try:
-        outcome = spare.run(blob, compress, env, log)
+        outcome = spare.run(blob, compress, env, log, deadline)
     finally:
-        # Killing, reaping and cleaning up after the child is nobody's wait.
-        threading.Thread(target=spare.close, name="ndif-reap", daemon=True).start()
+        # Killing, reaping and cleaning up after the child is nobody's wait
+        # (except the keyed weight check's: ``wait_reaped``).
+        global _reaping
+        reaper = threading.Thread(target=spare.close, name="ndif-reap", daemon=True)
+        reaper.start()
+        _reaping = (reaper, spare)
     outcome.meta["isolated_ms"] = round((time.perf_counter() - started) * 1000, 1)
     outcome.meta["spare"] = warm
     return outcome
 
 
-class ForkedChild:
-    """A child forked from a fresh thread that stays to reap it.
-
-    GNU OpenMP keeps its thread pool per thread and is not fork-safe: a child
-    forked from a thread that has used the pool (this worker's job thread, after
-    any trusted job) deadlocks at its first parallel region. A child forked
-    from a fresh thread builds a new pool, and computes exactly as the worker
-    does, with as many threads. The thread waits for the child rather than
-    exit at once, because the child's parent-death signal fires when the thread
-    that forked it ends.
-    """
-
-    def __init__(self, child: Callable[[], None]) -> None:
-        self._forked = threading.Event()
-        self.pid = 0
-        self.status: int | None = None
-        self._thread = threading.Thread(target=self._run, args=(child,), name="ndif-fork", daemon=True)
-        self._thread.start()
-        self._forked.wait()
-
-    def _run(self, child: Callable[[], None]) -> None:
-        pid = os.fork()
-        if pid == 0:
-            child()
-        self.pid = pid
-        self._forked.set()
-        _, self.status = os.waitpid(pid, 0)
-
-    def wait(self) -> int:
-        self._thread.join()
-        return self.status if self.status is not None else 0
-
-    def kill(self) -> None:
-        _kill_group(self.pid)
+_reaping: "tuple | None" = None  # (the thread killing and reaping the last job's child, its Spare)
 
 
-def _collect(forked: ForkedChild, fd: int, policy: Policy, log: Callable[[str], None]) -> Outcome:
-    deadline = time.monotonic() + policy.timeout_s
+def wait_reaped(timeout_s: float) -> bool:
+    """Wait until the last job's child is dead and reaped (a GPU child's
+    mapping of the weights dies with it); False if it is not within
+    ``timeout_s`` (or its reaper gave up on it). The weight check after an
+    untrusted job waits for this, so a child that sent its answer cannot
+    write after the check."""
+    if _reaping is None:
+        return True
+    reaper, spare = _reaping
+    reaper.join(timeout_s)
+    return not reaper.is_alive() and spare.forked.status is not None
+
+
+def _collect(forked: Any, fd: int, policy: Policy, log: Callable[[str], None],
+             deadline: float | None = None) -> Outcome:
+    """Read the child's frames until its result or its error, by ``deadline``.
+
+    Each frame's header is checked before its body is buffered (``_check``),
+    so the worker never holds more than one frame within its kind's limit
+    plus one read. A child that closes its pipe without a last word is waited
+    for only until the deadline (``_wait_for``)."""
+    if deadline is None:
+        deadline = time.monotonic() + policy.timeout_s
     buffer = bytearray()
     result, error, meta = None, None, {}
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            forked.kill()
-            raise RequestError(f"Your job exceeded the execution timeout of {policy.timeout_s:g}s.", kind="timeout")
+            raise _timed_out(forked, policy)
         # Short waits, so a cancel (an exception raised in this thread) lands promptly.
-        ready, _, _ = select.select([fd], [], [], min(remaining, 0.1))
+        ready, _, _ = select.select([fd], [], [], min(remaining, _SLICE_S))
         if not ready:
             continue
         chunk = os.read(fd, 1 << 20)
         if not chunk:
             break
         buffer += chunk
-        if policy.max_result_bytes and len(buffer) > policy.max_result_bytes + (1 << 20):
-            forked.kill()
-            raise result_too_big(len(buffer), policy.max_result_bytes)
         while len(buffer) >= _HEADER.size:
             kind, length = _HEADER.unpack_from(buffer)
+            _check(forked, kind, length, policy)
             if len(buffer) < _HEADER.size + length:
                 break
             if kind == b"R":  # the last frame: keep it where it is, no copy
@@ -256,15 +281,112 @@ def _collect(forked: ForkedChild, fd: int, policy: Policy, log: Callable[[str], 
                 log(body.decode("utf-8", "replace"))
             elif kind == b"E":
                 error = body.decode("utf-8", "replace")
+                break
             elif kind == b"M":
-                meta.update(json.loads(body))
+                meta.update(child_meta(body))
         if result is not None or error is not None:
             break  # the child's last word: no need to wait for it to exit
     if error is not None:
         raise RequestError(error)
     if result is None:
-        raise RequestError(_died(forked.wait(), policy))
+        raise RequestError(_died(_wait_for(forked, deadline, policy), policy))
     return Outcome(result, meta)
+
+
+def _check(forked, kind: bytes, length: int, policy: Policy) -> None:
+    """Refuse a frame header the worker's own child code never sends: an
+    unknown kind, or a body over its kind's limit. The child is killed."""
+    if kind == b"R":
+        if policy.max_result_bytes and length > policy.max_result_bytes:
+            forked.kill()
+            raise result_too_big(length, policy.max_result_bytes)
+        return
+    limit = FRAME_LIMITS.get(kind)
+    if limit is None:
+        forked.kill()
+        raise RequestError(f"Your job's isolated process sent a frame of unknown kind {kind!r} on its result pipe, "
+                           f"so it was stopped.")
+    if length > limit:
+        forked.kill()
+        raise RequestError(
+            f"Your job's isolated process announced {bounds.human_bytes(length)} in one {_FRAME_NAMES[kind]} frame, "
+            f"over the {bounds.human_bytes(limit)} such a frame may carry, so it was stopped.")
+
+
+def _timed_out(forked, policy: Policy) -> RequestError:
+    forked.kill()
+    return RequestError(f"Your job exceeded the execution timeout of {policy.timeout_s:g}s.", kind="timeout")
+
+
+def _wait_for(forked, deadline: float, policy: Policy) -> int:
+    """The child's exit status, waited for in short slices until ``deadline``;
+    at the deadline its process group is killed and the job times out. (A
+    child that closed its pipe and sleeps must not hold the worker.)"""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _timed_out(forked, policy)
+        status = forked.wait(min(remaining, _SLICE_S))
+        if status is not None:
+            return status
+
+
+def _write_until(forked, fd: int, data, deadline: float, policy: Policy) -> None:
+    """Write all of ``data`` to the child's (non-blocking) request pipe by
+    ``deadline``: a child that stops reading cannot block the worker."""
+    view = memoryview(data)
+    while view:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise _timed_out(forked, policy)
+        _, writable, _ = select.select([], [fd], [], min(remaining, _SLICE_S))
+        if not writable:
+            continue
+        try:
+            written = os.write(fd, view)
+        except BlockingIOError:
+            continue
+        view = view[written:]
+
+
+# What a child's meta frame may carry into the job's meta (and from there the
+# status, the ledger and metrics): its jail layers and its own timings. Any
+# other key (``worker``, ``job_id``, ``result_bytes``...) is the worker's to
+# set, and is dropped.
+_LAYER_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+_MAX_LAYERS = 32
+_CHILD_TIMINGS = ("deserialize_ms", "run_ms", "encode_ms")
+#: Every key an Outcome's meta may hold (the child's, then isolate.run's own).
+OUTCOME_META = ("jail", "child", "isolated_ms", "spare")
+
+
+def child_meta(body: bytes) -> dict:
+    """The expected keys of a child's meta frame, with sane values; the rest dropped."""
+    try:
+        raw = json.loads(body)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    meta = {}
+    layers = raw.get("jail")
+    if isinstance(layers, dict):
+        meta["jail"] = {name: value for name, value in list(layers.items())[:_MAX_LAYERS]
+                        if isinstance(name, str) and _LAYER_NAME.fullmatch(name) and _scalar(value)}
+    timings = raw.get("child")
+    if isinstance(timings, dict):
+        meta["child"] = {name: round(float(timings[name]), 1) for name in _CHILD_TIMINGS
+                         if _number(timings.get(name)) and 0 <= timings[name] < 1e9}
+    return meta
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _scalar(value) -> bool:
+    return value is None or isinstance(value, bool) or (_number(value) and abs(value) < 1e15) or (
+        isinstance(value, str) and len(value) <= 200)
 
 
 def _died(status: int, policy: Policy) -> str:
@@ -280,7 +402,9 @@ def _died(status: int, policy: Policy) -> str:
 
 
 def _kill_group(pid: int) -> None:
-    """SIGKILL the child's process group (its ``ForkedChild`` thread reaps it)."""
+    """SIGKILL the child's process group (its zygote reaps it)."""
+    if pid <= 0:  # no child yet: killpg(0) would be the worker's own group
+        return
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -291,6 +415,9 @@ def _kill_group(pid: int) -> None:
 
 
 def _send(fd: int, kind: bytes, body) -> None:
+    if kind in (b"L", b"E"):  # the worker kills a child whose frame is over its kind's limit
+        # Bounded as the worker will bound it (as JSON), so it is cut once, with one note.
+        body = bounds.truncate(bytes(body).decode("utf-8", "replace"), FRAME_LIMITS[kind]).encode("utf-8")
     body = memoryview(body)
     if body.nbytes < 65536:
         _write_all(fd, _HEADER.pack(kind, body.nbytes) + body.tobytes())
@@ -336,20 +463,26 @@ def _child(model, policy, fd, request_fd, workdir, cgroup, before_jail=None) -> 
     try:
         os.setsid()  # its own process group: killed as one, and it cannot signal ours
         jail.die_with_parent()
-        jail.join_cgroup(cgroup, policy.max_processes)
+        # Which layers this child gets, and why any is missing: checked against
+        # NDIF_JAIL_REQUIRE once all are set up (_run_jailed).
+        layers = jail.Layers(policy.jail_disabled)
+        layers.attempt("pids_cgroup", lambda: jail.join_cgroup(cgroup, policy.max_processes))
         jail.close_inherited_fds(keep=(fd, request_fd))
         try:
             if before_jail is not None:
                 before_jail()
+            # The host's UNIX sockets, read while this is still the host's network namespace.
+            sockets = layers.attempt("unix_sockets", jail.listening_unix_paths)
             jail.enter_namespaces(pid=before_jail is None)
+            layers.got["namespaces"] = True
         except (jail.JailError, OSError) as error:
             _send(fd, b"E", _refuse(error).encode())
             os._exit(0)
         if before_jail is not None:
-            _run_jailed(model, policy, fd, request_fd, workdir, gpu=True)
+            _run_jailed(model, policy, fd, request_fd, workdir, layers, sockets, gpu=True)
         inner = os.fork()  # PID 1 of the new PID namespace runs the code
         if inner == 0:
-            _run_jailed(model, policy, fd, request_fd, workdir)
+            _run_jailed(model, policy, fd, request_fd, workdir, layers, sockets)
         os.close(fd)
         os.close(request_fd)
         _, status = os.waitpid(inner, 0)
@@ -369,8 +502,21 @@ def _refuse(error: BaseException) -> str:
     )
 
 
-def _run_jailed(model, policy, fd, request_fd, workdir, gpu: bool = False) -> None:
+def _refuse_missing(layers: "jail.Layers", missing: list) -> str:
+    """The ERROR of a job refused because its jail lacks a required layer."""
+    return (
+        "This worker cannot isolate untrusted code as its operator requires, so it did not run your job: "
+        f"missing jail layer(s): {layers.describe(missing)}. Ask the operator (the host lacks a layer that "
+        "NDIF_JAIL_REQUIRE requires; `ndif-celery doctor` lists them; see docs/security.md)."
+    )
+
+
+def _run_jailed(model, policy, fd, request_fd, workdir, layers: "jail.Layers", sockets,
+                gpu: bool = False) -> None:
     """Lock in, take the one request, run it, send the result, exit.
+
+    Every jail layer is set up (``jail.lock_down``); if one the operator
+    requires is missing, the child refuses before it reads the request.
 
     ``gpu``: this is the zygote's CUDA child itself (no inner fork, so it
     already leads its session), and RLIMIT_AS stays unset (the CUDA driver
@@ -382,15 +528,15 @@ def _run_jailed(model, policy, fd, request_fd, workdir, gpu: bool = False) -> No
         jail.die_with_parent()
         if not gpu:
             os.setsid()
-        jail.private_mounts(workdir, policy.disk_bytes, policy.as_nobody)
-        jail.set_limits(
-            jail.Limits(memory_bytes=0 if gpu else policy.memory_bytes, cpu_seconds=int(policy.timeout_s) + 1,
-                        file_bytes=policy.disk_bytes, processes=policy.max_processes)
-        )
         jail.scrub_secrets(list(policy.secrets))
-        layers = {"pids_cgroup": jail.in_pids_cgroup(), "landlock_abi": jail.landlock(workdir, policy.readable)}
-        layers["user"] = jail.drop_privileges(to_nobody=policy.as_nobody)
-        jail.no_new_privs()
+        limits = jail.Limits(memory_bytes=0 if gpu else policy.memory_bytes, cpu_seconds=int(policy.timeout_s) + 1,
+                             file_bytes=policy.disk_bytes, processes=policy.max_processes)
+        layers.user = jail.lock_down(layers, workdir, policy.readable, limits, policy.disk_bytes, policy.as_nobody,
+                                     sockets, hidden=policy.hidden, pid_namespace=not gpu)
+        missing = layers.missing(policy.jail_waived)
+        if missing:
+            _send(fd, b"E", _refuse_missing(layers, missing).encode())
+            os._exit(0)
         os.chdir(workdir)
         os.environ.update(HOME=workdir, TMPDIR=workdir)
         tempfile.tempdir = workdir
@@ -414,7 +560,7 @@ def _run_jailed(model, policy, fd, request_fd, workdir, gpu: bool = False) -> No
             raise result_too_big(len(data), policy.max_result_bytes)
         child_ms = {name: round((b - a) * 1000, 1)
                     for name, a, b in zip(("deserialize_ms", "run_ms", "encode_ms"), marks, marks[1:])}
-        _send(fd, b"M", json.dumps({"jail": layers, "child": child_ms}).encode())
+        _send(fd, b"M", json.dumps({"jail": layers.meta(policy.jail_waived), "child": child_ms}).encode())
         _send(fd, b"R", data)
     except BaseException as error:  # noqa: BLE001 - user code may raise anything, SystemExit included
         message = str(error) if isinstance(error, RequestError) else execute.format_user_error(error)
@@ -427,7 +573,8 @@ def _run_jailed(model, policy, fd, request_fd, workdir, gpu: bool = False) -> No
 
 def _warm_up(model) -> None:
     """Pay, before the request arrives, what its first forward pass would:
-    this process's own OpenMP thread pool (a fresh one: see ForkedChild), and
+    this process's own OpenMP thread pool (a fresh one: no thread of its
+    zygote ever computed), and
     the copy-on-write faults and lazy setup of one tiny forward pass through
     the model (a one-token input; best effort: a model that takes something
     else simply starts cold). No user data is involved."""

@@ -8,6 +8,7 @@ reachable) and stays resident for every later job until it is evicted.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import secrets
 import time
@@ -16,14 +17,19 @@ from typing import Any, Optional
 from . import integrity
 from .execute import RequestError, no_grad_weights
 
+log = logging.getLogger(__name__)
+
 
 class ResidentModels:
-    def __init__(self) -> None:
+    def __init__(self, verify_untrusted: bool = False) -> None:
+        # NDIF_VERIFY_UNTRUSTED: the keyed check after every untrusted job on
+        # every model, not only on GPU models (whose weights a child can write).
+        self.verify_untrusted = verify_untrusted
         self.models: dict[str, Any] = {}
         self.fingerprints: dict[str, dict] = {}
         self.zygotes: dict[str, Any] = {}  # model key -> its workers.zygote.Zygote (NDIF_ISOLATION=zygote)
         self.shared: dict[str, Any] = {}  # model key -> its shared_weights.Shared
-        self.keyed: dict[str, tuple] = {}  # model key -> (key, keyed fingerprint): GPU weights a child could write
+        self.keyed: dict[str, tuple] = {}  # model key -> (KeyedHash, its fingerprint at load): checked after untrusted jobs
         self.dtypes: dict[str, Optional[str]] = {}
         self.sizes: dict[str, int] = {}  # as placed, for re-registering
 
@@ -38,6 +44,12 @@ class ResidentModels:
 
         from ndif_celery.wire import repo_fields
 
+        from ndif_celery import config, model_policy
+
+        try:  # again here, whoever sent the load: never a key the policy refuses
+            canonical = model_policy.Policy.from_settings(config.load()).loadable(model_key)
+        except model_policy.PolicyError as error:
+            raise RequestError(f"Could not load model: {error.detail}", kind="deploy") from None
         started = time.monotonic()
         kwargs = {"dispatch": True}
         if dtype:
@@ -47,7 +59,7 @@ class ResidentModels:
             # over them when there are several, loaded straight there.
             kwargs["device_map"] = "auto"
         try:
-            model = Remotable.from_model_key(model_key, **kwargs)
+            model = Remotable.from_model_key(canonical, **kwargs)
         except Exception as error:  # noqa: BLE001 - any load failure is reported to the jobs
             raise RequestError(
                 f"Could not load model {repo_fields(model_key)['repo_id']!r} ({model_key}): "
@@ -56,12 +68,17 @@ class ResidentModels:
         no_grad_weights(model._module)
         self.models[model_key] = model
         self.fingerprints[model_key] = integrity.fingerprint(model._module)
+        if self.verify_untrusted or _on_gpu(model._module):
+            # A fresh key per load, drawn here and never handed to any child.
+            keyed = integrity.KeyedHash(secrets.token_bytes(32))
+            self.keyed[model_key] = (keyed, keyed.fingerprint(model._module))
         self.dtypes[model_key] = dtype
         return round(time.monotonic() - started, 3)
 
-    def zygote(self, model_key: str) -> Optional[Any]:
+    def zygote(self, model_key: str, fork_server: Any = None) -> Optional[Any]:
         """The model's zygote (``workers.zygote``), started on first use: its
-        weights move into shared memory once, then a clean process maps them."""
+        weights move into shared memory once, then a clean process maps them
+        (exec'd, or forked from ``fork_server``: ``workers.forkserver``)."""
         from . import shared_weights
         from .zygote import Zygote
 
@@ -77,10 +94,9 @@ class ResidentModels:
         if shared is None:
             shared = self.shared[model_key] = shared_weights.share(model._module)
             self.fingerprints[model_key] = integrity.fingerprint(model._module)  # same values, new storage
-            if shared.cuda:
-                key = secrets.randbits(62)
-                self.keyed[model_key] = (key, integrity.keyed_fingerprint(model._module, key))
-        zygote = self.zygotes[model_key] = Zygote(model, shared, model_key, self.dtypes.get(model_key))
+            # (the keyed fingerprint, taken at load, depends on the values only)
+        zygote = self.zygotes[model_key] = Zygote(model, shared, model_key, self.dtypes.get(model_key),
+                                                  fork_server=fork_server)
         return zygote
 
     def drop_zygote(self, model_key: str) -> None:
@@ -88,27 +104,45 @@ class ResidentModels:
         if zygote is not None:
             zygote.close()
 
-    def restore_if_changed(self, model_key: str, keyed: bool = False) -> list[str]:
-        """Reload the model if a job changed its weights; return what had changed.
-
-        ``keyed`` (after an untrusted job that could write the GPU weights
-        through CUDA IPC) compares the keyed fingerprint, which an adversary
-        who cannot read the key cannot preserve while changing a value."""
+    def restore_if_changed(self, model_key: str) -> list[str]:
+        """After a trusted job: reload the model if its plain fingerprint changed; return what had changed."""
         model = self.models.get(model_key)
         if model is None:
             return []
-        if keyed:
-            if model_key not in self.keyed:
-                return []
-            key, expected = self.keyed[model_key]
-            changed = integrity.changed(model._module, expected, key=key)
-        else:
-            changed = integrity.changed(model._module, self.fingerprints[model_key])
+        changed = integrity.changed(model._module, self.fingerprints[model_key])
         if changed:
-            dtype = self.dtypes.get(model_key)
-            self.evict(model_key)
-            self.load(model_key, dtype)
+            self._reload(model_key)
         return changed
+
+    def checks_untrusted(self, model_key: str) -> bool:
+        """Whether untrusted jobs on this model are followed by the keyed check: its weights are on a GPU
+        (a zygote's child maps them writable), or the operator asked for it (NDIF_VERIFY_UNTRUSTED)."""
+        return model_key in self.keyed
+
+    def check_after_untrusted(self, model_key: str) -> list[str]:
+        """After an untrusted job, however it ended, once its child is dead: compare the keyed
+        fingerprint, reload the model on any change; return what had changed.
+
+        Fails closed: if the check itself fails, the model is evicted (the
+        next job loads it afresh) rather than served unverified."""
+        model = self.models.get(model_key)
+        if model is None or model_key not in self.keyed:
+            return []
+        keyed, expected = self.keyed[model_key]
+        try:
+            changed = integrity.changed(model._module, expected, key=keyed)
+        except Exception as error:  # noqa: BLE001 - an unverifiable model is not served
+            log.exception("the keyed weight check of %s failed; evicting the model", model_key)
+            self.evict(model_key)
+            return [f"(the check failed: {type(error).__name__})"]
+        if changed:
+            self._reload(model_key)
+        return changed
+
+    def _reload(self, model_key: str) -> None:
+        dtype = self.dtypes.get(model_key)
+        self.evict(model_key)
+        self.load(model_key, dtype)
 
     def evict(self, model_key: str) -> bool:
         self.drop_zygote(model_key)
@@ -127,6 +161,10 @@ class ResidentModels:
 
     def keys(self) -> list[str]:
         return list(self.models)
+
+
+def _on_gpu(module: Any) -> bool:
+    return any(t.device.type == "cuda" for _, t in integrity.named_tensors(module))
 
 
 def _gpus_visible() -> bool:

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Optional
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_ready, worker_shutdown
 from celery.worker.control import control_command
 
 from ndif_celery import cleanup, config, jobs, queues, registry, wire
@@ -64,7 +64,7 @@ class WorkerState:
         self.name = name
         self.redis = jobs.connect(settings.redis_url, settings.redis_outage_s)
         self.store = open_store(settings)
-        self.models = ResidentModels()
+        self.models = ResidentModels(verify_untrusted=settings.verify_untrusted)
         self.info: dict = {"name": name, "host": socket.gethostname(), "pid": os.getpid()}
         self.current_job: Optional[str] = None
         self.job_thread: Optional[int] = None
@@ -145,7 +145,8 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         send_job(app, job)
         registry.wake_controller(worker.redis, "requeued")
         return
-    channel = jobs.StatusChannel(worker.redis, job, settings.job_ttl_s)
+    channel = jobs.StatusChannel(worker.redis, job, settings.job_ttl_s, settings.log_lines_per_s,
+                                 settings.log_bytes_per_job)
     started = time.time()
     meta = {"job_id": job.id, "worker": worker.name, "queue_ms": round((started - job.received_at) * 1000, 1)}
     outcome = wire.ERROR  # until the result is delivered
@@ -204,16 +205,40 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
             restored = worker.models.restore_if_changed(job.model_key)
             if restored:
                 log.warning("job %s changed %d weight tensors; model reloaded", job.id, len(restored))
-        elif meta.get("isolation") == "zygote":
-            # A GPU child maps the weights writable (CUDA IPC has no read-only
-            # mapping): check them with the key it never saw (CPU: no-op).
-            restored = worker.models.restore_if_changed(job.model_key, keyed=True)
-            if restored:
-                log.warning("untrusted job %s changed %d GPU weight tensors; model reloaded", job.id, len(restored))
+        else:
+            _check_after_untrusted(worker, job)
         _job_metrics(outcome, time.time() - started)
         worker.redis.delete(jobs.payload_key(job.id))
     if not job.trusted and meta.get("isolated"):
         _prepare_spare(worker, job.model_key)
+
+
+def _check_after_untrusted(worker: "WorkerState", job: jobs.Job) -> None:
+    """After every untrusted job, however it ended (success, user error,
+    timeout, cancel, a crashed child, a server fault), before the next job:
+    the keyed weight check, where a child could have written the weights (a
+    GPU model: CUDA IPC has no read-only mapping) or the operator asked for it
+    (NDIF_VERIFY_UNTRUSTED). A child not dead in time, or a check that fails,
+    evicts the model: it is not served unverified."""
+    from . import isolate
+
+    if not worker.models.checks_untrusted(job.model_key):
+        return
+    started = time.perf_counter()
+    if not isolate.wait_reaped(_REAP_WAIT_S):
+        log.error("untrusted job %s: its child was not reaped within %g s; evicting %s unverified",
+                  job.id, _REAP_WAIT_S, job.model_key)
+        worker.models.evict(job.model_key)
+        return
+    restored = worker.models.check_after_untrusted(job.model_key)
+    if restored:
+        log.warning("untrusted job %s changed %d weight tensors (%s); model reloaded", job.id, len(restored),
+                    ", ".join(restored[:5]))
+    else:
+        log.info("untrusted job %s: keyed weight check intact (%.0f ms)", job.id, _ms_since(started))
+
+
+_REAP_WAIT_S = 30.0  # a killed child is gone in milliseconds; one that is not is stuck in the kernel
 
 
 def _job_metrics(outcome: str, seconds: float) -> None:
@@ -244,33 +269,34 @@ def _run_in_process(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChann
 def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel, meta: dict,
                   worker: "WorkerState") -> bytes:
     """Untrusted: a fresh jailed child per request (``workers.isolate``), forked
-    by this worker or, with NDIF_ISOLATION=zygote, by the model's zygote."""
-    from . import execute, isolate
-    from .resident import cuda_initialized
+    by the model's zygote (exec'd, or forked from the fork server), never by
+    this worker: it holds secrets and what earlier jobs left in its memory."""
+    from . import isolate
 
     meta["isolated"] = True
     zygote = _zygote(worker, job.model_key)
-    if zygote is None and cuda_initialized():
-        # A CUDA process cannot fork a usable child; never run the code unconfined instead.
-        raise execute.RequestError(
-            "This GPU worker does not run untrusted code: its operator has not enabled the GPU isolation "
-            "path (NDIF_ISOLATION=zygote; see docs/security.md). Ask the operator for a trusted key."
-        )
     outcome = isolate.run(model, blob, job.compress, job.env, _isolation_policy(zygote), channel.log, zygote=zygote)
-    meta.update(outcome.meta)
-    meta["isolation"] = "zygote" if zygote is not None else "fork"
+    # Only what isolate vouches for (the child's jail layers and timings, checked
+    # by isolate.child_meta; its own isolated_ms and spare): never a key of ours.
+    meta.update({key: value for key, value in outcome.meta.items() if key in isolate.OUTCOME_META and key not in meta})
+    meta["isolation"] = zygote.mode
     return outcome.data
 
 
 def _zygote(worker: "WorkerState", model_key: str):
-    """The model's zygote when NDIF_ISOLATION=zygote (started on first use), else None."""
-    from . import execute
+    """The model's zygote (started on first use): exec'd (NDIF_ISOLATION=zygote)
+    or forked from the fork server (=fork). None can be had: the job is refused."""
+    from . import execute, forkserver
     from .zygote import ZygoteError
 
-    if settings.isolation != "zygote":
-        return None
     try:
-        zygote = worker.models.zygote(model_key)
+        server = None
+        if settings.isolation == "fork":
+            server = forkserver.current()
+            if server is None:
+                raise forkserver.ForkServerError("this worker has no fork server (it starts with the Celery worker, "
+                                                 "when untrusted jobs can come)")
+        zygote = worker.models.zygote(model_key, fork_server=server)
         zygote.wait_ready()
     except ZygoteError as error:
         worker.models.drop_zygote(model_key)  # the next job tries a fresh one
@@ -293,6 +319,11 @@ def _isolation_policy(zygote=None):
         max_result_bytes=settings.max_result_bytes,
         readable=readable,
         as_nobody=_JAIL_AS_NOBODY,
+        jail_waived=settings.jail_waived,
+        jail_disabled=settings.jail_disabled,
+        cgroup_root=settings.jail_cgroup_root,
+        # Hidden from the child's view (its UNIX sockets included), on top of Landlock.
+        hidden=(str(settings.home), str(settings.results_dir)),
     )
 
 
@@ -308,14 +339,13 @@ def _prepare_spare(worker: WorkerState, model_key: str) -> None:
     """After an untrusted job: fork and jail the next one's child now, while
     idle (``isolate.Spare``). Best effort: a failure here only costs speed."""
     from . import isolate
-    from .resident import cuda_initialized
 
     model = worker.models.get(model_key)
     if model is None:
         return
     try:
-        zygote = worker.models.zygotes.get(model_key) if settings.isolation == "zygote" else None
-        if zygote is None and cuda_initialized():
+        zygote = worker.models.zygotes.get(model_key)
+        if zygote is None:
             return
         isolate.prepare(model, _isolation_policy(zygote), zygote=zygote)
     except Exception:  # noqa: BLE001
@@ -419,9 +449,11 @@ def load_model(self, model_key: str, dtype: Optional[str] = None, size_bytes: in
         worker.redis, worker.name, model_key, registry.RUNNING,
         size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,
     )
-    if settings.isolation == "zygote" and (settings.auth or not settings.default_trusted):
-        try:  # started now, ready by the first untrusted job (it takes seconds of imports)
-            worker.models.zygote(model_key)
+    if _untrusted_jobs_possible():
+        try:  # started now, ready by the first untrusted job (an exec'd one takes seconds of imports)
+            from . import forkserver
+
+            worker.models.zygote(model_key, fork_server=forkserver.current() if settings.isolation == "fork" else None)
         except Exception:  # noqa: BLE001 - the first untrusted job retries and reports
             log.exception("could not start the isolation zygote for %s", repo)
     worker.heartbeat()
@@ -468,6 +500,28 @@ def ndif_kill(panel, job_id: str) -> dict:
 # --- worker lifecycle -----------------------------------------------------------
 
 
+def _untrusted_jobs_possible() -> bool:
+    """Auth on (keys not tagged trusted), or every request untrusted."""
+    return settings.auth or not settings.default_trusted
+
+
+@worker_init.connect
+def _on_init(**_) -> None:
+    """NDIF_ISOLATION=fork: fork the fork server now, from the main thread,
+    while this process is still clean: no Redis, store or database client
+    opened, no job run, no CUDA (``workers.forkserver``). Its zygotes fork the
+    isolated children. Without it, untrusted jobs are refused."""
+    if settings.isolation != "fork" or not _untrusted_jobs_possible():
+        return
+    from . import forkserver
+    from .zygote import ENV_KEEP
+
+    try:
+        forkserver.start(settings.secrets(), ENV_KEEP)
+    except Exception:  # noqa: BLE001 - untrusted jobs will say so; trusted ones still run
+        log.exception("could not start the fork server; untrusted jobs will be refused")
+
+
 @worker_ready.connect
 def _on_ready(sender, **_) -> None:
     """Import the heavy stack, register, start the heartbeat and the controller."""
@@ -489,7 +543,7 @@ def _on_ready(sender, **_) -> None:
     worker.info.update(
         gpus=[g for g in settings.worker_gpus.split(",") if g.strip()],
         memory_bytes=memory.budget_bytes(settings),
-        cached=memory.cached_repos(),
+        cached=memory.cached_repos(settings),
         started_at=time.time(),
     )
     from . import metrics
@@ -517,7 +571,7 @@ def _heartbeat(worker: WorkerState) -> None:
 
 @worker_shutdown.connect
 def _on_shutdown(**_) -> None:
-    from . import isolate
+    from . import forkserver, isolate
 
     isolate.discard()
     if _state is not None:
@@ -526,6 +580,7 @@ def _on_shutdown(**_) -> None:
         if _state.controller is not None:
             _state.controller.stop()
         registry.unregister_worker(_state.redis, _state.name)
+    forkserver.stop()
 
 
 def _env_json() -> str:
