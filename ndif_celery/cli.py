@@ -178,7 +178,7 @@ def _farm_status(settings: config.Settings) -> Optional[dict]:
     from . import jobs, registry
 
     try:
-        return registry.status_document(jobs.connect(settings.redis_url))
+        return registry.status_document(jobs.connect(settings.redis_url), operator=True)
     except (redis_py.RedisError, OSError):
         return None
 
@@ -209,9 +209,13 @@ def deploy(model: str, pin: bool, replicas: int, dtype: Optional[str], task: str
     """Deploy MODEL (a repo id or a full model key) and keep it deployed."""
     from . import farm
 
-    _, client, _ = _farm()
+    from . import model_policy
+
+    settings, client, _ = _farm()
     try:
         key = farm.model_key_for(model, task=task)
+        # The operator may deploy any hub id, but not outside NDIF_MODELS, nor remote code outside NDIF_TRUST_REMOTE_CODE.
+        model_policy.Policy.from_settings(settings).check_model(model_policy.parse(key))
         farm.deploy(client, key, pin, replicas, dtype)
         if wait:
             running = farm.wait_running(client, key, replicas, timeout)

@@ -14,7 +14,7 @@ from typing import Optional
 
 import redis
 
-from . import jobs, queues, registry, wire
+from . import jobs, model_policy, queues, registry, wire
 from .celery_app import EVICT_MODEL, worker_queue
 
 DEFAULT_CLASS = "nnsight.modeling.transformers.TransformersModel"
@@ -25,12 +25,11 @@ class FarmError(Exception):
 
 
 def model_key_for(model: str, task: str = "text-generation", revision: Optional[str] = None) -> str:
-    """A full model key from a repo id, exactly as the nnsight client builds it."""
-    if ":" in model:
-        wire.check_model_key(model)
-        return model
-    suffix = json.dumps({"repo_id": model, "revision": revision, "task": task})
-    return f"{DEFAULT_CLASS}:{suffix}"
+    """A full model key from a repo id (or a key), exactly as the nnsight client
+    builds it: canonical and checked by ``model_policy.parse``, as the web's are."""
+    if ":" not in model:
+        model = f"{DEFAULT_CLASS}:{json.dumps({'repo_id': model, 'revision': revision, 'task': task})}"
+    return model_policy.parse(model).key
 
 
 def deploy(client: redis.Redis, model_key: str, pinned: bool, replicas: int, dtype: Optional[str]) -> None:

@@ -56,6 +56,10 @@ class Stack:
             # The worker's /metrics (a worker added later takes the next free port).
             NDIF_WORKER_METRICS_PORT=str(metrics),
         )
+        # The suites' stacks serve every (test) repo to every key, so an untrusted
+        # request may deploy the tiny model on first use, as before the model policy;
+        # tests/test_model_policy.py runs the product default (NDIF_MODELS empty) explicitly.
+        base.setdefault("NDIF_MODELS", "*")
         base.update({k: str(v) for k, v in env.items()})
         self.env = base
         self.api_port = int(self.env["NDIF_API_PORT"])
@@ -183,6 +187,15 @@ class Stack:
         import httpx
 
         return httpx.get(f"{self.url}/status", timeout=10).json()
+
+    def operator_farm(self) -> dict:
+        """The status document as operators see it (``ndif-celery status``, the
+        dashboard): with each worker's ``current_job``, which ``/status`` omits."""
+        import redis
+
+        from ndif_celery import registry
+
+        return registry.status_document(redis.Redis.from_url(self.redis_url), operator=True)
 
     def __enter__(self) -> "Stack":
         if not self.started:

@@ -147,7 +147,7 @@ def _web(tmp_path, **env):
 
 
 def _submit(client, headers):
-    key = 'nnsight.modeling.transformers.TransformersModel:{"repo_id": "x/y", "revision": null}'
+    key = 'nnsight.modeling.transformers.TransformersModel:{"repo_id": "x/y", "revision": null, "task": "text-generation"}'
     envelope = json.dumps({"model_key": key, "session_id": "", "compress": False, "env": {}})
     return client.post("/request", data={"data": envelope, "blob": (io.BytesIO(b"x"), "request")},
                        headers=headers)

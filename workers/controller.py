@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from ndif_celery import config, jobs, ledger, queues, registry, wire
+from ndif_celery import config, jobs, ledger, model_policy, queues, registry, wire
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, send_job, worker_queue
 
 from . import placement, sizing
@@ -98,6 +98,8 @@ class Controller(threading.Thread):
             wish = wishes.get(model_key, {})
             holders = farm.holders(model_key)
             if not holders:
+                if self.refused(model_key, entries, wishes, queue):
+                    continue
                 self.place(farm, model_key, wish, fail_queue=queue)
             elif self.needs_replica(model_key, holders, now - min(e.job.received_at for e in entries), now):
                 if self.place(farm, model_key, wish, evict=False):
@@ -139,6 +141,23 @@ class Controller(threading.Thread):
         send_job(self.app, job)
         channel.send(wire.QUEUED, f"The worker running your job ({worker}) was lost; running it again elsewhere.")
 
+    def refused(self, model_key: str, entries: list, wishes: dict, queue: str) -> bool:
+        """The model policy again before a first deploy (``ndif_celery.model_policy``),
+        for jobs that reached the broker without the web: a key it refuses, or an
+        untrusted-only queue for a model neither deployed by the operator nor
+        listed in NDIF_MODELS, fails its jobs and loads nothing."""
+        policy = model_policy.Policy.from_settings(self.settings)
+        try:
+            policy.loadable(model_key)
+            key = model_policy.parse(model_key)
+            if model_key not in wishes and not any(e.job.trusted for e in entries) and not policy.untrusted_may_deploy(key):
+                raise model_policy.PolicyError(
+                    f"Model {key.repo_id!r} is not deployed on this farm, and untrusted keys cannot deploy new models.")
+        except model_policy.PolicyError as error:
+            self.cannot(queue, f"Could not deploy: {error.detail}")
+            return True
+        return False
+
     def needs_replica(self, model_key: str, holders: list[dict], head_wait: float, now: float) -> bool:
         return (
             head_wait > self.settings.replica_wait_s
@@ -164,6 +183,10 @@ class Controller(threading.Thread):
         """Send a load to the best worker; on no room, fail ``fail_queue``'s jobs."""
         dtype = wish.get("dtype")
         repo = wire.repo_fields(model_key)["repo_id"]
+        try:
+            model_policy.Policy.from_settings(self.settings).loadable(model_key)  # before sizing reads any config
+        except model_policy.PolicyError as error:
+            return self.cannot(fail_queue, f"Could not deploy: {error.detail}")
         try:
             weights = sizing.weight_bytes(model_key, dtype, self.redis)
             size = sizing.padded(weights, self.settings.padding_factor, self.settings.padding_bytes)

@@ -50,11 +50,25 @@ def host_memory_bytes() -> int:
     return 0
 
 
-def cached_repos() -> list[str]:
-    """Model repos in this host's Hugging Face cache: COLD in ``/status``."""
+def cached_repos(settings: config.Settings | None = None) -> list[str]:
+    """Models in this host's Hugging Face cache that a user could run: COLD in ``/status``.
+
+    Only real models (a snapshot whose ``config.json`` names a model type: a
+    PEFT adapter or a dataset is not one), and with ``NDIF_MODELS`` set only
+    those it allows, so ``/status`` never offers what the farm would refuse."""
+    from ndif_celery import model_policy
+
+    policy = model_policy.Policy.from_settings(settings) if settings is not None else model_policy.Policy()
     try:
         from huggingface_hub import scan_cache_dir
 
-        return sorted(repo.repo_id for repo in scan_cache_dir().repos if repo.repo_type == "model")
+        repos = scan_cache_dir().repos
     except Exception:  # noqa: BLE001 - no cache yet is not an error
         return []
+    runnable = set()
+    for repo in repos:
+        if repo.repo_type != "model" or (policy.models and not model_policy.matches(repo.repo_id, policy.models)):
+            continue
+        if any(model_policy.is_model_snapshot(revision.snapshot_path) for revision in repo.revisions):
+            runnable.add(repo.repo_id)
+    return sorted(runnable)

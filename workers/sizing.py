@@ -70,9 +70,8 @@ def _snapshot_dir(repo_id: str, revision: Optional[str]) -> Optional[Path]:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached (or not a hub repo): size it another way
-        local = Path(repo_id)
-        return local if local.is_dir() else None
+    except Exception:  # noqa: BLE001 - not cached: size it another way (never as a local path: model_policy)
+        return None
 
 
 def _safetensors_header(path: Path) -> dict:
