@@ -13,7 +13,6 @@ weights privately there, so a child's writes never reach the worker.
 
 from __future__ import annotations
 
-import io
 import os
 import secrets
 import threading
@@ -270,6 +269,16 @@ def worker_log(stack) -> str:
     return "".join(path.read_text(errors="replace") for path in stack.logs_dir.glob("worker*.log"))
 
 
+def checks_logged(stack, count: int) -> str:
+    """The worker's log once it shows ``count`` keyed checks (it checks after sending the answer)."""
+    deadline = time.monotonic() + 30
+    while worker_log(stack).count("keyed weight check") < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+    log = worker_log(stack)
+    assert log.count("keyed weight check intact") == count, stack.logs()
+    return log
+
+
 def test_the_worker_checks_the_weights_after_a_failing_untrusted_job(verifying_stack, model):
     """A block that edits weights in place and then raises: the job ends in a
     clear ERROR, the worker runs the keyed check after it all the same, and
@@ -281,11 +290,7 @@ def test_the_worker_checks_the_weights_after_a_failing_untrusted_job(verifying_s
             flip_every_other_sign(model.transformer.h[0].mlp.c_fc.weight)
             model.transformer.ln_f.weight[:] = 0
             raise ValueError("after editing the weights")
-    deadline = time.monotonic() + 30
-    while "keyed weight check" not in worker_log(verifying_stack) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    log = worker_log(verifying_stack)
-    assert "keyed weight check intact" in log, verifying_stack.logs()
+    log = checks_logged(verifying_stack, 1)
     assert "model reloaded" not in log
     with model.trace(PROMPT, remote=True) as tracer:
         remote = model.transformer.h[3].output.save()
@@ -293,4 +298,4 @@ def test_the_worker_checks_the_weights_after_a_failing_untrusted_job(verifying_s
         local = model.transformer.h[3].output.save()
     assert torch.equal(remote, local)
     assert tracer.backend.meta["isolation"] == "zygote"
-    assert worker_log(verifying_stack).count("keyed weight check intact") >= 2
+    checks_logged(verifying_stack, 2)  # after the successful job too (logged once its answer is sent)
