@@ -408,6 +408,43 @@ def check_secret_key(settings: config.Settings, key_set: bool) -> Check:
     return Check("secret key", OK, f"single host: generated in {settings.home / 'secret_key'} on first start")
 
 
+def check_jail(settings: config.Settings) -> list[Check]:
+    """Each jail layer: whether this host has it, found by setting them all up
+    in a throwaway child with the code a job's child uses (``jail.probe``), and
+    whether it is required (``NDIF_JAIL_REQUIRE``). A required layer that is
+    missing FAILs where untrusted jobs can come: every one would be refused."""
+    from workers import jail
+    from ndif_celery.jail_layers import LAYERS
+
+    report = jail.probe(readable=jail.readable_paths((str(hf_cache()),)), cgroup_root=settings.jail_cgroup_root,
+                        disabled=settings.jail_disabled)
+    if "error" in report:
+        return [Check("jail", FAIL, f"could not probe the jail layers: {report['error']}",
+                      "run doctor as the user the worker runs as, on Linux")]
+    untrusted = settings.auth or not settings.default_trusted
+    missing = [n for n in LAYERS if not report[n]["ok"]]
+    required_missing = [n for n in missing if n not in settings.jail_waived]
+    required = f"all but {', '.join(settings.jail_waived)}" if settings.jail_waived else "all"
+    summary = (f"{len(LAYERS) - len(missing)} of {len(LAYERS)} layers on this host (Landlock ABI "
+               f"{report['landlock_abi']}, child runs as {report['user'] or '?'}); required: {required}")
+    if required_missing:
+        status = FAIL if untrusted else WARN
+        checks = [Check("jail", status, f"{summary}; missing and required: {', '.join(required_missing)}: "
+                        "untrusted jobs are refused",
+                        "give the host the layer (see the table in docs/security.md), or accept a weaker jail: "
+                        f"NDIF_JAIL_REQUIRE=all,-{',-'.join(required_missing)}")]
+    else:
+        checks = [Check("jail", OK, summary)]
+    for name in LAYERS:
+        if report[name]["ok"]:
+            checks.append(Check(name, OK, f"stops {LAYERS[name]}"))
+        elif name in settings.jail_waived:
+            checks.append(Check(name, WARN, f"missing, waived by NDIF_JAIL_REQUIRE: {report[name]['why']}"))
+        else:
+            checks.append(Check(name, FAIL if untrusted else WARN, f"missing: {report[name]['why']}"))
+    return checks
+
+
 def _stack_alive(settings: config.Settings) -> dict:
     from . import stack
 
@@ -449,6 +486,7 @@ def run() -> list[Check]:
         ("ports", lambda: check_ports(settings, alive)),
         ("HF cache", check_hf),
         ("secret key", lambda: check_secret_key(settings, bool(env.get("NDIF_SECRET_KEY")))),
+        ("jail", lambda: check_jail(settings)),
     ):
         checks.extend(_guard(name, check))
     return checks

@@ -19,8 +19,19 @@ or without C extensions (``ctypes`` included):
   process's original environment block is zeroed, and known secret strings
   held by this process are overwritten in place.
 
-``apply`` raises ``JailError`` if a required layer cannot be set up; the
-caller then refuses to run the code rather than run it unconfined.
+- UNIX sockets: every listening pathname socket of the host is hidden from
+  the child's mount namespace (empty read-only mounts over their directories,
+  ``/dev/null`` over the socket file where the directory must stay visible);
+- seccomp: a system-call filter (``libseccomp`` through ``pyseccomp``) refuses
+  what no experiment needs (io_uring, ptrace, bpf, mount, unshare, keyctl...),
+  and ``socket(AF_UNIX)``.
+
+Each layer has a name (:data:`LAYERS`). :class:`Layers` records which ones a
+child got and why any is missing; the child refuses to run user code when a
+layer is missing that the operator has not waived (``NDIF_JAIL_REQUIRE``), so
+a host that lacks one never runs untrusted code in a weaker jail in silence.
+:func:`probe` sets the same layers up in a throwaway child (``ndif-celery
+doctor``).
 """
 
 from __future__ import annotations
@@ -55,6 +66,7 @@ _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _RULE_PATH_BENEATH = 1
 _FS_WRITE_ABI1 = (1 << 1) | (1 << 4) | (1 << 5) | sum(1 << b for b in range(6, 13))  # write, remove, make *
 _FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14
+_FS_RESOLVE_UNIX = 1 << 16  # ABI 9: connect()/sendmsg() to a pathname UNIX socket
 _NET_BIND_TCP, _NET_CONNECT_TCP = 1, 2
 _SCOPE_ABSTRACT_UNIX, _SCOPE_SIGNAL = 1, 2
 
@@ -63,6 +75,47 @@ ENV_ALLOWLIST = ("PATH", "LANG", "LC_ALL", "TZ", "HF_HUB_OFFLINE", "TRANSFORMERS
 
 class JailError(Exception):
     pass
+
+
+from ndif_celery.jail_layers import LAYERS, WAIVABLE, parse_disable, parse_require  # noqa: E402,F401
+
+
+class Layers:
+    """Which layers this child got, and why any is missing."""
+
+    def __init__(self, disabled=()) -> None:
+        self.disabled = set(disabled)
+        self.got: dict = {}
+        self.why: dict = {}
+        self.landlock_abi = 0
+        self.user = ""
+
+    def meta(self, waived=()) -> dict:
+        """What a job's ``meta.jail`` reports (flat scalars): each layer and
+        whether it was in place, who the code ran as, the Landlock ABI, and the
+        layers the operator waived (comma-separated)."""
+        return {**{name: bool(self.got.get(name)) for name in LAYERS}, "user": self.user,
+                "landlock_abi": self.landlock_abi, "waived": ",".join(sorted(waived))}
+
+    def attempt(self, name: str, setup):
+        """Run ``setup`` for layer ``name``; record the outcome; return its value (None if missing)."""
+        if name in self.disabled:
+            self.got[name], self.why[name] = False, "disabled by NDIF_JAIL_DISABLE"
+            return None
+        try:
+            value = setup()
+        except (JailError, OSError, RuntimeError, ImportError, ValueError) as error:
+            self.got[name], self.why[name] = False, str(error)[:200] or type(error).__name__
+            return None
+        self.got[name] = True
+        return value
+
+    def missing(self, waived=()) -> list:
+        """Layers that are not in place and not waived (a layer never tried counts as missing)."""
+        return [name for name in LAYERS if not self.got.get(name) and name not in waived]
+
+    def describe(self, names) -> str:
+        return "; ".join(f"{name} ({self.why.get(name, 'not set up')})" for name in names)
 
 
 @dataclass(frozen=True)
@@ -108,20 +161,103 @@ def die_with_parent() -> None:
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def private_mounts(workdir: str, size_bytes: int, as_nobody: bool) -> None:
-    """Mount changes stay in this namespace; ``workdir`` becomes a private tmpfs
-    (noexec, nosuid, nodev, capped) owned by the user the code will run as; a
-    fresh /proc shows only this PID namespace."""
+def make_private() -> None:
+    """Mount changes from here on stay in this mount namespace (never reach the host's)."""
     _check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "mount(make-rprivate /)")
+
+
+def private_mounts(workdir: str, size_bytes: int, as_nobody: bool) -> None:
+    """``workdir`` becomes a private tmpfs (noexec, nosuid, nodev, capped)
+    owned by the user the code will run as. Call :func:`make_private` first."""
     owner = NOBODY if as_nobody and os.getuid() == 0 and _real_root() else 0
+    os.makedirs(workdir, exist_ok=True)  # again, where a mask hid it (see hide_unix_sockets)
     options = f"size={max(size_bytes, 1 << 20)},mode=0700,uid={owner},gid={owner}".encode()
     _check(
         libc.mount(b"tmpfs", workdir.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, options),
         f"mount(tmpfs {workdir})",
     )
-    # Best effort: without it /proc still lists the host's processes, which the
-    # dropped user can neither read nor signal.
-    libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+
+
+def fresh_proc() -> None:
+    """A /proc that shows only this PID namespace (the caller is its PID 1 or
+    a descendant). Without it /proc lists every process of the host."""
+    _check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None), "mount(proc /proc)")
+
+
+# --- UNIX sockets ------------------------------------------------------------------
+# A network namespace cuts every TCP/IP and abstract UNIX socket, but a
+# pathname UNIX socket is reached through the file system, which the child
+# shares. So the child's mount namespace hides them.
+
+ALWAYS_HIDDEN = ("/run", "/var/run", "/tmp", "/var/tmp")  # where sockets live, and nothing a job reads
+MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+
+
+def listening_unix_paths() -> list:
+    """Pathname UNIX sockets bound on this host (its network namespace), from
+    /proc/net/unix. Read it before leaving the namespace: the file is per
+    network namespace, and the child's new one has none."""
+    paths = set()
+    try:
+        with open("/proc/net/unix", "rb") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split(None, 7)
+                if len(fields) == 8 and fields[7].startswith(b"/"):
+                    paths.add(os.fsdecode(fields[7].rstrip(b"\n")))
+    except OSError as error:
+        raise JailError(f"reading /proc/net/unix failed: {error.strerror}") from None
+    return sorted(paths)
+
+
+def hide_unix_sockets(sockets, readable, workdir: str, hidden=()) -> list:
+    """Make every socket in ``sockets`` unreachable in this mount namespace.
+
+    Each directory that holds one (and ``ALWAYS_HIDDEN`` and ``hidden``) gets
+    an empty tmpfs on top, unless a ``readable`` path (what the job must read)
+    lies in, under or above it: then each socket file there gets ``/dev/null``
+    bound over it (connecting fails: not a socket). The job's ``workdir`` may
+    lie under a mask: :func:`private_mounts` makes its mount point again inside,
+    and :func:`seal_masks` then makes the masks read-only. Returns the masks."""
+    readable = [os.path.realpath(p) for p in readable]
+
+    def maskable(directory: str) -> bool:
+        return directory != "/" and not any(_within(p, directory) or _within(directory, p) for p in readable) \
+            and not _within(directory, workdir)
+
+    directories = {os.path.realpath(d) for d in (*ALWAYS_HIDDEN, *hidden) if d and os.path.isdir(d)}
+    singles = []
+    for path in sockets:
+        directory = os.path.realpath(os.path.dirname(path))
+        if maskable(directory):
+            directories.add(directory)
+        else:
+            singles.append(path)
+    masks = []
+    for directory in sorted(d for d in directories if maskable(d)):
+        if any(_within(directory, m) for m in masks):
+            continue  # already under a mask
+        _check(libc.mount(b"tmpfs", directory.encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                          b"size=64k,mode=0755"), f"mount(tmpfs over {directory})")
+        masks.append(directory)
+    for path in singles:
+        if libc.mount(b"/dev/null", path.encode(), None, MS_BIND, None) < 0:
+            if ctypes.get_errno() not in (errno.ENOENT, errno.ENOTDIR):  # gone since listed: nothing to reach
+                _check(-1, f"mount(/dev/null over {path})")
+    return masks
+
+
+def seal_masks(masks) -> None:
+    """Once the workdir is mounted inside them, make the directory masks read-only."""
+    for directory in masks:
+        if os.path.isdir(directory):
+            _check(libc.mount(None, directory.encode(), None,
+                              MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None),
+                   f"remount(read-only {directory})")
+
+
+def _within(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
 def _real_root() -> bool:
@@ -137,9 +273,10 @@ def _real_root() -> bool:
 _PIDS_ROOTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")  # cgroup v1 pids controller, or v2
 
 
-def pids_cgroup_path(name: str) -> str:
-    """A fresh cgroup under a writable pids controller, or '' where none is."""
-    for root in _PIDS_ROOTS:
+def pids_cgroup_path(name: str, root: str = "") -> str:
+    """A fresh cgroup under a writable pids controller (``root``, else the
+    usual mount points: ``NDIF_JAIL_CGROUP_ROOT``), or '' where none is."""
+    for root in ((root,) if root else _PIDS_ROOTS):
         if not os.path.exists(os.path.join(root, "cgroup.procs")):
             continue
         if root == "/sys/fs/cgroup" and "pids" not in _read(os.path.join(root, "cgroup.controllers")):
@@ -153,22 +290,28 @@ def pids_cgroup_path(name: str) -> str:
     return ""
 
 
-def join_cgroup(path: str, max_pids: int) -> bool:
+def join_cgroup(path: str, max_pids: int) -> None:
     """Put this process (and so everything it forks) in ``path`` capped at
     ``max_pids`` tasks. RLIMIT_NPROC does not bind uid 0, so a fork bomb in a
-    child that keeps uid 0 is stopped here."""
+    child that keeps uid 0 is stopped here. Raises JailError if it is not so."""
     if not path:
-        return False
+        raise JailError("no writable pids cgroup controller (see NDIF_JAIL_CGROUP_ROOT)")
     try:
         _write(os.path.join(path, "pids.max"), str(max_pids))
         _write(os.path.join(path, "cgroup.procs"), str(os.getpid()))
-        return True
-    except OSError:
-        return False
+    except OSError as error:
+        raise JailError(f"joining the pids cgroup {path} failed: {error.strerror}") from None
+    if not in_pids_cgroup():
+        raise JailError(f"{path} is not a pids cgroup")
 
 
 def in_pids_cgroup() -> bool:
-    return "/ndif-jobs/" in _read("/proc/self/cgroup")
+    """Whether this process sits in a job cgroup of the pids controller (v1) or the unified tree (v2)."""
+    for line in _read("/proc/self/cgroup").splitlines():
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if (controllers == "" or "pids" in controllers.split(",")) and "/ndif-jobs/" in path:
+            return True
+    return False
 
 
 def remove_cgroup(path: str, timeout_s: float = 10.0) -> None:
@@ -283,19 +426,23 @@ def _zero_environ_block() -> None:
 
 
 _FS_READ = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read file, read dir
-_FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14)  # the rights a rule on a file may carry
+_FILE_RIGHTS = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14) | (1 << 16)  # the rights a rule on a file may carry
 
 
-def landlock(workdir: str, readable: list[str]) -> int:
+def landlock(workdir: str, readable: list, net: bool = True, scope: bool = True) -> int:
     """Reads only under ``readable`` (the interpreter, its packages, system
-    libraries), everything only under ``workdir``, no TCP, no signals out of the
-    jail. Returns the Landlock ABI used (0: the kernel has none)."""
+    libraries), everything only under ``workdir``; with ``net``, no TCP; with
+    ``scope``, no signals and no abstract UNIX sockets out of the jail; no
+    pathname UNIX socket outside the jail either where the kernel can say so
+    (ABI 9). Returns the Landlock ABI of the kernel; raises JailError where it
+    has none."""
     abi = libc.syscall(_SYS_CREATE_RULESET, None, 0, 1)
     if abi < 1:
-        return 0
-    handled_fs = _FS_READ | _FS_WRITE_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
-    handled_net = (_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 else 0
-    scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 else 0
+        raise JailError("the kernel has no Landlock (Linux >= 5.13 with landlock in the lsm= list)")
+    handled_fs = (_FS_READ | _FS_WRITE_ABI1 | (_FS_REFER if abi >= 2 else 0) | (_FS_TRUNCATE if abi >= 3 else 0)
+                  | (_FS_RESOLVE_UNIX if abi >= 9 else 0))
+    handled_net = (_NET_BIND_TCP | _NET_CONNECT_TCP) if abi >= 4 and net else 0
+    scoped = (_SCOPE_ABSTRACT_UNIX | _SCOPE_SIGNAL) if abi >= 6 and scope else 0
     attr = (ctypes.c_uint64 * 3)(handled_fs, handled_net, scoped)
     size = 8 * (3 if abi >= 6 else 2 if abi >= 4 else 1)
     ruleset = _check(libc.syscall(_SYS_CREATE_RULESET, ctypes.byref(attr), size, 0), "landlock_create_ruleset")
@@ -381,3 +528,206 @@ def drop_privileges(to_nobody: bool) -> str:
     data = (ctypes.c_uint32 * 6)()
     _check(libc.capset(ctypes.byref(header), ctypes.byref(data)), "capset(none)")
     return "root-without-capabilities"
+
+
+# --- seccomp ----------------------------------------------------------------------
+
+# System calls no experiment needs, refused with EPERM: kernel attack surface
+# (io_uring, bpf, perf, userfaultfd, keyrings), other processes' memory
+# (ptrace, process_vm_*), anything that changes mounts, namespaces or the
+# machine. Names this architecture lacks are skipped.
+SECCOMP_DENIED = (
+    "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "ptrace", "process_vm_readv", "process_vm_writev", "process_madvise", "pidfd_getfd", "kcmp",
+    "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
+    "mount", "umount2", "unshare", "setns", "pivot_root", "chroot", "open_tree", "move_mount",
+    "fsopen", "fsmount", "fsconfig", "fspick", "mount_setattr",
+    "kexec_load", "kexec_file_load", "init_module", "finit_module", "delete_module",
+    "reboot", "swapon", "swapoff", "acct", "quotactl", "quotactl_fd",
+    "name_to_handle_at", "open_by_handle_at", "lookup_dcookie", "fanotify_init",
+    "syslog", "vhangup", "iopl", "ioperm", "modify_ldt", "uselib", "ustat", "sysfs", "_sysctl", "nfsservctl",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname", "vmsplice",
+)
+_CLONE_NAMESPACES = (CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET,
+                     0x02000000)  # ... and CLONE_NEWCGROUP
+# personality() bits that weaken the next exec (no ASLR, executable data, page zero...).
+_PERSONALITY_RISKY = (0x0020000, 0x0040000, 0x0100000, 0x0200000, 0x0400000, 0x0800000, 0x8000000)
+AF_UNIX = 1
+
+
+_seccomp = None
+
+
+def load_seccomp_binding():
+    """Import ``pyseccomp`` (it finds libseccomp.so with ``ldconfig``, which
+    needs /tmp: so before the mounts). Raises JailError where it is missing."""
+    global _seccomp
+    if _seccomp is None:
+        try:
+            import pyseccomp
+        except (ImportError, RuntimeError, OSError) as error:  # RuntimeError: no libseccomp.so on the host
+            raise JailError(f"libseccomp is not available ({error})") from None
+        _seccomp = pyseccomp
+    return _seccomp
+
+
+def seccomp_filter() -> None:
+    """Load the filter on every thread of this process (TSYNC). Raises
+    JailError where libseccomp (or its binding) is missing."""
+    sc = load_seccomp_binding()
+    eperm = sc.ERRNO(errno.EPERM)
+    rules = sc.SyscallFilter(sc.ALLOW)
+    for name in SECCOMP_DENIED:
+        try:
+            rules.add_rule(eperm, name)
+        except OSError:  # no such call on this architecture
+            continue
+    rules.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")  # libc falls back to clone(), whose flags we can read
+    for flag in _CLONE_NAMESPACES:
+        rules.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+    for bit in _PERSONALITY_RISKY:  # bit 31 set: the 0xffffffff query, allowed
+        rules.add_rule(eperm, "personality", sc.Arg(0, sc.MASKED_EQ, 0x80000000 | bit, bit))
+    # Pathname and abstract UNIX sockets alike: the host's sockets stay out of
+    # reach even if one was bound after the mount masks were made.
+    rules.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, AF_UNIX))
+    rules.set_attr(sc.Attr.CTL_TSYNC, 1)
+    try:
+        rules.load()
+    except OSError as error:
+        raise JailError(f"loading the seccomp filter failed: {error}") from None
+
+
+# --- the whole jail -----------------------------------------------------------------
+
+
+def lock_down(layers: Layers, workdir: str, readable, limits: Limits, disk_bytes: int, as_nobody: bool,
+              sockets, hidden=(), pid_namespace: bool = True) -> str:
+    """Every layer after the namespaces, in order, recorded in ``layers``.
+    A waivable layer that fails is recorded missing; a core one raises
+    JailError (nothing may run without it). Returns who the process now is."""
+    if "seccomp" not in layers.disabled:
+        layers.attempt("seccomp", load_seccomp_binding)  # now: it cannot be found once /tmp is masked
+    make_private()
+    masks = None
+    if sockets is not None:  # None: the list could not be read, or the layer is disabled (already recorded)
+        masks = layers.attempt("unix_sockets", lambda: hide_unix_sockets(sockets, readable, workdir, hidden))
+    private_mounts(workdir, disk_bytes, as_nobody)
+    layers.got["tmpfs"] = True
+    if masks is not None:
+        layers.attempt("unix_sockets", lambda: seal_masks(masks))
+    # Outside a PID namespace (a GPU child), hidepid at least hides other users' processes.
+    layers.attempt("proc", fresh_proc if pid_namespace else _proc_hidepid)
+    try:
+        set_limits(limits)
+    except (OSError, ValueError) as error:
+        raise JailError(f"setrlimit failed: {error}") from None
+    layers.got["rlimits"] = True
+    net, scope = "landlock_net" not in layers.disabled, "landlock_scope" not in layers.disabled
+    abi = layers.attempt("landlock", lambda: landlock(workdir, list(readable), net=net, scope=scope)) or 0
+    for name, needed in (("landlock_net", 4), ("landlock_scope", 6)):
+        if name in layers.disabled:
+            layers.got[name], layers.why[name] = False, "disabled by NDIF_JAIL_DISABLE"
+        elif not abi:
+            layers.got[name], layers.why[name] = False, "no Landlock"
+        else:
+            layers.got[name] = abi >= needed
+            if abi < needed:
+                layers.why[name] = f"the kernel's Landlock ABI is {abi}, this needs {needed}"
+    layers.landlock_abi = abi
+    user = drop_privileges(to_nobody=as_nobody)
+    layers.got["drop_root"] = True
+    no_new_privs()
+    layers.got["no_new_privs"] = True
+    if layers.got.get("seccomp", True):
+        layers.attempt("seccomp", seccomp_filter)  # last: nothing after it needs a refused call
+    return user
+
+
+def _proc_hidepid() -> None:
+    _check(libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, b"hidepid=2"),
+           "mount(proc /proc, hidepid=2)")
+
+
+def probe(readable=None, cgroup_root: str = "", disabled=(), timeout_s: float = 30.0) -> dict:
+    """Set every layer up in a throwaway child, with the code a job's child
+    uses, and report ``{layer: {"ok": bool, "why": str}}`` (``ndif-celery
+    doctor``). Runs no user code; the child exits at once."""
+    import json
+    import shutil
+    import tempfile
+    import time
+
+    readable = readable_paths() if readable is None else readable
+    try:
+        load_seccomp_binding()  # once here, not in the child
+    except JailError:
+        pass  # the child finds it missing and says so
+    workdir = tempfile.mkdtemp(prefix="ndif-job-probe-")
+    cgroup = "" if "pids_cgroup" in disabled else pids_cgroup_path(os.path.basename(workdir), cgroup_root)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(read_end)
+            os.setsid()
+            _probe_child(write_end, workdir, cgroup, readable, disabled)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    data, deadline = b"", time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = __import__("select").select([read_end], [], [], 0.2)
+            if ready:
+                chunk = os.read(read_end, 65536)
+                if not chunk:
+                    break
+                data += chunk
+    finally:
+        os.close(read_end)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        os.waitpid(pid, 0)
+        remove_cgroup(cgroup)
+        shutil.rmtree(workdir, ignore_errors=True)
+    try:
+        report = json.loads(data)
+    except ValueError:
+        report = {"error": "the probe child sent no report"}
+    return report
+
+
+def _probe_child(fd: int, workdir: str, cgroup: str, readable, disabled) -> None:
+    import json
+
+    layers = Layers(disabled)
+    error = ""
+    layers.attempt("pids_cgroup", lambda: join_cgroup(cgroup, 64))
+    try:
+        sockets = layers.attempt("unix_sockets", listening_unix_paths)
+        enter_namespaces(pid=True)
+        layers.got["namespaces"] = True
+        inner = os.fork()
+        if inner == 0:
+            try:
+                layers.user = lock_down(layers, workdir, readable, Limits(memory_bytes=1 << 30, cpu_seconds=10),
+                                        1 << 20, readable_by_others(sys.base_prefix), sockets)
+            except JailError as failure:
+                error = str(failure)
+            os.write(fd, json.dumps(_report(layers, error)).encode())
+            os._exit(0)
+        os.waitpid(inner, 0)
+    except (JailError, OSError) as failure:
+        layers.why.setdefault("namespaces", str(failure)[:200])
+        os.write(fd, json.dumps(_report(layers, str(failure))).encode())
+
+
+def _report(layers: Layers, error: str) -> dict:
+    report = {name: {"ok": bool(layers.got.get(name)), "why": layers.why.get(name, "" if layers.got.get(name)
+                                                                              else error or "not reached")}
+              for name in LAYERS}
+    report["landlock_abi"] = layers.landlock_abi
+    report["user"] = layers.user
+    return report
