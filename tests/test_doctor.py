@@ -190,6 +190,46 @@ def test_disk_check_fails_below_its_floor(tmp_path):
     assert failed.status == "FAIL" and failed.fix == "free space"
 
 
+def test_doctor_lists_each_jail_layer_this_host_has(tmp_path):
+    """A throwaway child sets every layer up with the jail's own code: this host has them all."""
+    from ndif_celery.jail_layers import LAYERS
+
+    result = run_cli(bare_env(tmp_path, NDIF_DEFAULT_TRUSTED="0"), "doctor")
+    found = checks(result.stdout)
+    status, detail, _ = found["jail"]
+    assert status == "OK" and f"{len(LAYERS)} of {len(LAYERS)} layers" in detail and "required: all" in detail, \
+        result.stdout
+    assert "Landlock ABI" in detail
+    for name in LAYERS:
+        assert found[name][0] == "OK", result.stdout
+
+
+def test_doctor_fails_a_missing_required_layer_and_warns_a_waived_one(tmp_path):
+    """A cgroup root that is no cgroup (really missing) and seccomp disabled: the
+    first required (FAIL: untrusted jobs would be refused), the second waived (WARN)."""
+    (tmp_path / "plain-dir").mkdir()
+    env = bare_env(tmp_path, NDIF_DEFAULT_TRUSTED="0", NDIF_JAIL_CGROUP_ROOT=str(tmp_path / "plain-dir"),
+                   NDIF_JAIL_DISABLE="seccomp", NDIF_JAIL_REQUIRE="all,-seccomp")
+    result = run_cli(env, "doctor")
+    assert result.returncode == 1
+    found = checks(result.stdout)
+    status, detail, fix = found["jail"]
+    assert status == "FAIL" and "missing and required: pids_cgroup" in detail and "refused" in detail, result.stdout
+    assert "NDIF_JAIL_REQUIRE=all,-pids_cgroup" in fix
+    assert found["pids_cgroup"][0] == "FAIL" and "no writable pids cgroup" in found["pids_cgroup"][1]
+    assert found["seccomp"][0] == "WARN" and "waived" in found["seccomp"][1]
+    assert found["landlock"][0] == "OK"
+
+
+def test_doctor_rejects_an_unknown_or_core_layer(tmp_path):
+    for value in ("all,-no_such_layer", "all,-namespaces", "seccomp"):
+        machine = tmp_path / value.replace(",", "_")
+        machine.mkdir()
+        result = run_cli(bare_env(machine, NDIF_JAIL_REQUIRE=value), "doctor")
+        status, detail, _ = checks(result.stdout)["configuration"]
+        assert status == "FAIL" and "NDIF_JAIL_REQUIRE" in detail, result.stdout
+
+
 # -- a healthy stack: doctor passes, logs shows its logs --
 
 
