@@ -28,8 +28,11 @@ from typing import Any, Optional
 
 import redis
 
-from . import wire
+from . import bounds, wire
 
+# LOG limits per job when the caller names none (the worker passes its settings).
+DEFAULT_LOG_LINES_PER_S = 100.0
+DEFAULT_LOG_BYTES_PER_JOB = 4 * 1024 * 1024
 
 ENDED = "ndif:jobs:ended"
 
@@ -122,10 +125,12 @@ class StatusChannel:
     blocking client that lost its socket can still poll.
     """
 
-    def __init__(self, client: redis.Redis, job: Job, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, job: Job, ttl_s: int, log_lines_per_s: float = DEFAULT_LOG_LINES_PER_S,
+                 log_bytes_per_job: int = DEFAULT_LOG_BYTES_PER_JOB) -> None:
         self.redis = client
         self.job = job
         self.ttl_s = ttl_s
+        self.logs = bounds.LogLimiter(log_lines_per_s, log_bytes_per_job)
 
     def send(
         self,
@@ -138,10 +143,17 @@ class StatusChannel:
     ) -> None:
         """``kind``: what sort of ERROR this is, for the ledger and metrics
         (see ``ndif_celery.ledger``). With ``pipe`` (a pipeline the caller
-        executes), the writes join it: one round trip with the caller's own."""
+        executes), the writes join it: one round trip with the caller's own.
+
+        Every description is bounded (``bounds.truncate``): user code chooses
+        what it prints and what its errors say, and a status is published,
+        stored for ``NDIF_JOB_TTL_S`` and copied into the ledger."""
+        description = bounds.truncate(description or "", bounds.DESCRIPTION_BYTES)
         message = wire.response_json(self.job.id, status, description, data, meta)
         own = pipe is None
         pipe = self.redis.pipeline(transaction=False) if own else pipe
+        if status in wire.TERMINAL:
+            self._log_note(pipe, final=True)  # what LOG output was dropped, before the job's last word
         if status != wire.LOG:
             pipe.set(status_key(self.job.id), message, ex=self.ttl_s)
         if status in wire.TERMINAL:
@@ -157,6 +169,9 @@ class StatusChannel:
         False if nobody was listening (the client went away), and nothing is
         recorded. ``latest`` is the JSON stored for pollers, who cannot
         receive bytes."""
+        note = self.logs.note(final=True)
+        if note:
+            self.redis.publish(session_channel(self.job.session_id), wire.response_json(self.job.id, wire.LOG, note))
         if not self.redis.publish(session_channel(self.job.session_id), frame):
             return False
         pipe = self.redis.pipeline(transaction=False)
@@ -168,7 +183,21 @@ class StatusChannel:
         return True
 
     def log(self, line: str) -> None:
-        self.send(wire.LOG, line)
+        """One LOG line (a print of the user's code), bounded in length and
+        rate-limited per job (``bounds.LogLimiter``): over the limits lines
+        are dropped, and one note says how many."""
+        line = bounds.truncate(line, bounds.LOG_LINE_BYTES)
+        if not self.logs.admit(len(line)):
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        self._log_note(pipe)
+        self.send(wire.LOG, line, pipe=pipe)
+        pipe.execute()
+
+    def _log_note(self, pipe, final: bool = False) -> None:
+        note = self.logs.note(final)
+        if note and self.job.session_id:  # LOG is never stored: only a listener can see it
+            pipe.publish(session_channel(self.job.session_id), wire.response_json(self.job.id, wire.LOG, note))
 
 
 def _release(pipe, job: "Job", ttl_s: int) -> None:

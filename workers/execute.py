@@ -23,6 +23,8 @@ from nnsight.tracing import globals as nnsight_globals
 from nnsight.tracing.tracer import _saves, dec, inc
 from nnsight.tracing.util import clean_traceback
 
+from ndif_celery import bounds
+
 
 class RequestError(Exception):
     """A failure the user should read as one sentence, not a server traceback.
@@ -135,26 +137,46 @@ _LIBRARY_DIRS = tuple(
 
 
 class LogStream(io.TextIOBase):
-    """A file whose every complete line becomes a LOG status for the client."""
+    """A file whose every complete line becomes a LOG status for the client.
 
-    def __init__(self, log: Callable[[str], None]) -> None:
+    A line is kept only up to ``bounds.LOG_LINE_BYTES`` characters while it
+    is being written (the rest is counted, and the line ends with a note that
+    says how much was cut): a print of 100 MB, or a million writes without a
+    newline, must not pile up in this process's memory."""
+
+    def __init__(self, log: Callable[[str], None], max_line: int = bounds.LOG_LINE_BYTES) -> None:
         self._log = log
         self._partial = ""
+        self._max = max_line
+        self._cut = 0  # bytes of the current line dropped so far
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        lines = (self._partial + text).split("\n")
-        self._partial = lines.pop()
-        for line in lines:
-            self._log(line)
+        lines = text.split("\n")
+        for line in lines[:-1]:
+            self._add(line)
+            self._emit()
+        self._add(lines[-1])
         return len(text)
 
+    def _add(self, piece: str) -> None:
+        room = self._max - len(self._partial)
+        if len(piece) > room:
+            self._cut += len(piece[max(0, room):].encode("utf-8", "replace"))
+            piece = piece[: max(0, room)]
+        if piece:
+            self._partial += piece
+
+    def _emit(self) -> None:
+        line = bounds.truncate(self._partial, self._max, dropped=self._cut) if self._cut else self._partial
+        self._partial, self._cut = "", 0
+        self._log(line)
+
     def flush_partial(self) -> None:
-        if self._partial:
-            self._log(self._partial)
-            self._partial = ""
+        if self._partial or self._cut:
+            self._emit()
 
 
 def no_grad_weights(module: torch.nn.Module) -> None:

@@ -1,13 +1,17 @@
 """A clean process that forks the isolated children for one resident model.
 
-With ``NDIF_ISOLATION=zygote`` untrusted jobs are not forked from the worker
-but from a *zygote*: a fresh interpreter the worker starts once per resident
-model, with an environment holding no secrets, that builds the model's
+Untrusted jobs are never forked from the worker but from a *zygote*, one
+per resident model. With ``NDIF_ISOLATION=zygote`` (the default) it is a
+fresh interpreter the worker execs, with an environment holding no secrets;
+with ``NDIF_ISOLATION=fork`` it is forked from the worker's fork server
+(``workers.forkserver``: the worker's pristine state from before any client,
+job or CUDA, scrubbed of secrets), which saves the interpreter start and the
+imports. From there on both are the same process: it builds the model's
 skeleton (``from_model_key`` on meta) and points it at the worker's weights
 (``workers.shared_weights``: a private mapping of the shared CPU file, CUDA
 IPC handles for GPU tensors). The zygote never receives a payload, a result,
 a key or a URL, so a child forked from it inherits nothing of any earlier
-job: this closes the "memory residue" gap of forking the worker itself. It
+job and holds no secret of the worker. It
 is also the GPU path: the zygote never initialises CUDA, so its children can;
 each opens the GPU weights' IPC handles before it locks itself in (no PID
 namespace there: CUDA IPC does not cross one).
@@ -37,7 +41,7 @@ from . import jail
 
 READY_TIMEOUT_S = 300.0  # imports and the skeleton; a big model's config is quick, imports are not
 _PREPROCESSORS = ("tokenizer", "image_processor", "feature_extractor", "processor")
-_ENV_KEEP = (*jail.ENV_ALLOWLIST, "HF_HOME", "HF_HUB_CACHE", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
+ENV_KEEP = (*jail.ENV_ALLOWLIST, "HF_HOME", "HF_HUB_CACHE", "PYTHONPATH", "CUDA_VISIBLE_DEVICES",
              "NDIF_TORCH_THREADS")
 
 
@@ -57,8 +61,11 @@ class ZygoteChild:
         self.status = status
         self._exited.set()
 
-    def wait(self) -> int:
-        self._exited.wait()
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Its wait status, as the zygote reported it; None if it is still
+        running after ``timeout`` s (callers always give one: see isolate._wait_for)."""
+        if not self._exited.wait(timeout):
+            return None
         return self.status if self.status is not None else 0
 
     def kill(self) -> None:
@@ -70,8 +77,11 @@ class ZygoteChild:
 class Zygote:
     """The worker's handle on the zygote of one resident model."""
 
-    def __init__(self, model: Any, shared: Any, model_key: str, dtype: Optional[str]) -> None:
+    def __init__(self, model: Any, shared: Any, model_key: str, dtype: Optional[str], fork_server: Any = None) -> None:
         self.model_id = id(model)
+        # NDIF_ISOLATION: "zygote" = a fresh interpreter exec'd here; "fork" = a
+        # fork of the worker's fork server (workers.forkserver). Same code after that.
+        self.mode = "fork" if fork_server is not None else "zygote"
         self.cuda = bool(shared.cuda)
         self._lock = threading.Lock()
         self._children: dict[int, ZygoteChild] = {}
@@ -82,17 +92,25 @@ class Zygote:
         self.ready = threading.Event()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.sock = ours
-        env = {k: v for k, v in os.environ.items() if k in _ENV_KEEP}
+        env = {k: v for k, v in os.environ.items() if k in ENV_KEEP}
         # torch.cuda.is_available() without this initialises the CUDA driver,
         # after which no forked child can use the GPU.
         env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
         keep = [theirs.fileno()] + ([shared.cpu_fd] if shared.cpu_fd >= 0 else [])
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "workers.zygote", str(theirs.fileno()), str(shared.cpu_fd)],
-            env=env, pass_fds=keep, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        )
-        theirs.close()
+        try:
+            if fork_server is not None:
+                self.process = fork_server.spawn(theirs.fileno(), shared.cpu_fd)
+            else:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "workers.zygote", str(theirs.fileno()), str(shared.cpu_fd)],
+                    env=env, pass_fds=keep, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
+                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         module = model._module
         header = {
             "model_key": model_key,
@@ -205,10 +223,16 @@ class Zygote:
 
 
 def main(argv: list) -> None:
-    sock = socket.socket(fileno=int(argv[1]))
-    cpu_fd = int(argv[2])
+    """An exec'd zygote (NDIF_ISOLATION=zygote): the header comes on stdin."""
+    serve(int(argv[1]), int(argv[2]), sys.stdin.buffer)
+
+
+def serve(sock_fd: int, cpu_fd: int, header_file: Any) -> None:
+    """Build the skeleton, map the weights, fork children until the worker
+    lets go. Shared by the exec'd zygote and the fork server's (never returns)."""
+    sock = socket.socket(fileno=sock_fd)
     try:
-        header = pickle.loads(sys.stdin.buffer.read())  # from the worker, which started us
+        header = pickle.loads(header_file.read())  # from the worker, which started us
         model = _build(header, cpu_fd)
     except BaseException as error:  # noqa: BLE001 - reported, then gone
         _reply(sock, {"error": f"the isolation zygote could not build the model: {type(error).__name__}: {error}"})
