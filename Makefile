@@ -1,6 +1,7 @@
 # make install   build .venv (CPU torch first, then the project with its test extras)
 # make run       run the whole farm on this host in the foreground (Ctrl-C stops it)
-# make test      run the test suite (extra pytest arguments: PYTEST_ARGS="-k cli -x")
+# make test      run the whole test suite, both tiers, as CI does (extra pytest arguments: PYTEST_ARGS="-k cli -x")
+# make test-fast the fast tier only (-m "not e2e": unit and in-process tests, no real stacks; under 90 s)
 # make clean     remove build and test leftovers (make distclean also removes .venv)
 # make bench     measure local vs null server vs the stack, one table per workload (bench-smoke: ~1 min; BENCH_ARGS="--only small_trace")
 
@@ -13,7 +14,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.ndif-celery-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test clean distclean
+.PHONY: install run test test-fast clean distclean
 
 install: $(STAMP)
 
@@ -32,6 +33,10 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The end-to-end tier (real stacks, marked e2e by tests/conftest.py) is left out.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache tests/_out

@@ -171,3 +171,44 @@ def local_results(model, tmp_path_factory):
         return cache[case]
 
     return results
+
+
+# --- test tiers ----------------------------------------------------------------------
+#
+# Two tiers, one marker: `e2e` is every test that starts a real multi-process
+# stack (embedded Redis + gunicorn + Celery worker + Flower) or another real
+# server process (moto, a PostgreSQL proxy, chromium, honcho). Everything else
+# is the fast tier (`make test-fast`, `pytest -m "not e2e"`): unit tests and
+# in-process integration (Flask's test client, an embedded Redis, the worker's
+# job function called directly). A test is e2e when any of these holds:
+#
+# * it uses (directly or through another fixture) one of E2E_FIXTURES: the
+#   shared stacks of tests/stack_pool.py and tests/jail_fixtures.py, and the
+#   module-level fixtures that start their own Stack or server;
+# * its module is in E2E_MODULES (every test of it drives a stack);
+# * it carries ``@pytest.mark.e2e`` itself (it starts a stack in its body).
+
+E2E_FIXTURES = frozenset({
+    # tests/stack_pool.py and the fixtures above
+    "stack_pool", "fs_stack", "on_fs_stack", "variant", "stack_for_variant",
+    # tests/jail_fixtures.py
+    "jail", "worker_pid", "still_serving_after",
+    # module fixtures that start a Stack (test_cli, test_doctor, test_limits,
+    # test_auth*, test_expiry, test_farm*, test_reliability, test_outages,
+    # test_model_policy, test_integrity) or a server process (moto, chromium)
+    "stack", "farm", "auth_stack", "listed_stack", "verifying_stack", "moto", "s3", "chromium",
+})
+
+E2E_MODULES = frozenset({
+    "test_auth", "test_bench_smoke", "test_conformance_remote", "test_dashboard", "test_e2e_api",
+    "test_expiry", "test_farm", "test_farm_replicas", "test_jail_required", "test_limits", "test_load",
+    "test_many_requests", "test_outages", "test_reliability",
+})
+
+
+def pytest_collection_modifyitems(config, items):
+    e2e = pytest.mark.e2e
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if module in E2E_MODULES or E2E_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(e2e)

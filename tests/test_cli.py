@@ -156,6 +156,7 @@ def _foreground_up(stack: Stack, tmp_path: Path) -> tuple[subprocess.Popen, Path
     return proc, out
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_foreground_up_stops_everything_on_sigterm(tmp_path):
     stack = Stack(tmp_path / "home")
     proc, out = _foreground_up(stack, tmp_path)
@@ -172,6 +173,7 @@ def test_foreground_up_stops_everything_on_sigterm(tmp_path):
         stack.stop()
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_foreground_up_exits_nonzero_when_a_service_dies(tmp_path):
     stack = Stack(tmp_path / "home")
     proc, out = _foreground_up(stack, tmp_path)
@@ -188,6 +190,7 @@ def test_foreground_up_exits_nonzero_when_a_service_dies(tmp_path):
         stack.stop()
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_a_service_dying_while_starting_fails_fast_with_its_log(tmp_path):
     # gunicorn reads extra arguments from GUNICORN_CMD_ARGS; a bad one makes
     # only the web exit, right away.
@@ -203,6 +206,7 @@ def test_a_service_dying_while_starting_fails_fast_with_its_log(tmp_path):
         assert not port_open(port)
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_not_ready_in_time_stops_what_it_started(tmp_path):
     stack = Stack(tmp_path / "home")
     result = stack.cli("up", "--detach", "--timeout", "0.5")
@@ -216,6 +220,7 @@ def test_not_ready_in_time_stops_what_it_started(tmp_path):
 # -- one service per command, as a Procfile runs them --
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_procfile_commands_make_a_farm(tmp_path):
     stack = Stack(tmp_path / "home")
     procs = {}
@@ -269,6 +274,7 @@ def test_procfile_commands_make_a_farm(tmp_path):
 # -- failures that start nothing --
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_taken_api_port_is_named_with_its_variable(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -282,6 +288,7 @@ def test_taken_api_port_is_named_with_its_variable(tmp_path):
     assert not port_open(stack.redis_port), "started Redis although the web could never listen"
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_down_and_status_when_nothing_runs(tmp_path):
     stack = Stack(tmp_path / "home")
     down = stack.cli("down")

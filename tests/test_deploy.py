@@ -897,6 +897,7 @@ def _client_at(url: str):
         api.HOST, api.APIKEY, api.COMPRESS = saved
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_honcho_runs_the_procfile_as_a_working_farm_and_stops_all_of_it(tmp_path, hf_home, model):
     from conformance import assert_same, case_read_logits, case_zero_output
     from tests.remote import PollUntilDone

@@ -111,6 +111,7 @@ def test_a_job_is_written_once_and_a_malformed_entry_does_not_block(on_fs_stack,
     assert _ok_job(model)["job_id"] in {row["job_id"] for row in _jobs(stack, "--limit", "5")}
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_a_database_outage_keeps_ended_jobs_in_redis_until_it_is_back(tmp_path_factory, hf_home, model):
     """PostgreSQL behind a proxy the test cuts: jobs keep running and ending
     while it is down, their summaries wait in Redis (nothing lost, one warning

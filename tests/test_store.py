@@ -330,6 +330,7 @@ def test_s3_presign_needs_no_server():
     assert _sigv4_ok(url, "sk", "eu-central-1")
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_s3_outage_and_recovery():
     with MotoServer() as server:
         store = _s3(server, "outage")

@@ -181,6 +181,7 @@ def _minimum_above(version: str) -> str:
     return f"{parts[0]}.{parts[1]}.{parts[2] + 1}"
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_client_below_the_minimum_raises_with_the_message(tmp_path_factory, hf_home, model):
     minimum = _minimum_above(INSTALLED)
     env = {"NDIF_MIN_NNSIGHT_VERSION": minimum, "NDIF_MIN_PYTHON_VERSION": "3.99"}
@@ -204,6 +205,7 @@ def test_client_below_the_minimum_raises_with_the_message(tmp_path_factory, hf_h
                                              "Please update python."}
 
 
+@pytest.mark.e2e  # starts a stack in its body
 def test_client_at_the_minimum_works(tmp_path_factory, hf_home, model):
     env = {"NDIF_MIN_NNSIGHT_VERSION": INSTALLED, "NDIF_MIN_PYTHON_VERSION": HERE}
     with client_on_stack(tmp_path_factory.mktemp("gate-equal"), hf_home, env):
