@@ -14,7 +14,7 @@ from typing import Optional
 
 import redis
 
-from . import jobs, model_policy, queues, registry, wire
+from . import jobs, model_policy, queues, registry, statuses, wire
 from .celery_app import EVICT_MODEL, worker_queue
 
 DEFAULT_CLASS = "nnsight.modeling.transformers.TransformersModel"
@@ -83,7 +83,7 @@ def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
     for queue in queues.model_queues(client):
         job = queues.remove(client, queue, job_id)
         if job is not None:
-            jobs.StatusChannel(client, job, ttl_s).send(wire.ERROR, CANCELLED, kind="cancelled")
+            statuses.StatusChannel(client, job, ttl_s).send(wire.ERROR, CANCELLED, kind="cancelled")
             return "removed from the queue"
     replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, reply=True, timeout=2)
     for reply in replies or []:

@@ -1,7 +1,10 @@
-"""Job state in Redis: payloads, the latest status, and the live status channel.
+"""Job state in Redis: the key names, the ``Job`` message, and reading the latest status.
 
-Everything the web needs to answer about a job lives here, written by whoever
-moves the job along (the web on intake, the worker afterwards):
+This is the bottom layer of job state: it imports nothing of the project but
+``wire``, so every other module (limits, queues, ledger, metrics, the status
+channel in ``ndif_celery.statuses``) can build on it without a circle. The keys,
+written by whoever moves the job along (the web on intake, the worker afterwards,
+statuses through ``ndif_celery.statuses.StatusChannel``):
 
 - ``ndif:job:<id>:payload``  the serialized nnsight request, until a worker takes it
 - ``ndif:job:<id>:status``   the latest non-LOG status as the JSON the client parses,
@@ -27,12 +30,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
-from . import bounds, wire
-
-# LOG limits per job when the caller names none (the worker passes its settings).
-DEFAULT_LOG_LINES_PER_S = 100.0
-DEFAULT_LOG_BYTES_PER_JOB = 4 * 1024 * 1024
+from . import wire
 
 ENDED = "ndif:jobs:ended"
 
@@ -103,9 +104,6 @@ def connect(url: str, outage_s: float = 0.0) -> redis.Redis:
     requests and status writes instead of failing them. The CLI passes nothing
     and fails at once, which is what someone typing a command wants.
     """
-    from redis.backoff import ExponentialBackoff
-    from redis.retry import Retry
-
     retries = int(outage_s / _RETRY_CAP_S) + 4 if outage_s > 0 else 0
     return redis.Redis.from_url(
         url, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=5,
@@ -115,109 +113,6 @@ def connect(url: str, outage_s: float = 0.0) -> redis.Redis:
 
 
 _RETRY_CAP_S = 0.5
-
-
-class StatusChannel:
-    """Publishes a job's statuses where its client can see them.
-
-    A blocking client listens on its session channel; a non-blocking client
-    polls the latest-status key. Both are written for every non-LOG status, so a
-    blocking client that lost its socket can still poll.
-    """
-
-    def __init__(self, client: redis.Redis, job: Job, ttl_s: int, log_lines_per_s: float = DEFAULT_LOG_LINES_PER_S,
-                 log_bytes_per_job: int = DEFAULT_LOG_BYTES_PER_JOB) -> None:
-        self.redis = client
-        self.job = job
-        self.ttl_s = ttl_s
-        self.logs = bounds.LogLimiter(log_lines_per_s, log_bytes_per_job)
-
-    def send(
-        self,
-        status: str,
-        description: str = "",
-        data: Any = None,
-        meta: Optional[dict] = None,
-        kind: str = "",
-        pipe=None,
-    ) -> None:
-        """``kind``: what sort of ERROR this is, for the ledger and metrics
-        (see ``ndif_celery.ledger``). With ``pipe`` (a pipeline the caller
-        executes), the writes join it: one round trip with the caller's own.
-
-        Every description is bounded (``bounds.truncate``): user code chooses
-        what it prints and what its errors say, and a status is published,
-        stored for ``NDIF_JOB_TTL_S`` and copied into the ledger."""
-        description = bounds.truncate(description or "", bounds.DESCRIPTION_BYTES)
-        message = wire.response_json(self.job.id, status, description, data, meta)
-        own = pipe is None
-        pipe = self.redis.pipeline(transaction=False) if own else pipe
-        if status in wire.TERMINAL:
-            self._log_note(pipe, final=True)  # what LOG output was dropped, before the job's last word
-        if status != wire.LOG:
-            pipe.set(status_key(self.job.id), message, ex=self.ttl_s)
-        if status in wire.TERMINAL:
-            _release(pipe, self.job, self.ttl_s)
-            _record(pipe, self.job, status, description, meta, kind)
-        if self.job.session_id:
-            pipe.publish(session_channel(self.job.session_id), message)
-        if own:
-            pipe.execute()
-
-    def send_binary(self, frame: bytes, latest: str) -> bool:
-        """Publish a pickled COMPLETED frame (inline result) to the websocket;
-        False if nobody was listening (the client went away), and nothing is
-        recorded. ``latest`` is the JSON stored for pollers, who cannot
-        receive bytes."""
-        note = self.logs.note(final=True)
-        if note:
-            self.redis.publish(session_channel(self.job.session_id), wire.response_json(self.job.id, wire.LOG, note))
-        if not self.redis.publish(session_channel(self.job.session_id), frame):
-            return False
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(status_key(self.job.id), latest, ex=self.ttl_s)
-        _release(pipe, self.job, self.ttl_s)
-        stored = json.loads(latest)
-        _record(pipe, self.job, stored["status"], stored.get("description") or "", stored.get("meta"), "")
-        pipe.execute()
-        return True
-
-    def log(self, line: str) -> None:
-        """One LOG line (a print of the user's code), bounded in length and
-        rate-limited per job (``bounds.LogLimiter``): over the limits lines
-        are dropped, and one note says how many."""
-        line = bounds.truncate(line, bounds.LOG_LINE_BYTES)
-        if not self.logs.admit(len(line)):
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        self._log_note(pipe)
-        self.send(wire.LOG, line, pipe=pipe)
-        pipe.execute()
-
-    def _log_note(self, pipe, final: bool = False) -> None:
-        note = self.logs.note(final)
-        if note and self.job.session_id:  # LOG is never stored: only a listener can see it
-            pipe.publish(session_channel(self.job.session_id), wire.response_json(self.job.id, wire.LOG, note))
-
-
-def _release(pipe, job: "Job", ttl_s: int) -> None:
-    """What a terminal status also does: free the key's concurrency slot, note
-    when the job ended (for the cleanup), and keep its owner as long as its status."""
-    from .limits import release
-
-    release(pipe, job)
-    pipe.zadd(ENDED, {job.id: time.time()})
-    pipe.expire(owner_key(job.id), ttl_s)
-
-
-def _record(pipe, job: "Job", status: str, description: str, meta: Optional[dict], kind: str) -> None:
-    """What else a terminal status does, off the hot path: queue the job's
-    summary for the ledger database and count it in the farm's metrics."""
-    from . import ledger, metrics
-
-    entry = ledger.summary(job, status, description, meta, kind)
-    ledger.push(pipe, entry)
-    metrics.record_job(pipe, entry)
 
 
 def job_keys(job_id: str) -> tuple[str, ...]:

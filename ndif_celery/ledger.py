@@ -1,6 +1,6 @@
 """The job ledger: one database row per ended job, kept off the hot path.
 
-When a job ends, :class:`ndif_celery.jobs.StatusChannel` pushes a compact JSON
+When a job ends, :class:`ndif_celery.statuses.StatusChannel` pushes a compact JSON
 summary (:func:`summary`) onto the Redis list ``ndif:ledger`` in the same
 pipeline as its final status, so finishing a job never waits on the
 database. The farm controller (the leading worker, at most every ``EVERY_S``) moves the list

@@ -29,6 +29,8 @@ from typing import Optional
 
 import redis
 
+from . import ledger, queues, registry, wire
+
 REQUESTS = "ndif:metrics:requests"
 JOBS = "ndif:metrics:jobs"
 BYTES = "ndif:metrics:bytes"
@@ -100,8 +102,6 @@ class FarmCollector:
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
-        from . import ledger, queues, registry, wire
 
         pipe = self.redis.pipeline(transaction=False)
         for key in (REQUESTS, JOBS, BYTES, PHASES):

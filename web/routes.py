@@ -14,7 +14,7 @@ import redis
 import zstandard
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery import auth, cleanup, environment, jobs, limits, model_policy, queues, registry, versions, wire
+from ndif_celery import auth, cleanup, environment, jobs, limits, model_policy, queues, registry, statuses, versions, wire
 from ndif_celery.celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for, send_job
 
 bp = Blueprint("api", __name__)
@@ -105,7 +105,7 @@ def submit():
     limits.track(pipe, job)
     pipe.sadd(registry.QUEUES, queue)
     pipe.hset(registry.QUEUE_MODELS, queue, job.model_key)
-    jobs.StatusChannel(client, job, settings.job_ttl_s).send(
+    statuses.StatusChannel(client, job, settings.job_ttl_s).send(
         wire.QUEUED, f"Your job is queued for {wire.repo_fields(job.model_key)['repo_id']} (position {position}).",
         pipe=pipe,
     )

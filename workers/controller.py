@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from ndif_celery import config, jobs, ledger, model_policy, queues, registry, wire
+from ndif_celery import config, jobs, ledger, model_policy, queues, registry, statuses, wire
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, send_job, worker_queue
 
 from . import placement, sizing
@@ -131,7 +131,7 @@ class Controller(threading.Thread):
         if raw is None or jobs.finished(self.redis, job_id):
             return
         job = jobs.Job.from_message(json.loads(raw))
-        channel = jobs.StatusChannel(self.redis, job, self.settings.job_ttl_s)
+        channel = statuses.StatusChannel(self.redis, job, self.settings.job_ttl_s)
         if job.attempt >= 2:
             channel.send(wire.ERROR, f"The worker was lost while running your job ({worker}, twice); "
                                      "it may have run out of memory. It was not run again.", kind="worker_lost")
@@ -172,7 +172,7 @@ class Controller(threading.Thread):
             known = self.positions.get(entry.job.id)
             self.positions[entry.job.id] = position
             if known is not None and known != position:
-                channel = jobs.StatusChannel(self.redis, entry.job, self.settings.job_ttl_s)
+                channel = statuses.StatusChannel(self.redis, entry.job, self.settings.job_ttl_s)
                 channel.send(wire.QUEUED, _queued_text(entry.job.model_key, position))
 
     # -- decisions -------------------------------------------------------------
@@ -235,7 +235,7 @@ def fail_waiting(redis_client, queue: str, reason: str, ttl_s: int) -> int:
     """End every job waiting in ``queue`` with ERROR ``reason``: nobody waits forever."""
     failed = queues.drain(redis_client, queue)
     for job in failed:
-        jobs.StatusChannel(redis_client, job, ttl_s).send(wire.ERROR, reason, kind="deploy")
+        statuses.StatusChannel(redis_client, job, ttl_s).send(wire.ERROR, reason, kind="deploy")
     return len(failed)
 
 

@@ -29,7 +29,7 @@ from typing import Optional
 from celery.signals import worker_init, worker_ready, worker_shutdown
 from celery.worker.control import control_command
 
-from ndif_celery import cleanup, config, jobs, queues, registry, wire
+from ndif_celery import cleanup, config, jobs, queues, registry, statuses, wire
 from ndif_celery.celery_app import CLEANUP, EVICT_MODEL, LOAD_MODEL, RUN_JOB, make_app, queue_for, send_job
 from ndif_celery.store import StoreUnavailable
 
@@ -145,7 +145,7 @@ def run(worker: WorkerState, job: jobs.Job) -> None:
         send_job(app, job)
         registry.wake_controller(worker.redis, "requeued")
         return
-    channel = jobs.StatusChannel(worker.redis, job, settings.job_ttl_s, settings.log_lines_per_s,
+    channel = statuses.StatusChannel(worker.redis, job, settings.job_ttl_s, settings.log_lines_per_s,
                                  settings.log_bytes_per_job)
     started = time.time()
     meta = {"job_id": job.id, "worker": worker.name, "queue_ms": round((started - job.received_at) * 1000, 1)}
@@ -250,7 +250,7 @@ def _job_metrics(outcome: str, seconds: float) -> None:
         log.warning("worker metrics failed", exc_info=True)
 
 
-def _run_in_process(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel, meta: dict, started: float) -> bytes:
+def _run_in_process(model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict, started: float) -> bytes:
     """Trusted: run in this process, against the resident model itself."""
     from . import execute, results
 
@@ -266,7 +266,7 @@ def _run_in_process(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChann
     return results.encode(saved, job.compress)
 
 
-def _run_isolated(model, job: jobs.Job, blob: bytes, channel: jobs.StatusChannel, meta: dict,
+def _run_isolated(model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict,
                   worker: "WorkerState") -> bytes:
     """Untrusted: a fresh jailed child per request (``workers.isolate``), forked
     by the model's zygote (exec'd, or forked from the fork server), never by
@@ -363,7 +363,7 @@ _JAIL_READABLE: tuple = ()
 _JAIL_AS_NOBODY = True
 
 
-def _deliver(worker: WorkerState, channel: jobs.StatusChannel, job: jobs.Job, data: bytes, meta: dict) -> None:
+def _deliver(worker: WorkerState, channel: statuses.StatusChannel, job: jobs.Job, data: bytes, meta: dict) -> None:
     """Inline on the websocket when small and someone listens, else through the
     store as a URL (which ``GET /response/<id>`` also returns)."""
     from . import results
@@ -435,7 +435,7 @@ def load_model(self, model_key: str, dtype: Optional[str] = None, size_bytes: in
     repo = wire.repo_fields(model_key)["repo_id"]
     text = f"Loading {repo} onto {worker.name}."
     for entry in queues.waiting(worker.redis, queue):
-        jobs.StatusChannel(worker.redis, entry.job, settings.job_ttl_s).send(wire.DEPLOYING, text)
+        statuses.StatusChannel(worker.redis, entry.job, settings.job_ttl_s).send(wire.DEPLOYING, text)
     registry.set_deployment(worker.redis, worker.name, model_key, registry.DEPLOYING, size_bytes=size_bytes, dtype=dtype)
     try:
         seconds = worker.models.load(model_key, dtype)

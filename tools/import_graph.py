@@ -1,0 +1,249 @@
+"""The import graph of ndif_celery, workers and web, and the rules it must keep.
+
+Why: the layering (web and workers sit on ndif_celery; the web never loads
+torch or the worker's code; no module circle) is what lets a newcomer change
+one module without reading the rest, and a circle held together by imports
+hidden inside functions only shows up as an ImportError at run time. This
+script reads the source with ``ast`` (nothing is imported, so it is fast and
+safe to run anywhere), takes every import, top-level and function-local,
+and checks:
+
+* no cycle between modules (each one found is named, module by module);
+* ``web`` imports neither ``workers`` nor ``torch``, directly or through the
+  modules it imports (every import counts, even one inside a function that
+  the web may never call: if it is there, one day it will be called);
+* ``ndif_celery`` (the shared core) imports neither ``workers`` nor ``web``,
+  and ``workers`` does not import ``web``.
+
+Usage: ``python tools/import_graph.py [--root DIR] [--quiet]``. It prints the
+module graph (each module and the project modules it imports) and the
+package-level edges, then the problems; the exit status is 1 when there is a
+problem, else 0. tests/test_import_graph.py runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+PACKAGES = ("ndif_celery", "workers", "web")
+
+# package -> what it must never reach (a project package or an outside top-level module)
+FORBIDDEN = {
+    "web": ("workers", "torch"),
+    "ndif_celery": ("workers", "web"),
+    "workers": ("web",),
+}
+
+# Edges that break a rule on purpose, each with its reason (printed with the graph).
+ALLOWED = {
+    ("ndif_celery.doctor", "workers.jail"):
+        "`ndif-celery doctor` probes the jail layers with the very code a job's child runs "
+        "(jail.probe), so that what it reports is what a job gets; imported inside check_jail only",
+}
+
+
+def module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def find_modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
+    """Every module of the packages: dotted name -> file."""
+    found = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            found[module_name(root, path)] = path
+    return found
+
+
+def imports_of(name: str, path: Path) -> list[tuple[str, tuple[str, ...]]]:
+    """Every import in ``path``, anywhere in the file, made absolute:
+    ``(module, names)`` for ``from module import names``, ``(module, ())``
+    for ``import module``."""
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, ()) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            source = node.module or ""
+            if node.level:
+                base = name.split(".")
+                drop = node.level - 1 if is_package else node.level
+                base = base[: len(base) - drop] if drop else base
+                source = ".".join(base + ([node.module] if node.module else []))
+            found.append((source, tuple(alias.name for alias in node.names)))
+    return found
+
+
+def build_graph(root: Path, packages=PACKAGES) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module -> project modules it imports, module -> outside top-level modules it imports).
+
+    ``from ndif_celery import config`` is an edge to ``ndif_celery.config``
+    (not to the package): a package's own ``__init__`` is only an edge when
+    a name is taken from it."""
+    modules = find_modules(root, packages)
+
+    def longest_module(dotted: str) -> str:
+        parts = dotted.split(".")
+        while parts and ".".join(parts) not in modules:
+            parts.pop()
+        return ".".join(parts)
+
+    graph: dict[str, set[str]] = {}
+    outside: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps, other = set(), set()
+        for source, names in imports_of(name, path):
+            top = source.split(".")[0]
+            if top not in packages:
+                if top:
+                    other.add(top)
+                continue
+            targets = [f"{source}.{n}" if f"{source}.{n}" in modules else source for n in names] or [source]
+            deps.update(longest_module(t) for t in targets)
+        deps.discard(name)
+        deps.discard("")
+        graph[name], outside[name] = deps, other
+    return graph, outside
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's
+    algorithm, iterative): each is a set of modules that all reach each other."""
+    index, low, on_stack, stack, components = {}, {}, set(), [], []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return components
+
+
+def _a_cycle_in(component: list[str], graph: dict[str, set[str]]) -> list[str]:
+    """A shortest cycle through the component's first module (breadth-first)."""
+    members, first = set(component), component[0]
+    paths = {first: [first]}
+    frontier = [first]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph[node] & members):
+                if child == first:
+                    return paths[node] + [first]
+                if child not in paths:
+                    paths[child] = paths[node] + [child]
+                    nxt.append(child)
+        frontier = nxt
+    return component  # not reached: a component of several modules holds a cycle through each
+
+
+def reach(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every module reachable from ``start``, with the import path to it
+    (not through an ALLOWED edge)."""
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph[node]):
+                if child not in paths and (node, child) not in ALLOWED:
+                    paths[child] = paths[node] + [child]
+                    nxt.append(child)
+        frontier = nxt
+    return paths
+
+
+def layer_violations(graph, outside) -> list[str]:
+    """Each forbidden import, with the chain of imports that leads to it."""
+    problems = set()
+    for name in sorted(graph):
+        package = name.split(".")[0]
+        banned = FORBIDDEN.get(package, ())
+        if not banned:
+            continue
+        for target, path in reach(graph, name).items():
+            if target.split(".")[0] in banned:
+                problems.add(f"{package} must not import {target.split('.')[0]}: {' -> '.join(path)}")
+            for top in sorted(outside[target] & set(banned)):
+                problems.add(f"{package} must not import {top}: {' -> '.join(path + [top])}")
+    # one line per (rule, first module on the chain) is enough to act on
+    return sorted(problems)
+
+
+def package_edges(graph) -> dict[tuple[str, str], int]:
+    edges: dict[tuple[str, str], int] = defaultdict(int)
+    for name, deps in graph.items():
+        for dep in deps:
+            a, b = name.split(".")[0], dep.split(".")[0]
+            if a != b:
+                edges[a, b] += 1
+    return dict(edges)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
+                        help="the repository root (default: this script's)")
+    parser.add_argument("--quiet", action="store_true", help="print only the problems")
+    args = parser.parse_args(argv)
+    graph, outside = build_graph(args.root)
+    if not args.quiet:
+        print("# modules (each with the project modules it imports)")
+        for name in sorted(graph):
+            print(f"{name} -> {', '.join(sorted(graph[name])) or '-'}")
+        print("\n# packages (import count)")
+        for (a, b), count in sorted(package_edges(graph).items()):
+            print(f"{a} -> {b} ({count})")
+        print("\n# allowed on purpose")
+        for (a, b), why in sorted(ALLOWED.items()):
+            print(f"{a} -> {b}: {why}")
+    problems = [f"cycle: {' -> '.join(_a_cycle_in(members, graph))} (circle of {len(members)} modules: "
+                f"{', '.join(members)})" for members in circles(graph)]
+    problems += layer_violations(graph, outside)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    if not args.quiet:
+        print("\n" + (f"{len(problems)} problem(s)" if problems else "no cycles, layers kept"))
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
