@@ -621,13 +621,13 @@ class Bench:
     # -- isolation --
 
     def isolation(self) -> None:
-        """The same trace in-process, in a child forked by the worker
-        (NDIF_ISOLATION=fork, the default) and in one forked by the model's
-        zygote (NDIF_ISOLATION=zygote), each its own stack, interleaved."""
+        """The same trace in-process, in a child of a zygote forked from the
+        worker's fork server (NDIF_ISOLATION=fork) and in one of an exec'd
+        zygote (NDIF_ISOLATION=zygote, the default), each its own stack, interleaved."""
         from bench.workloads import small_trace
 
         reps = self.plan.isolation_reps
-        self.iso_stack = self.new_stack(NDIF_DEFAULT_TRUSTED="0")
+        self.iso_stack = self.new_stack(NDIF_DEFAULT_TRUSTED="0", NDIF_ISOLATION="fork")
         self.iso_stack.start()
         self.zygote_stack = self.new_stack(NDIF_DEFAULT_TRUSTED="0", NDIF_ISOLATION="zygote")
         self.zygote_stack.start()

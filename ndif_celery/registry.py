@@ -7,6 +7,7 @@ belongs to a dead worker and is ignored, together with the models it claimed,
 so a killed worker disappears from ``/status`` without anyone cleaning up.
 
 - hash ``ndif:workers``       worker name -> JSON {name, host, pid, gpus, memory_bytes, last_seen, current_job, ...}
+  (``current_job`` for operators only: never in the open ``/status``)
 - hash ``ndif:deployments``   "<worker>|<model_key>" -> JSON {model_key, worker, state, size_bytes, pinned, last_used, ...}
 - hash ``ndif:desired``       model_key -> JSON {pinned, replicas, dtype}: what operators deployed
 - hash ``ndif:sizes``         "<model_key>|<dtype>" -> estimated weight bytes
@@ -137,9 +138,14 @@ def wake_controller_once(client: redis.Redis, queue: str, within_ms: int = 250) 
     client.eval(_WAKE_ONCE, 2, f"ndif:woken:{queue}", WAKE, within_ms, queue)
 
 
-def status_document(client: redis.Redis) -> dict:
+def status_document(client: redis.Redis, operator: bool = False) -> dict:
     """``GET /status`` in the shape ``nnsight.status()`` parses: one entry per replica,
-    plus the cluster: each worker with its GPUs and memory used and free."""
+    plus the cluster: each worker with its GPUs and memory used and free.
+
+    ``/status`` is open, so the public document names no job: a running job's
+    id is a handle on its status and result (with auth off, all it takes).
+    ``operator=True`` (the CLI, the admin dashboard) adds each worker's
+    ``current_job``."""
     workers = live_workers(client)
     deployments = live_deployments(client, workers)
     wishes = desired(client)
@@ -177,7 +183,7 @@ def status_document(client: redis.Redis) -> dict:
             "memory_bytes": budget,
             "memory_used_bytes": used.get(name, 0),
             "memory_free_bytes": max(0, budget - used.get(name, 0)),
-            "current_job": info.get("current_job"),
+            **({"current_job": info.get("current_job")} if operator else {}),
             "last_seen": info.get("last_seen"),
             "metrics_port": info.get("metrics_port"),
         }

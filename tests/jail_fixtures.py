@@ -50,7 +50,7 @@ def still_serving_after(jail, worker_pid, model):
 
 
 def isolation(stack) -> str:
-    return stack.env.get("NDIF_ISOLATION", "fork")
+    return stack.env.get("NDIF_ISOLATION", "zygote")
 
 
 def attempt(fn):

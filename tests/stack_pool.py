@@ -42,9 +42,10 @@ class StackPool:
         if kind == "fs-noinline":
             return {"NDIF_MAX_INLINE_BYTES": "0"}
         if kind == "isolated":
-            # Auth off, but every request untrusted: the fork-per-request jail,
+            # Auth off, but every request untrusted, NDIF_ISOLATION=fork: the
+            # children come from zygotes forked off the worker's fork server,
             # with secrets in the workers' environment for it to keep away.
-            return {"NDIF_DEFAULT_TRUSTED": "0", "NDIF_EXECUTION_TIMEOUT_S": "6", **SECRETS}
+            return {"NDIF_DEFAULT_TRUSTED": "0", "NDIF_EXECUTION_TIMEOUT_S": "6", "NDIF_ISOLATION": "fork", **SECRETS}
         if kind == "zygote":
             # The same, with the children forked by each model's clean zygote.
             return {"NDIF_DEFAULT_TRUSTED": "0", "NDIF_EXECUTION_TIMEOUT_S": "6", "NDIF_ISOLATION": "zygote", **SECRETS}

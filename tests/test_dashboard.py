@@ -61,7 +61,7 @@ def test_the_dashboard_shows_the_farm_and_recent_jobs(chromium, on_fs_stack, mod
     error_id = _error_job(stack.url, model)
     deadline = time.monotonic() + 10
     while True:  # the worker's entry says it is idle at its next heartbeat (every 2 s)
-        (worker, info), = stack.farm()["cluster"]["workers"].items()
+        (worker, info), = stack.operator_farm()["cluster"]["workers"].items()
         if info["current_job"] is None or time.monotonic() > deadline:
             break
         time.sleep(0.2)

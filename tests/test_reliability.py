@@ -120,7 +120,7 @@ def test_sigterm_lets_the_running_job_finish(farm):
     backend = slow_job(model, 40, layer=1)
     wait_status(farm.url, backend.job_id, "RUNNING")
     deadline = time.monotonic() + 10
-    while not (holders := [(n, i) for n, i in farm.farm()["cluster"]["workers"].items()
+    while not (holders := [(n, i) for n, i in farm.operator_farm()["cluster"]["workers"].items()
                            if i["current_job"] == backend.job_id]):
         assert time.monotonic() < deadline, "no worker reports the job"
         time.sleep(0.1)

@@ -172,7 +172,39 @@ class _ForksTheGpuWay:
         def child() -> None:
             isolate._child(self.model, policy, out_fd, in_fd, workdir, cgroup, before_jail=lambda: None)
 
-        return isolate.ForkedChild(child)
+        return _ForkedFromAThread(child)
+
+
+class _ForkedFromAThread:
+    """The child, forked from a fresh thread that stays to reap it (this test
+    process has computed with torch: GNU OpenMP's pool is per thread and not
+    fork-safe, and the parent-death signal fires when the forking thread ends)."""
+
+    def __init__(self, child) -> None:
+        import threading
+
+        self.pid, self.status = 0, None
+        self._forked, self._exited = threading.Event(), threading.Event()
+        threading.Thread(target=self._run, args=(child,), daemon=True).start()
+        self._forked.wait()
+
+    def _run(self, child) -> None:
+        pid = os.fork()
+        if pid == 0:
+            child()
+        self.pid = pid
+        self._forked.set()
+        _, self.status = os.waitpid(pid, 0)
+        self._exited.set()
+
+    def wait(self, timeout=None):
+        self._exited.wait(timeout)
+        return self.status
+
+    def kill(self) -> None:
+        from workers import isolate
+
+        isolate._kill_group(self.pid)
 
 
 def test_the_gpu_childs_path_runs_a_request_jailed(resident, hf_home, monkeypatch):

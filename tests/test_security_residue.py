@@ -1,0 +1,254 @@
+"""Leftovers of the worker in an isolated child (issue #12, item 2), as attacks.
+
+An untrusted block looks through everything its process holds (every object
+the garbage collector knows and every string or bytes reachable from one,
+every module's globals, ``os.environ``, ``/proc/self/environ``,
+``/proc/self/cmdline``, and its raw writable memory) for the worker's secrets,
+other jobs' ids and a signing key to mint result URLs with. Each attack runs
+once per isolation mode (``tests/jail_fixtures.py``): children of an exec'd
+zygote, and children of a zygote forked from the worker's fork server.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import nnsight
+import pytest
+
+from tests.jail_fixtures import isolation, jail, still_serving_after, worker_pid  # noqa: F401
+from tests.remote import poll, wait_status
+from tests.stack_pool import SECRETS
+from tests.tiny_model import PROMPT
+
+nnsight.register(__name__)  # the helpers below run inside remote blocks
+
+
+def _escaped(reversed_secret: str) -> str:
+    """A regex matching the secret, written so that neither its text nor its
+    compiled form holds the secret itself (a scan must not find its own needle)."""
+    return "".join("\\x%02x" % ord(c) for c in reversed(reversed_secret))
+
+
+def _strings_and_bytes():
+    """Every str and bytes an object the garbage collector knows refers to
+    (and those inside untracked containers of atomic values), plus every
+    module's globals: what ``gc.get_objects()`` hands a block."""
+    import gc
+
+    objects = gc.get_objects()
+    found = gc.get_referents(*objects)  # one C call for every object's referents
+    untracked = [x for x in found if type(x) in (dict, list, tuple, set, frozenset) and not gc.is_tracked(x)]
+    found += gc.get_referents(*untracked)
+    found += objects  # (every module's globals dict is one of them: its names and values are in ``found``)
+    texts = [x for x in found if type(x) is str]
+    blobs = [bytes(x[:1 << 20]) for x in found if type(x) in (bytes, bytearray)]
+    return texts, blobs
+
+
+def _writable_memory():
+    """(start, end, name) of this process's writable anonymous mappings."""
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        if not fields[1].startswith("rw") or (len(fields) > 5 and fields[5].startswith("/")):
+            continue
+        if len(fields) > 5 and fields[5] in ("[vvar]", "[vsyscall]"):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        yield start, end, fields[5] if len(fields) > 5 else "anonymous"
+
+
+def _find_in_memory(reversed_needles):
+    """For each needle (given reversed), the writable anonymous mappings of
+    this process that hold it. Each mapping is copied into one scratch
+    mapping made after the list was taken (so the copies are never scanned)
+    and searched with ``mmap.find``; the needle's own bytes do not count."""
+    import ctypes
+    import mmap
+    import sys
+
+    regions = list(_writable_memory())
+    needles = {name: bytes(reversed(value.encode())) for name, value in reversed_needles.items()}
+    own = {id(needle) + sys.getsizeof(b"") - 1 for needle in needles.values()}  # (two names may share a value)
+    scratch = mmap.mmap(-1, max(end - start for start, end, _ in regions))
+    base = ctypes.addressof(ctypes.c_char.from_buffer(scratch))
+    found = {}
+    for start, end, mapping in regions:
+        size = end - start
+        ctypes.memmove(base, start, size)
+        for name, needle in needles.items():
+            at = scratch.find(needle, 0, size)
+            while at >= 0:
+                if start + at not in own:
+                    found.setdefault(name, set()).add(f"memory {mapping}")
+                    break
+                at = scratch.find(needle, at + 1, size)
+    del base
+    scratch.close()
+    return found
+
+
+def everything_this_process_holds(reversed_secrets, plant=None):
+    """Every secret (given reversed, so the block does not carry it) found in
+    this process: in strings and bytes reachable from any object the garbage
+    collector knows, module globals, the environment, /proc/self/environ and
+    cmdline, and anywhere in its writable anonymous memory."""
+    import os
+    import re
+
+    held = ["".join(reversed(plant))] if plant else []  # noqa: F841 - the control, in an object gc knows
+    texts, blobs = _strings_and_bytes()
+    texts.extend(f"{k}={v}" for k, v in os.environ.items())
+    for path in ("/proc/self/environ", "/proc/self/cmdline"):
+        try:
+            blobs.append(open(path, "rb").read())
+        except OSError as error:
+            texts.append(str(error))
+    text = "\0".join(texts)
+    blob = b"\0".join(blobs)
+    found = _find_in_memory(reversed_secrets)
+    for name, reversed_secret in reversed_secrets.items():
+        pattern = _escaped(reversed_secret)  # one literal per pass: sre's fast literal-prefix search
+        where = found.get(name, set())
+        for match in re.finditer(pattern, text):
+            i = match.start()
+            where.add("objects: " + re.sub(pattern, "<SECRET>", text[max(0, i - 80):i + 120]))
+            break
+        if re.search(pattern.encode(), blob):
+            where.add("bytes, environ or cmdline")
+        if where:
+            found[name] = sorted(where)
+    return {"found": found, "strings": len(texts), "has_worker_settings": "workers.tasks" in __import__("sys").modules}
+
+
+def _secrets_of(stack) -> dict:
+    from ndif_celery import config
+
+    settings = config.load(stack.env)
+    secrets = dict(SECRETS)
+    secrets["signing key (settings.secret_key)"] = settings.secret_key
+    secrets["database URL"] = settings.database_url
+    secrets["Redis URL"] = settings.redis_url
+    return secrets
+
+
+def test_no_secret_of_the_worker_anywhere_in_the_childs_memory(jail, model):
+    """Objects, strings, module globals, environment, /proc and raw memory:
+    no secret value, in either mode (in fork mode the fork server scrubbed
+    them before its first zygote; an exec'd zygote never had them)."""
+    # Reversed here: the block (and the variables it names) must not carry them.
+    reversed_secrets = {name: value[::-1] for name, value in _secrets_of(jail).items()}
+    # And a control: the block makes this one itself, so the scan must find it.
+    planted = ("planted-" + "marker-" + "0123456789abcdef")[::-1]
+    reversed_secrets["planted"] = planted
+    with model.trace(PROMPT, remote=True) as tracer:
+        outcome = nnsight.save(everything_this_process_holds(reversed_secrets, plant=planted))
+    assert tracer.backend.meta["isolation"] == isolation(jail)
+    assert outcome["strings"] > 10_000, "the block could not even look around"
+    found = dict(outcome["found"])
+    assert any(w.startswith("objects") for w in found.pop("planted", [])), f"the scan missed the control: {outcome}"
+    assert found == {}, f"secrets found in the untrusted job's process: {found}"
+    assert outcome["has_worker_settings"] is False, "the worker's settings module is loaded in the child"
+
+
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def loot(reversed_job_id):
+    """What an attacker's block collects to forge a result URL: every
+    key-like string it can reach (hex keys as ``secrets.token_hex`` makes
+    them, any value stored under a name that says key/secret/sign/token), and
+    whether another user's job id (given reversed) is anywhere in its objects
+    or raw memory."""
+    import re
+
+    texts, _ = _strings_and_bytes()
+    hexkey = re.compile(r"[0-9a-f]{64}")
+    keys = {t for t in texts if len(t) == 64 and hexkey.fullmatch(t)}
+    import gc
+
+    named = re.compile(r"secret|sign|key|token|passw", re.I)
+    for obj in gc.get_objects():
+        if type(obj) is dict:
+            keys.update(v for k, v in obj.items() if type(k) is str and type(v) is str and 8 <= len(v) <= 256
+                        and named.search(k))
+    seen = bool(re.search(_escaped(reversed_job_id), "\0".join(texts))) or bool(_find_in_memory({"id": reversed_job_id}))
+    return {"keys": sorted(keys)[:5000], "job_id_seen": seen}
+
+
+def test_a_block_cannot_mint_a_url_for_another_users_result(jail, model):
+    """User A's job is running, then done with its result in the store.
+    /status names no job. User B's block loots its own process for a signing
+    key and job ids; every URL minted with what it found is refused by the
+    web, and A's job id is not even among what it found."""
+    from ndif_celery import config
+    from ndif_celery.store import open_store
+
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:  # non-blocking: through the store
+        time.sleep(1.5)
+        hidden = model.transformer.h[1].output.save()  # noqa: F841
+    backend = tracer.backend
+    wait_status(jail.url, backend.job_id, "RUNNING")
+    status = httpx.get(f"{jail.url}/status", timeout=10)
+    assert backend.job_id not in status.text, "the open /status names a running job"
+    assert not UUID.search(status.text), "the open /status names a job"
+    assert all("current_job" not in w for w in status.json()["cluster"]["workers"].values())
+    poll(backend)
+    key = f"results/{backend.job_id}.pt"
+    store = open_store(config.load(jail.env))
+    assert len(store.get(key)) > 0
+
+    reversed_id = backend.job_id[::-1]
+    with model.trace(PROMPT, remote=True):
+        found = nnsight.save(loot(reversed_id))
+    assert found["job_id_seen"] is False, "another user's job id is in the untrusted job's memory"
+    assert store._secret.decode() not in found["keys"], "the signing key is in the untrusted job's memory"
+
+    expires = int(time.time()) + 600
+    minted = [f"{jail.url}/results/{key}?expires={expires}&signature={_sign(candidate, key, expires)}"
+              for candidate in found["keys"]]
+    # Every candidate, checked as the web checks it; the first ones also over HTTP.
+    assert not [c for c in found["keys"] if store.signature_valid(key, expires, _sign(c, key, expires))]
+    with httpx.Client(timeout=10) as client:
+        for url in minted[:40]:
+            assert client.get(url).status_code in (401, 403, 404), url
+        # The control: the same scheme with the real key opens A's result,
+        # so a leaked key would have been enough.
+        real = f"{jail.url}/results/{key}?expires={expires}&signature={_sign(store._secret.decode(), key, expires)}"
+        assert client.get(real).status_code == 200
+
+
+def _sign(secret: str, key: str, expires: int) -> str:
+    """ndif_celery/store.py's scheme: HMAC-SHA256 of ``key\\nexpires``."""
+    import hashlib
+    import hmac
+
+    return hmac.new(secret.encode(), f"{key}\n{expires}".encode(), hashlib.sha256).hexdigest()
+
+
+def test_the_fork_servers_derived_secrets_cover_url_passwords():
+    """The fork server searches memory for each secret and its derived forms:
+    a URL's password (as written and unquoted) and ``user:password``, and
+    secret-named environment variables; never what a needed variable holds."""
+    from workers.forkserver import derived_secrets
+
+    needles = derived_secrets(
+        ["redis://:p%40ss-word-0123@10.0.0.1:6379/0", "postgresql://ndif:db-pass-4567@db/ndif"],
+        {"HF_TOKEN": "hf_abcdefghijklmnop", "HF_HOME": "/srv/hf-cache-dir", "NDIF_HOME": "/srv/hf-cache-dir",
+         "NDIF_API_KEY_FILE_PASSWORD": "short"},
+        keep=("HF_HOME",),
+    )
+    for expected in (b"p%40ss-word-0123", b"p@ss-word-0123", b"ndif:db-pass-4567", b"db-pass-4567",
+                     b"hf_abcdefghijklmnop", b"redis://:p%40ss-word-0123@10.0.0.1:6379/0"):
+        assert expected in needles, expected
+    assert b"/srv/hf-cache-dir" not in needles, "a needed value would be scrubbed"
+    assert b"short" not in needles
+
+
+@pytest.fixture(autouse=True)
+def _mode_is_as_configured(jail):
+    """The jail fixture's two stacks really are the two modes."""
+    assert isolation(jail) in ("fork", "zygote")
+    yield
