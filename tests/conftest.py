@@ -187,6 +187,9 @@ def local_results(model, tmp_path_factory):
 #   module-level fixtures that start their own Stack or server;
 # * its module is in E2E_MODULES (every test of it drives a stack);
 # * it carries ``@pytest.mark.e2e`` itself (it starts a stack in its body).
+#
+# A fast-tier test that starts a stack or moto anyway fails at once, naming this
+# fix (``tests.servers.refuse_in_fast_tier``), so the fast tier stays fast.
 
 E2E_FIXTURES = frozenset({
     # tests/stack_pool.py and the fixtures above
@@ -204,6 +207,15 @@ E2E_MODULES = frozenset({
     "test_expiry", "test_farm", "test_farm_replicas", "test_jail_required", "test_limits", "test_load",
     "test_many_requests", "test_outages", "test_reliability",
 })
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures: a fast-tier test that starts a stack or a
+    server process fails, naming the fix (``tests.servers.refuse_in_fast_tier``)."""
+    from tests import servers
+
+    servers.FAST_TIER_TEST = "" if item.get_closest_marker("e2e") else item.nodeid
 
 
 def pytest_collection_modifyitems(config, items):

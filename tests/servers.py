@@ -17,6 +17,20 @@ import time
 from typing import Optional
 
 
+# The node id of the test being set up or run when it is in the fast tier, set
+# by tests/conftest.py. Starting a real stack or server process there is a
+# marking mistake (the tier would silently get slow), so it fails at once.
+FAST_TIER_TEST = ""
+
+
+def refuse_in_fast_tier(what: str) -> None:
+    if FAST_TIER_TEST:
+        raise RuntimeError(
+            f"{FAST_TIER_TEST} starts {what} but is in the fast tier: mark it end-to-end "
+            "(an E2E_FIXTURES / E2E_MODULES entry in tests/conftest.py, or @pytest.mark.e2e)."
+        )
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -105,6 +119,7 @@ class MotoServer:
     def start(self) -> "MotoServer":
         if self.running:
             return self
+        refuse_in_fast_tier("moto's S3 server")
         env = _loopback_env(
             AWS_ACCESS_KEY_ID=self.access_key,
             AWS_SECRET_ACCESS_KEY=self.secret_key,

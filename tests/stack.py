@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from tests.servers import free_ports
+from tests.servers import free_ports, refuse_in_fast_tier
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,6 +96,7 @@ class Stack:
 
     def start(self, timeout: float = 180) -> "Stack":
         """``up --detach``: returns once the stack is ready, else raises with every log."""
+        refuse_in_fast_tier("a stack")
         try:
             result = self.cli("up", "--detach", "--timeout", str(timeout), timeout=timeout + 60)
         except subprocess.TimeoutExpired as exc:
