@@ -9,9 +9,9 @@ frame or through the filesystem store or S3 by URL. So:
 
 * the **main variants** run every case (``conformance.CASES``), because each
   is a different *execution* path: ``fs-blocking-zstd`` (in the worker's own
-  process, result inline), ``isolated-blocking-zstd`` (a jailed child forked
-  for the request, ``NDIF_ISOLATION=fork``) and ``zygote-blocking-zstd`` (a
-  child of the model's zygote, ``NDIF_ISOLATION=zygote``);
+  process, result inline), ``isolated-blocking-zstd`` and ``zygote-blocking-zstd``
+  (a fresh jailed child per request, its zygote forked from the fork server,
+  ``NDIF_ISOLATION=fork``, or exec'd, ``=zygote``: see docs/security.md);
 * the **transport-only variants** (fs raw, fs non-blocking x2, fs-noinline,
   S3 x3, isolated and zygote non-blocking) run TRANSPORT_CASES, the cases
   whose requests or results stress what differs between transports: plain
