@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from . import config, db
+from .errors import Refused
 
 HEADER = "ndif-api-key"
 _KEY_FORMAT = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
@@ -30,11 +31,9 @@ INVALID = "Invalid API key."
 UNAVAILABLE = "Auth backend unavailable."
 
 
-class AuthError(Exception):
-    def __init__(self, detail: str, status: int) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.status = status
+class AuthError(Refused):
+    """A key refused (``errors.Refused``): 401 missing, 400 malformed, 403 unknown or revoked,
+    429 throttled, 503 the key database unreachable."""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ import click
 import redis as redis_py
 
 from . import config, stack
-from .wire import repo_fields
 
 
 class _Interrupted(Exception):
@@ -263,7 +262,7 @@ def queue(as_json: bool) -> None:
     if not rows:
         click.echo("no model queues yet")
     for row in rows:
-        repo = repo_fields(row["model_key"])["repo_id"] if row["model_key"] else row["queue"]
+        repo = queues.model_name(row)
         click.echo(f"{repo:<40} depth {row['depth']:>4}  head wait {row['head_wait_s']:>8.1f} s")
 
 

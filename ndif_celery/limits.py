@@ -19,13 +19,11 @@ import time
 import redis
 
 from . import auth, config, jobs, queues
+from .errors import Refused
 
 
-class LimitError(Exception):
-    def __init__(self, detail: str, status: int) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.status = status
+class LimitError(Refused):
+    """A limit reached: 413 payload size, 429 rate, concurrency or sockets, 503 queue full."""
 
 
 def _active_key(owner: str) -> str:

@@ -29,7 +29,7 @@ from typing import Optional
 
 import redis
 
-from . import ledger, queues, registry, wire
+from . import ledger, queues, registry
 
 REQUESTS = "ndif:metrics:requests"
 JOBS = "ndif:metrics:jobs"
@@ -164,7 +164,7 @@ class FarmCollector:
         )
         per_model: dict[str, list] = {}
         for row in queues.summary(self.redis):
-            model = wire.repo_fields(row["model_key"])["repo_id"] if row["model_key"] else row["queue"]
+            model = queues.model_name(row)
             entry = per_model.setdefault(model, [0, 0.0])
             entry[0] += row["depth"]
             entry[1] = max(entry[1], row["head_wait_s"])

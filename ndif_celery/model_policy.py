@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from .wire import WireError
+from .wire import WireError, check_model_key
 
 # The one class nnsight 0.8.1 keys its transformers models by: LanguageModel
 # and VisionLanguageModel key themselves as TransformersModel (_remoteable_class).
@@ -106,9 +106,10 @@ class ModelKey:
 
 
 def parse(model_key: str) -> ModelKey:
-    """Check ``model_key`` field by field; raise PolicyError (422) naming what is wrong."""
-    from .wire import check_model_key
+    """Check ``model_key`` field by field; raise PolicyError (422) naming what is wrong.
 
+    The strict reading of a key, at intake and before any load; ``wire.repo_fields``
+    and ``wire.repo_id`` are the lenient one, for display of keys already queued."""
     try:
         check_model_key(model_key)  # shape, length, nnsight.modeling.* class
     except PolicyError:

@@ -19,7 +19,7 @@ from typing import Optional
 
 import redis
 
-from . import jobs, registry
+from . import jobs, registry, wire
 
 
 # kombu's Redis transport: its priority steps and the separator of the list names.
@@ -117,3 +117,10 @@ def summary(client: redis.Redis, now: Optional[float] = None) -> list[dict]:
         if isinstance(row["model_key"], bytes):
             row["model_key"] = row["model_key"].decode()
     return rows
+
+
+def model_name(row: dict) -> str:
+    """What a person reads for a ``summary`` row: its model's repo id, or the
+    queue's own name when no model was ever recorded for it (the CLI, the
+    dashboard and the ``ndif_queue_*`` metrics label queues alike)."""
+    return wire.repo_id(row["model_key"]) if row["model_key"] else row["queue"]

@@ -18,20 +18,18 @@ from typing import Optional
 
 from packaging.version import InvalidVersion, Version
 
+from .errors import Refused
+
 NNSIGHT_HEADER = "nnsight-version"
 PYTHON_HEADER = "python-version"
 
 _MAJOR_MINOR = re.compile(r"^\s*(\d+)\.(\d+)")
 
 
-class VersionRefused(ValueError):
-    """A client below a configured minimum; ``detail`` is the 400's ``detail``."""
+class VersionRefused(Refused, ValueError):
+    """A client below a configured minimum: 400 with NDIF's ``detail`` (``errors.Refused``)."""
 
     status = 400
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
 
 
 def parse_minimum(name: str, raw: str) -> str:

@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from .errors import Refused
+
 RECEIVED = "RECEIVED"
 QUEUED = "QUEUED"
 DEPLOYING = "DEPLOYING"
@@ -36,13 +38,10 @@ MAX_MODEL_KEY_CHARS = 4096
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-class WireError(ValueError):
-    """A request the client got wrong; ``status`` is the HTTP code to answer with."""
+class WireError(Refused, ValueError):
+    """A request the client got wrong: 422 unless said otherwise (``errors.Refused``)."""
 
-    def __init__(self, detail: str, status: int = 422) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.status = status
+    status = 422
 
 
 @dataclass
@@ -114,6 +113,13 @@ def repo_fields(model_key: str) -> dict:
     if data.get("trust_remote_code"):
         fields["trust_remote_code"] = True
     return fields
+
+
+def repo_id(model_key: str) -> str:
+    """The repo id a person reads for ``model_key`` (status lines, the dashboard,
+    the CLI, the ledger). Lenient on purpose: a display name for any key that
+    reached a queue, where ``model_policy.parse`` is the strict check at intake."""
+    return str(repo_fields(model_key)["repo_id"])
 
 
 def response_json(

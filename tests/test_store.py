@@ -20,8 +20,10 @@ import pytest
 from flask import Flask
 
 from ndif_celery import config
+from ndif_celery.errors import Refused
 from ndif_celery.store import FilesystemStore, S3Store, StoreUnavailable, open_store
 from tests.servers import MotoServer, free_port
+from web.app import refused
 
 ROOT = Path(__file__).resolve().parent.parent
 PAYLOAD = bytes(range(256)) * 1000 + b"tail"
@@ -135,6 +137,7 @@ def client(fs_store):
     app = Flask("test_results")
     app.config["NDIF_STORE"] = fs_store
     app.register_blueprint(bp)
+    app.register_error_handler(Refused, refused)  # as create_app does: refusals answer {"detail": ...}
     return app.test_client()
 
 
@@ -200,6 +203,7 @@ def test_route_with_s3_store_points_elsewhere(fs_store):
         "http://127.0.0.1:1", "", "a", "b", "bucket", "us-east-1", True, 60
     )
     app.register_blueprint(bp)
+    app.register_error_handler(Refused, refused)  # as create_app does: refusals answer {"detail": ...}
     q = _query(fs_store.url("r"))
     response = app.test_client().get(f"/results/r?{urlencode(q)}")
     assert response.status_code == 404

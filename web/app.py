@@ -14,10 +14,19 @@ from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
 from ndif_celery import config, jobs
-from ndif_celery.auth import AuthError, Authenticator
-from ndif_celery.limits import LimitError
+from ndif_celery.auth import Authenticator
 from ndif_celery.celery_app import make_app
+from ndif_celery.errors import Refused
 from ndif_celery.store import open_store
+
+from . import dashboard, results, routes, subscribe
+
+
+def refused(error: Refused):
+    """The one answer to every refusal (envelope, model policy, version, key,
+    limits, ownership, result URLs), before a websocket upgrade too: the
+    nnsight client reads ``body["detail"]`` and the status."""
+    return jsonify(detail=error.detail), error.status
 
 
 def create_app(settings: Optional[config.Settings] = None) -> Flask:
@@ -32,8 +41,6 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     # Refuse absurd uploads before reading them; the exact check is on the blob.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_payload_bytes + 1024 * 1024 if settings.max_payload_bytes else None
 
-    from . import dashboard, results, routes, subscribe
-
     app.register_blueprint(routes.bp)
     app.register_blueprint(results.bp)
     app.register_blueprint(dashboard.bp)  # /metrics, /dashboard, and every request counted
@@ -41,10 +48,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.before_request(subscribe.refuse_unknown_keys)
     app.teardown_request(subscribe.release_socket)
 
-    @app.errorhandler(AuthError)
-    @app.errorhandler(LimitError)
-    def refused(error):
-        return jsonify(detail=error.detail), error.status
+    app.register_error_handler(Refused, refused)
 
     @app.errorhandler(413)
     def too_large(error):

@@ -22,8 +22,10 @@ import time
 import redis
 from flask import Blueprint, Response, current_app, render_template_string, request
 
-from ndif_celery import db, ledger, metrics, queues, registry, wire
+from ndif_celery import db, ledger, metrics, queues, registry
 from ndif_celery.auth import AuthError
+
+from .identity import identify
 
 bp = Blueprint("monitoring", __name__)
 log = logging.getLogger("ndif_celery.web")
@@ -99,7 +101,11 @@ def _refusal_page(detail: str, status: int) -> str:
 
 
 def _admin_refusal():
-    """None if the caller may see the dashboard, else the answer to send."""
+    """None if the caller may see the dashboard, else the answer to send.
+
+    The one place a refusal is not the app's JSON ``errors.Refused`` answer: a
+    person's browser reads this one, so it gets an HTML page and, for 401, the
+    ``WWW-Authenticate`` challenge that makes the browser ask for the key."""
     if not _settings().auth:
         return None
     credentials = request.authorization
@@ -107,7 +113,7 @@ def _admin_refusal():
     if not key:
         return _challenge("The dashboard needs an admin API key: sign in with any user name and the key as password.")
     try:
-        identity = current_app.config["NDIF_AUTH"].identify(key, request.remote_addr)
+        identity = identify(key)
     except AuthError as error:
         if error.status == 503:
             return _challenge(error.detail, 503)
@@ -188,7 +194,7 @@ def page_data(client: redis.Redis) -> dict:
     waiting = []
     for row in queues.summary(client):
         waiting.append({
-            "model": wire.repo_fields(row["model_key"])["repo_id"] if row["model_key"] else row["queue"],
+            "model": queues.model_name(row),
             "queue": row["queue"],
             "depth": row["depth"],
             "head_wait": f"{row['head_wait_s']:.1f} s",

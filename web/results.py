@@ -12,33 +12,30 @@ Must stay free of torch (and anything else heavy): the web process imports it.
 
 from __future__ import annotations
 
-from flask import Blueprint, current_app, jsonify, request, send_file
+from flask import Blueprint, current_app, request, send_file
 
+from ndif_celery.errors import Refused
 from ndif_celery.store import FilesystemStore
 
 bp = Blueprint("results", __name__)
-
-
-def _error(status: int, detail: str):
-    return jsonify({"detail": detail}), status
 
 
 @bp.get("/results/<path:key>")
 def download(key: str):
     store = current_app.config["NDIF_STORE"]
     if not isinstance(store, FilesystemStore):
-        return _error(404, "results are served by the object store")
+        raise Refused("results are served by the object store", 404)
 
     expires = request.args.get("expires")
     signature = request.args.get("signature")
     if not expires or not signature:
-        return _error(403, "Result URL is missing its expires or signature parameter")
+        raise Refused("Result URL is missing its expires or signature parameter", 403)
     # Check the signature before the clock, so a forged URL is reported as
     # invalid whatever expiry it claims.
     if not store.signature_valid(key, expires, signature):
-        return _error(403, "Result URL signature is invalid")
+        raise Refused("Result URL signature is invalid", 403)
     if not store.verify(key, expires, signature):
-        return _error(403, "Result URL has expired; ask the API for a new one")
+        raise Refused("Result URL has expired; ask the API for a new one", 403)
 
     try:
         path = store.path(key)
@@ -51,6 +48,6 @@ def download(key: str):
             etag=False,
         )
     except (ValueError, FileNotFoundError, IsADirectoryError):
-        return _error(404, f"No result {key!r}: it was never stored, or has been deleted")
+        raise Refused(f"No result {key!r}: it was never stored, or has been deleted", 404) from None
     response.headers["Cache-Control"] = "private, no-store"
     return response

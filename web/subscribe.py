@@ -16,7 +16,9 @@ from typing import Optional
 from flask import current_app, g, request
 from flask_sock import Sock
 
-from ndif_celery import auth, jobs, limits, wire
+from ndif_celery import jobs, limits, wire
+
+from .identity import identify
 
 sock = Sock()
 POLL_S = 1.0
@@ -27,10 +29,11 @@ RESYNC_S = 5.0
 def refuse_unknown_keys():
     """Before the websocket upgrade: with auth on, only a valid key may subscribe,
     and only while it holds fewer than ``NDIF_MAX_WEBSOCKETS_PER_KEY`` sockets
-    (the handshake fails with the same JSON refusal as ``POST /request``; the
-    nnsight client shows it in its ``Handshake status 429 ...`` error)."""
+    (a refusal raises ``errors.Refused`` here, before the upgrade, so the
+    handshake fails with the app's one JSON refusal, as ``POST /request`` does;
+    the nnsight client shows it in its ``Handshake status 429 ...`` error)."""
     if request.path == "/subscribe":
-        identity = current_app.config["NDIF_AUTH"].identify(request.headers.get(auth.HEADER), request.remote_addr)
+        identity = identify()
         session_id = uuid.uuid4().hex
         if limits.claim_socket(current_app.config["NDIF_REDIS"], identity, session_id, current_app.config["NDIF_SETTINGS"]):
             g.ndif_socket = session_id

@@ -1,0 +1,136 @@
+"""The intake of ``POST /request``: from what the client sent to a QUEUED job.
+
+The route (``web/routes.py``) only reads the HTTP request and answers; this
+module is the pipeline, one named step each, in the order a request meets
+them (the order is part of the contract: a request wrong in two ways is
+refused for the first, as on NDIF, e.g. a bad envelope before an old client):
+
+    envelope -> version gate -> model policy -> session -> payload
+             -> limits -> park -> enqueue (QUEUED, Celery message, controller)
+
+Every refusal raises ``errors.Refused`` (or a subclass) before anything is
+written, so a refused request leaves nothing in Redis (tests/test_intake.py).
+Settings, Redis and the Celery app are passed in, no Flask: the fast tier and
+any other front end can drive it directly.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Mapping, Optional
+
+import redis
+import zstandard
+from celery import Celery
+
+from . import auth, config, jobs, limits, messages, model_policy, queues, registry, statuses, versions, wire
+from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for, send_job
+from .errors import Refused
+
+
+def accept(
+    client: redis.Redis,
+    celery: Celery,
+    settings: config.Settings,
+    identity: auth.Identity,
+    data: Optional[str],
+    blob: Optional[bytes],
+    headers: Mapping[str, str],
+) -> jobs.Job:
+    """Check ``data`` (the envelope form field) and ``blob`` (the payload part,
+    None when absent) for ``identity``; park, enqueue and return the job."""
+    envelope = wire.parse_envelope(data)
+    # After the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION.
+    versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
+    admit_model(client, settings, identity, envelope)
+    check_session(client, identity, envelope.session_id)
+    blob = check_payload(blob, envelope.compress, settings)
+    job = jobs.Job(
+        id=uuid.uuid4().hex,
+        model_key=envelope.model_key,
+        session_id=envelope.session_id,
+        compress=envelope.compress,
+        env=envelope.env,
+        received_at=jobs.now(),
+        payload_bytes=len(blob),
+        trusted=identity.trusted,
+        priority="priority" in identity.tags,
+        owner=identity.owner,
+    )
+    queue = queue_for(job.model_key)
+    position = count(client, identity, job, queue, settings)
+    park(client, job, blob, queue, position, settings)
+    send_job(celery, job)
+    # The controller deploys the model if no worker holds it (``workers.controller``).
+    registry.wake_controller_once(client, queue)
+    return job
+
+
+def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
+                envelope: wire.Envelope) -> None:
+    """The key and env as nnsight sends them, made canonical in ``envelope``;
+    what this key may load (``model_policy``)."""
+    offered = () if identity.trusted else model_policy.offered_keys(client)
+    envelope.model_key, envelope.env = model_policy.Policy.from_settings(settings).admit(
+        envelope.model_key, envelope.env, identity.trusted, offered)
+
+
+def check_session(client: redis.Redis, identity: auth.Identity, session_id: str) -> None:
+    """Only the key that opened a /subscribe socket may submit jobs that report to it."""
+    if session_id and client.get(jobs.session_owner_key(session_id)) != identity.owner.encode():
+        raise Refused("session_id was not opened by this API key (open /subscribe with the same key).", 403)
+
+
+def check_payload(blob: Optional[bytes], compress: bool, settings: config.Settings) -> bytes:
+    """The payload, present, within ``NDIF_MAX_PAYLOAD_BYTES``, and a sized zstd
+    frame when declared compressed (the worker decompresses into that size)."""
+    if blob is None:
+        raise Refused("Missing file part 'blob' (the serialized request payload).", 400)
+    if not blob:
+        raise Refused("The 'blob' part is empty: there is no request payload to run.", 400)
+    limits.check_payload(len(blob), settings)
+    if compress:
+        problem = zstd_problem(blob)
+        if problem:
+            raise Refused(problem, 400)
+    return blob
+
+
+def zstd_problem(blob: bytes) -> str:
+    """Why a payload declared compressed is not a zstd frame, or ''."""
+    try:
+        params = zstandard.get_frame_parameters(blob)
+    except zstandard.ZstdError as error:
+        return f"The payload is declared compressed but is not a valid zstd frame ({error})."
+    if params.content_size in (0, zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
+        return "The payload is declared compressed but its zstd frame has no content size."
+    return ""
+
+
+def count(client: redis.Redis, identity: auth.Identity, job: jobs.Job, queue: str,
+          settings: config.Settings) -> int:
+    """Refuse a key over its rate, concurrency or the queue's depth; else count
+    the request and return the job's queue position (1 is next)."""
+    depths = limits.check_and_count(client, identity, queue, settings)
+    ahead = queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL)
+    return sum(depths[: len(ahead)]) + 1
+
+
+def park(client: redis.Redis, job: jobs.Job, blob: bytes, queue: str, position: int,
+         settings: config.Settings) -> None:
+    """One round trip for the job's state, its QUEUED status (the first the
+    client sees after RECEIVED, before the job is visible to any worker) and
+    the queue's registration; the Celery message goes after it."""
+    pipe = client.pipeline(transaction=False)
+    pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
+    pipe.set(jobs.owner_key(job.id), job.owner, ex=settings.job_ttl_s)
+    pipe.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), ex=settings.job_ttl_s)
+    if job.session_id:
+        pipe.sadd(jobs.session_jobs_key(job.session_id), job.id)
+        pipe.expire(jobs.session_jobs_key(job.session_id), settings.job_ttl_s)
+    limits.track(pipe, job)
+    pipe.sadd(registry.QUEUES, queue)
+    pipe.hset(registry.QUEUE_MODELS, queue, job.model_key)
+    statuses.StatusChannel(client, job, settings.job_ttl_s).send(
+        wire.QUEUED, messages.queued(job.model_key, position), pipe=pipe)
+    pipe.execute()
