@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from ndif_celery import config, jobs, ledger, model_policy, queues, registry, statuses, wire
+from ndif_celery import config, jobs, ledger, messages, model_policy, queues, registry, statuses, wire
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, send_job, worker_queue
 
 from . import placement, sizing
@@ -173,7 +173,7 @@ class Controller(threading.Thread):
             self.positions[entry.job.id] = position
             if known is not None and known != position:
                 channel = statuses.StatusChannel(self.redis, entry.job, self.settings.job_ttl_s)
-                channel.send(wire.QUEUED, _queued_text(entry.job.model_key, position))
+                channel.send(wire.QUEUED, messages.queued(entry.job.model_key, position))
 
     # -- decisions -------------------------------------------------------------
 
@@ -241,10 +241,6 @@ def fail_waiting(redis_client, queue: str, reason: str, ttl_s: int) -> int:
 
 def _last_activity(holder: dict) -> float:
     return holder.get("last_used") or holder.get("loaded_at") or holder.get("created_at") or 0.0
-
-
-def _queued_text(model_key: str, position: int) -> str:
-    return f"Your job is queued for {wire.repo_fields(model_key)['repo_id']} (position {position})."
 
 
 class Farm:
