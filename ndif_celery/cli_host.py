@@ -1,0 +1,277 @@
+"""``ndif-celery`` commands about this host: the stack it runs and its services.
+
+``up``/``down``/``status`` run a whole farm on this host (the logic lives in
+:mod:`ndif_celery.stack`); ``web``, ``worker``, ``beat``, ``flower`` and
+``redis`` replace themselves with one service in the foreground, for a
+Procfile, systemd or a container, on any number of hosts; ``logs``,
+``version`` and ``doctor`` look at this host. ``settings()`` is the one way
+every command reads its configuration (a bad ``NDIF_*`` value is a clean CLI
+error, not a traceback). Registered on the group in :mod:`ndif_celery.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Callable, Optional
+
+import click
+import redis as redis_py
+
+from . import config, doctor as checks, jobs, logs as service_logs, registry, stack
+
+
+class _Interrupted(Exception):
+    """Raised from a signal handler so ``up`` unwinds into stopping the stack."""
+
+
+_TRAPPED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted(signal.Signals(signum).name)
+
+
+def settings() -> config.Settings:
+    """This host's settings, or a ClickException naming the bad variable."""
+    try:
+        return config.load()
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def echo_rows(rows: list, as_json: bool, render: Callable[[dict], str], empty: str = "") -> None:
+    """Print a listing command's ``rows``: as JSON with ``--json``, else one
+    ``render(row)`` line each, or ``empty`` when there are none."""
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows and empty:
+        click.echo(empty)
+    for row in rows:
+        click.echo(render(row))
+
+
+def _stop(settings: config.Settings, timeout: float = 10) -> dict:
+    # A second Ctrl-C must not abandon the stack half stopped; stop() is
+    # bounded by its own timeouts.
+    for signum in _TRAPPED:
+        signal.signal(signum, signal.SIG_IGN)
+    return stack.stop(settings, timeout)
+
+
+@click.command()
+@click.option("--detach", "-d", is_flag=True, help="Return once the stack is ready and leave it running.")
+@click.option("--timeout", default=120.0, show_default=True, type=float,
+              help="Seconds to wait for the stack to become ready.")
+def up(detach: bool, timeout: float) -> None:
+    """Run Redis, the web, a worker and Flower on this host.
+
+    In the foreground until Ctrl-C (or SIGTERM), which stops everything; if a
+    service dies, the rest are stopped and the exit status is 1.
+    """
+    current = settings()
+    for signum in _TRAPPED:
+        signal.signal(signum, _raise_interrupted)
+
+    try:
+        started = stack.start(current)
+    except stack.StackError as exc:
+        raise click.ClickException(str(exc)) from None
+    except _Interrupted:
+        sys.exit(1)  # start() stopped what it had started
+    click.echo(f"starting {', '.join(started)} (NDIF_HOME={current.home}, logs in {current.home / 'logs'})")
+
+    try:
+        stack.wait_ready(current, timeout)
+    except stack.StackError as exc:
+        _stop(current)
+        raise click.ClickException(f"{exc}\nstopped the stack.") from None
+    except _Interrupted:
+        click.echo("interrupted; stopping", err=True)
+        _stop(current)
+        sys.exit(1)
+
+    click.echo(f"ndif-celery is up at {current.api_url}")
+    if "flower" in started:
+        click.echo(f"Flower: {stack.flower_url(current)}")
+    if detach:
+        click.echo("stop it with `ndif-celery down`")
+        return
+
+    click.echo("press Ctrl-C to stop")
+    try:
+        while True:
+            if not stack.state_path(current).exists():
+                click.echo("stopped by `ndif-celery down`")
+                return
+            dead = stack.first_dead(current)
+            if dead is not None:
+                _, message = dead
+                click.echo(f"error: {message}", err=True)
+                click.echo("stopping the other services", err=True)
+                _stop(current)
+                sys.exit(1)
+            time.sleep(0.5)
+    except _Interrupted:
+        click.echo("stopping")
+        _stop(current)
+        click.echo("stopped")
+
+
+@click.command()
+@click.option("--timeout", default=10.0, show_default=True, type=float,
+              help="Seconds each service gets to exit after SIGTERM before SIGKILL.")
+def down(timeout: float) -> None:
+    """Stop the stack that `up` started (fine if it is not running)."""
+    current = settings()
+    try:
+        outcome = stack.stop(current, timeout)
+    except stack.StackError as exc:
+        raise click.ClickException(str(exc)) from None
+    if not outcome:
+        click.echo("ndif-celery is not running")
+    for service, what in outcome.items():
+        click.echo(f"{service}: {what}")
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the farm as JSON (the /status document).")
+def status(as_json: bool) -> None:
+    """Show this host's services, and the farm: workers and the models they hold."""
+    current = settings()
+    farm = _farm_status(current)
+    if as_json:
+        if farm is None:
+            raise click.ClickException(f"cannot reach the broker at {current.redis_url}")
+        click.echo(json.dumps(farm, indent=2))
+        return
+    try:
+        rows = stack.status(current)
+    except stack.StackError as exc:
+        raise click.ClickException(str(exc)) from None
+    recorded = {service: (pid, alive) for service, pid, alive in rows}
+    for service in recorded or stack.default_services(current):
+        pid, alive = recorded.get(service, (None, False))
+        click.echo(f"{service:<8}{pid if pid else '-':>8}  {'running' if alive else 'stopped'}")
+    answers = stack.api_answers(current)
+    click.echo(f"{'api':<8}{stack.ping_url(current)}  {'answers' if answers else 'not answering'}")
+    if farm is None:
+        click.echo(f"farm: broker at {current.redis_url} not reachable")
+        return
+    click.echo("\nworkers:")
+    for name, info in sorted(farm["cluster"]["workers"].items()):
+        gpus = ",".join(info["gpus"]) or "cpu"
+        click.echo(
+            f"  {name:<28} gpus={gpus:<6} used {_mib(info['memory_used_bytes'])} of "
+            f"{_mib(info['memory_bytes'])}  job={info['current_job'] or '-'}"
+        )
+    click.echo("deployments:")
+    hot = [e for e in farm["deployments"].values() if e["deployment_level"] == "HOT"]
+    for entry in sorted(hot, key=lambda e: (e["repo_id"], e["worker"])):
+        pin = " pinned" if entry["pinned"] else ""
+        click.echo(f"  {entry['repo_id']:<36} {entry['application_state']:<10} on {entry['worker']}{pin}")
+
+
+def _mib(n: int) -> str:
+    return f"{(n or 0) / 1024**2:.1f} MiB"
+
+
+def _farm_status(settings: config.Settings) -> Optional[dict]:
+    try:
+        return registry.status_document(jobs.connect(settings.redis_url), operator=True)
+    except (redis_py.RedisError, OSError):
+        return None
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the versions as JSON.")
+def version(as_json: bool) -> None:
+    """Versions of python, ndif-celery, nnsight, torch (+CUDA), transformers,
+    celery, flask, redis-py and the redis-server binary."""
+    report = checks.versions()
+    click.echo(json.dumps(report, indent=2) if as_json else checks.render_versions(report))
+
+
+@click.command()
+def doctor() -> None:
+    """Check this host: one line per check (OK, WARN, FAIL, SKIP) and the fix
+    for each problem. Exits 1 if any check fails."""
+    results = checks.run()
+    click.echo(checks.render(results))
+    if checks.failed(results):
+        failing = ", ".join(c.name for c in results if c.status == checks.FAIL)
+        click.echo(f"\n{sum(c.status == checks.FAIL for c in results)} check(s) failed: {failing}", err=True)
+        sys.exit(1)
+
+
+@click.command()
+@click.argument("service")
+@click.option("-n", "--lines", default=100, show_default=True, type=click.IntRange(min=0),
+              help="How many of the last lines to show.")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing what the service logs, until Ctrl-C.")
+def logs(service: str, lines: int, follow: bool) -> None:
+    """Show the end of SERVICE's log ($NDIF_HOME/logs/SERVICE.log) from `up`."""
+    current = settings()
+    try:
+        path = service_logs.resolve(current, service)
+        shown, offset = service_logs.tail(path, lines)
+    except (service_logs.LogError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in shown:
+        click.echo(line)
+    if not follow:
+        return
+    try:
+        for text in service_logs.follow(path, offset):
+            click.echo(text, nl=False)
+    except KeyboardInterrupt:
+        pass
+
+
+# -- one service in the foreground ----------------------------------------------------
+
+
+def _exec(service: str, worker_name: Optional[str] = None) -> None:
+    current = settings()
+    if service == "redis" and not current.embedded_redis:
+        click.echo(f"warning: NDIF_REDIS_URL is set ({current.redis_url}); the farm uses that Redis, "
+                   f"not this one on port {current.embedded_redis_port}", err=True)
+    try:
+        stack.exec_service(current, service, worker_name)
+    except (stack.StackError, OSError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@click.option("--name", default=None,
+              help="Celery node name, unique per farm (default: gpu<ids>@<host>, or cpu@<host>).")
+@click.option("--gpus", default=None, help="GPUs this worker owns, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES).")
+@click.option("--memory", type=float, default=None,
+              help="Memory budget for models in GiB (default: the GPUs' memory, or half the RAM).")
+def worker(name: Optional[str], gpus: Optional[str], memory: Optional[float]) -> None:
+    """Run one worker in the foreground (one per GPU or GPU group of a farm)."""
+    if gpus is not None:
+        os.environ["NDIF_WORKER_GPUS"] = gpus
+    if memory is not None:
+        os.environ["NDIF_WORKER_MEMORY_GIB"] = str(memory)
+    _exec("worker", name)
+
+
+def _service_command(service: str, help_text: str) -> click.Command:
+    """``ndif-celery SERVICE``: run that one service in the foreground (no options)."""
+    return click.Command(service, callback=lambda: _exec(service), help=help_text)
+
+
+# The services without options, one command each (the worker has its own, above).
+SERVICES = [
+    _service_command("web", "Run the web API (gunicorn) in the foreground."),
+    _service_command("beat", "Run Celery beat in the foreground: the periodic cleanup of expired jobs (one per farm)."),
+    _service_command("flower", "Run Flower, the Celery monitor, in the foreground."),
+    _service_command("redis", "Run the embedded Redis in the foreground (port NDIF_EMBEDDED_REDIS_PORT)."),
+]
+
+COMMANDS = [up, down, status, logs, version, doctor, worker, *SERVICES]
