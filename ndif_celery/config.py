@@ -1,10 +1,20 @@
-"""Every ``NDIF_*`` setting, its type and its default, read in one place.
+"""Every ``NDIF_*`` setting, its type and its default, declared once.
 
 Each process (web, worker, CLI) calls :func:`load` once and passes the
 resulting :class:`Settings` around. Defaults run a whole farm on one host with
 nothing else configured: an embedded Redis, a filesystem result store served by
 the web app, and SQLite under ``NDIF_HOME``. Point the URLs at real services to
 run a farm across hosts.
+
+:data:`VARIABLES` is the one table: a row per variable with its name, the
+``Settings`` attribute, its default, its parser and a line of doc. Why one
+table: the ``Settings`` field, its line in ``load()`` and its row in
+docs/configuration.md used to be written by hand three times, and drifted.
+Now ``Settings`` takes its fields from the table, :func:`load` is a loop over
+it, and ``tests/test_wire_and_config.py`` checks docs/configuration.md against
+it both ways, names and defaults. The docs stay hand-written (their meanings
+are paragraphs with links, in three topic tables with prose between), checked
+rather than generated, so this file keeps one line of doc per variable.
 """
 
 from __future__ import annotations
@@ -13,7 +23,7 @@ import os
 import secrets
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from .jail_layers import parse_disable, parse_require
 from .versions import parse_minimum
@@ -21,155 +31,55 @@ from .versions import parse_minimum
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 
-
-@dataclass(frozen=True)
-class Settings:
-    home: Path
-    api_host: str
-    api_port: int
-    api_url: str
-    web_workers: int
-    web_threads: int
-    redis_url: str
-    embedded_redis: bool
-    embedded_redis_port: int
-    object_store_url: str
-    object_store_public_url: str
-    object_store_access_key: str
-    object_store_secret_key: str
-    object_store_bucket: str
-    object_store_region: str
-    object_store_verify: bool
-    results_dir: Path
-    secret_key: str
-    max_inline_bytes: int
-    result_url_ttl_s: int
-    job_ttl_s: int
-    visibility_timeout_s: int
-    redis_outage_s: float
-    cleanup_interval_s: float
-    ledger_retention_days: float
-    database_url: str
-    flower_port: int
-    flower_host: str
-    log_level: str
-    worker_gpus: str
-    worker_name: str
-    torch_threads: int
-    worker_memory_bytes: int
-    padding_factor: float
-    padding_bytes: int
-    max_replicas: int
-    replica_wait_s: float
-    replica_idle_s: float
-    autoscale_backoff_s: float
-    controller_interval_s: float
-    auth: bool
-    default_trusted: bool
-    isolation: str
-    jail_waived: tuple
-    jail_disabled: tuple
-    jail_cgroup_root: str
-    verify_untrusted: bool
-    auth_cache_s: float
-    auth_cache_max: int
-    auth_failures_per_min: int
-    execution_timeout_s: float
-    job_memory_bytes: int
-    job_disk_bytes: int
-    log_lines_per_s: float
-    log_bytes_per_job: int
-    max_result_bytes: int
-    max_payload_bytes: int
-    rate_limit_per_min: int
-    max_concurrent_jobs: int
-    max_queue_depth: int
-    max_websockets_per_key: int
-    worker_metrics_port: int
-    worker_metrics_host: str
-    flower_url: str
-    min_nnsight_version: str
-    min_python_version: str
-    models: str
-    trust_remote_code: str
-
-    def secrets(self) -> tuple:
-        """Values an untrusted child must not be able to read."""
-        return tuple(
-            value
-            for value in (
-                self.secret_key, self.object_store_access_key, self.object_store_secret_key,
-                self.redis_url, self.database_url,
-            )
-            if value
-        )
-
-    @property
-    def uses_s3(self) -> bool:
-        return bool(self.object_store_url)
-
-
 # The first is the default. Both fork the jailed children from a per-model
 # zygote that holds no secret and no job's data: exec'd fresh ("zygote"), or
 # forked from the fork server the worker makes of itself at start ("fork").
 ISOLATION_MODES = ("zygote", "fork")
 
-# With NDIF_AUTH=1 the farm is shared by people who need not trust each other,
-# so these limits replace the single-host defaults (no limit, 4 GiB results,
-# 256 MiB payloads) that suit one researcher on their own machine. Why each
-# number: docs/configuration.md and docs/security.md "Defaults with auth on".
-# A variable that is set, 0 (no limit) included, always wins over these; a
-# key's own limits in the database (keys create --rate-limit/--max-concurrent)
-# win over both.
-AUTH_ON_DEFAULTS = {
-    "NDIF_MAX_CONCURRENT_JOBS": 4,
-    "NDIF_MAX_QUEUE_DEPTH": 32,
-    "NDIF_RATE_LIMIT_PER_MIN": 120,
-    "NDIF_MAX_RESULT_BYTES": 1 * GiB,
-    "NDIF_MAX_PAYLOAD_BYTES": 64 * MiB,
-    "NDIF_MAX_WEBSOCKETS_PER_KEY": 16,
-}
+
+# --- parsers: (variable name, text) -> value; errors name the variable ------------
 
 
-def _choice(env: Mapping[str, str], name: str, choices: tuple) -> str:
-    value = (env.get(name) or choices[0]).strip().lower()
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return value
+def _text(name: str, raw: str) -> str:
+    return raw
 
 
-def _int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "")
-    if raw == "":
-        return default
+def _stripped(name: str, raw: str) -> str:
+    return raw.strip()
+
+
+def _upper(name: str, raw: str) -> str:
+    return raw.upper()
+
+
+def _url(name: str, raw: str) -> str:
+    return raw.rstrip("/")
+
+
+def _path(name: str, raw: str) -> Path:
+    return Path(raw).expanduser()
+
+
+def _home(name: str, raw: str) -> Path:
+    return Path(raw).expanduser().resolve()
+
+
+def _int(name: str, raw: str) -> int:
     try:
         return int(raw)
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def _limit(env: Mapping[str, str], name: str, single_host: int, auth: bool) -> int:
-    """A limit: the variable when it is set (0 = no limit); when unset, the
-    auth-on default if auth is on, else the single-host default."""
-    if auth and env.get(name, "") == "":
-        return AUTH_ON_DEFAULTS[name]
-    return _int(env, name, single_host)
-
-
-def _float(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "")
-    if raw == "":
-        return default
+def _float(name: str, raw: str) -> float:
     try:
         return float(raw)
     except ValueError:
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
 
-def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if raw == "":
-        return default
+def _bool(name: str, raw: str) -> bool:
+    raw = raw.strip().lower()
     if raw in ("1", "true", "yes", "on"):
         return True
     if raw in ("0", "false", "no", "off"):
@@ -177,15 +87,43 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be a boolean (1/0, true/false), got {raw!r}")
 
 
-def _secret_key(env: Mapping[str, str], home: Path) -> str:
-    """The key that signs result URLs of the filesystem store.
+def _gib(name: str, raw: str) -> int:
+    """A size given in GiB (fractions allowed), kept in bytes."""
+    return int(_float(name, raw) * GiB)
 
-    Taken from ``NDIF_SECRET_KEY`` when set (several web hosts must share it);
-    otherwise made once and kept in ``NDIF_HOME/secret_key`` so every process
-    of a single-host stack agrees on it without anyone configuring one.
+
+def _mb(name: str, raw: str) -> int:
+    """A size given in whole MiB, kept in bytes."""
+    return _int(name, raw) * MiB
+
+
+def _isolation(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ISOLATION_MODES:
+        raise ValueError(f"{name} must be one of {', '.join(ISOLATION_MODES)}, got {value!r}")
+    return value
+
+
+def _jail_require(name: str, raw: str) -> tuple:
+    # Jail layers: all required unless waived ("all,-seccomp"); see ndif_celery.jail_layers.
+    return parse_require(raw)
+
+
+def _jail_disable(name: str, raw: str) -> tuple:
+    return parse_disable(raw)
+
+
+# --- defaults that depend on settings read before them ----------------------------
+
+
+def _secret_key(read: dict) -> str:
+    """The key that signs result URLs of the filesystem store, when
+    ``NDIF_SECRET_KEY`` is unset (several web hosts must set and share it).
+
+    Made once and kept in ``NDIF_HOME/secret_key`` so every process of a
+    single-host stack agrees on it without anyone configuring one.
     """
-    if env.get("NDIF_SECRET_KEY"):
-        return env["NDIF_SECRET_KEY"]
+    home = read["home"]
     path = home / "secret_key"
     home.mkdir(parents=True, exist_ok=True)
     try:
@@ -203,100 +141,200 @@ def _browsable(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "[::1]"}.get(host, f"[{host}]" if ":" in host else host)
 
 
+# --- the table --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Var:
+    """One ``NDIF_*`` variable.
+
+    ``default`` is what an unset (or empty) variable means, written as one
+    would set it (``8``, not ``8 * GiB``, for ``NDIF_JOB_MEMORY_GIB``), and
+    goes through ``parse`` like a set value; a callable default is computed
+    from the settings read before it (rows above it in the table), as a dict by
+    attribute. ``auth_on``, for the limits, replaces ``default`` when
+    ``NDIF_AUTH`` is on (:data:`AUTH_ON_DEFAULTS`). ``shown`` is how
+    docs/configuration.md's default column begins when the default is not a
+    plain value (derived, or what empty means); the docs test holds it to that.
+    """
+
+    name: str
+    attr: str
+    default: Any
+    parse: Callable[[str, str], Any]
+    doc: str
+    auth_on: Optional[int] = None
+    shown: Optional[str] = None
+    # An empty value is a value, not "unset": an anonymous MinIO has empty keys.
+    empty_is_value: bool = False
+
+
+# Grouped as docs/configuration.md is. A callable default may use only rows above it.
+VARIABLES: tuple = (
+    # The stack on one host, and where its parts are.
+    Var("NDIF_HOME", "home", "~/.ndif-celery", _home, "state, logs, the embedded Redis's data, the filesystem store, SQLite"),
+    Var("NDIF_API_HOST", "api_host", "127.0.0.1", _text, "address the web binds"),
+    Var("NDIF_API_PORT", "api_port", 8001, _int, "port the web binds"),
+    Var("NDIF_API_URL", "api_url", lambda read: f"http://{read['api_host']}:{read['api_port']}", _url,
+        "the URL clients reach the web at (used in signed result URLs)", shown="`http://<host>:<port>`"),
+    Var("NDIF_WEB_WORKERS", "web_workers", 2, _int, "gunicorn worker processes"),
+    Var("NDIF_WEB_THREADS", "web_threads", 64, _int, "threads per web process; a blocking client holds one while its job runs"),
+    Var("NDIF_EMBEDDED_REDIS_PORT", "embedded_redis_port", 6380, _int, "port of the embedded Redis"),
+    Var("NDIF_REDIS_URL", "redis_url", lambda read: f"redis://127.0.0.1:{read['embedded_redis_port']}/0", _text,
+        "the broker and job-state Redis; unset: `ndif-celery up` runs an embedded one", shown="unset: embedded"),
+    Var("NDIF_OBJECT_STORE_URL", "object_store_url", "", _text, "MinIO/S3 endpoint; unset keeps results on disk, served by the web"),
+    Var("NDIF_OBJECT_STORE_PUBLIC_URL", "object_store_public_url", lambda read: read["object_store_url"], _text,
+        "the host clients download from; presigned URLs are signed for it", shown="the endpoint"),
+    Var("NDIF_OBJECT_STORE_ACCESS_KEY", "object_store_access_key", "minioadmin", _text, "object store access key",
+        empty_is_value=True),
+    Var("NDIF_OBJECT_STORE_SECRET_KEY", "object_store_secret_key", "minioadmin", _text, "object store secret key",
+        empty_is_value=True),
+    Var("NDIF_OBJECT_STORE_BUCKET", "object_store_bucket", "ndif-results", _text, "bucket, created on first use",
+        empty_is_value=True),
+    Var("NDIF_OBJECT_STORE_REGION", "object_store_region", "us-east-1", _text, "region the URLs are signed for",
+        empty_is_value=True),
+    Var("NDIF_OBJECT_STORE_VERIFY", "object_store_verify", True, _bool, "verify the object store's TLS certificate"),
+    Var("NDIF_RESULTS_DIR", "results_dir", lambda read: str(read["home"] / "results"), _path,
+        "where the filesystem store keeps results", shown="`$NDIF_HOME/results`"),
+    Var("NDIF_SECRET_KEY", "secret_key", _secret_key, _text,
+        "signs filesystem-store URLs; the same on every web host", shown="generated in `$NDIF_HOME/secret_key`"),
+    Var("NDIF_MAX_INLINE_BYTES", "max_inline_bytes", 4 * MiB, _int, "largest result sent inline on the websocket"),
+    Var("NDIF_RESULT_URL_TTL_S", "result_url_ttl_s", 3600, _int, "lifetime of a result URL"),
+    Var("NDIF_JOB_TTL_S", "job_ttl_s", 24 * 3600, _int, "how long payloads and statuses stay in Redis"),
+    Var("NDIF_VISIBILITY_TIMEOUT_S", "visibility_timeout_s", 6 * 3600, _int, "broker redelivery timeout; must exceed the longest job"),
+    Var("NDIF_REDIS_OUTAGE_S", "redis_outage_s", 30.0, _float, "how long the web and workers wait for Redis to come back"),
+    Var("NDIF_LEDGER_RETENTION_DAYS", "ledger_retention_days", 90.0, _float, "age at which the cleanup deletes ledger rows (0: never)"),
+    Var("NDIF_CLEANUP_INTERVAL_S", "cleanup_interval_s", 300.0, _float, "how often `ndif-celery beat` runs the cleanup"),
+    Var("NDIF_DATABASE_URL", "database_url", lambda read: f"sqlite:///{read['home'] / 'ndif.db'}", _text,
+        "the database (keys and the job ledger)", shown="`sqlite:///$NDIF_HOME/ndif.db`"),
+    Var("NDIF_FLOWER_PORT", "flower_port", 5555, _int, "Flower's port"),
+    # Loopback by default: Flower has no authentication of its own.
+    Var("NDIF_FLOWER_HOST", "flower_host", "127.0.0.1", _text, "the address Flower listens on"),
+    Var("NDIF_FLOWER_URL", "flower_url", lambda read: f"http://{_browsable(read['api_host'])}:{read['flower_port']}", _url,
+        "where the dashboard links to Flower", shown="`http://<NDIF_API_HOST>:<NDIF_FLOWER_PORT>`"),
+    # 0 = no metrics endpoint on the worker; a taken port moves to the next few.
+    Var("NDIF_WORKER_METRICS_PORT", "worker_metrics_port", 9108, _int, "each worker's Prometheus `/metrics` port (0: off)"),
+    Var("NDIF_WORKER_METRICS_HOST", "worker_metrics_host", "127.0.0.1", _text, "address the workers' metrics endpoints bind"),
+    Var("NDIF_LOG_LEVEL", "log_level", "INFO", _upper, "log level of every process"),
+    # The farm: workers, placement, replicas.
+    Var("NDIF_WORKER_GPUS", "worker_gpus", "", _text, "GPUs of the worker `ndif-celery up` starts (unset: all visible)"),
+    Var("NDIF_WORKER_NAME", "worker_name", "", _text, "name of the worker `ndif-celery up` starts; unique per farm",
+        shown="`gpu<ids>@<host>`, or `cpu@<host>`"),
+    # 0 = torch's default (every core); see docs/performance.md.
+    Var("NDIF_TORCH_THREADS", "torch_threads", 0, _int, "intra-op threads of a worker's torch"),
+    # 0 = measure: the GPUs' memory, or half the host's RAM on a CPU worker.
+    Var("NDIF_WORKER_MEMORY_GIB", "worker_memory_bytes", 0, _gib, "the worker's memory budget for models",
+        shown="unset: measured"),
+    Var("NDIF_PADDING_FACTOR", "padding_factor", 0.15, _float, "a model is placed as its weights' size times (1 + this) ..."),
+    Var("NDIF_PADDING_BYTES", "padding_bytes", 256 * MiB, _int, "... plus this (activations, CUDA context)"),
+    Var("NDIF_MAX_REPLICAS", "max_replicas", 3, _int, "most workers that hold one model at once under queue pressure"),
+    Var("NDIF_REPLICA_WAIT_S", "replica_wait_s", 30.0, _float, "add a replica when a model's oldest waiting job waited this long"),
+    Var("NDIF_REPLICA_IDLE_S", "replica_idle_s", 600.0, _float, "remove an extra replica unused for this long"),
+    Var("NDIF_AUTOSCALE_BACKOFF_S", "autoscale_backoff_s", 30.0, _float, "wait after adding a replica before adding another"),
+    Var("NDIF_CONTROLLER_INTERVAL_S", "controller_interval_s", 0.5, _float, "how often the farm controller looks"),
+    # Users, isolation and limits.
+    Var("NDIF_AUTH", "auth", False, _bool, "require an API key on every request"),
+    # Which repos may be loaded, and which may run their own code: ndif_celery.model_policy.
+    Var("NDIF_MODELS", "models", "", _stripped, "the repos this farm serves (fnmatch patterns; empty: see the docs)"),
+    Var("NDIF_TRUST_REMOTE_CODE", "trust_remote_code", "", _stripped, "repos whose own code may run (fnmatch patterns)"),
+    Var("NDIF_DEFAULT_TRUSTED", "default_trusted", True, _bool, "with auth off, run requests in the worker's process"),
+    # How untrusted jobs are isolated: see docs/security.md.
+    Var("NDIF_ISOLATION", "isolation", ISOLATION_MODES[0], _isolation, "how an untrusted job's jailed child comes to be"),
+    Var("NDIF_JAIL_REQUIRE", "jail_waived", "all", _jail_require, "the jail layers an untrusted job needs (`all,-layer` waives)"),
+    Var("NDIF_JAIL_DISABLE", "jail_disabled", "", _jail_disable, "waivable jail layers a child must not even try"),
+    Var("NDIF_JAIL_CGROUP_ROOT", "jail_cgroup_root", "", _text, "the pids cgroup under which each untrusted job gets its own"),
+    # The keyed weight check after every untrusted job on every model (always on GPU models).
+    Var("NDIF_VERIFY_UNTRUSTED", "verify_untrusted", False, _bool, "keyed weight check after every untrusted job"),
+    Var("NDIF_AUTH_CACHE_S", "auth_cache_s", 5.0, _float, "how long the web remembers a key lookup"),
+    # Entries in each of the web's auth tables (known keys, unknown keys,
+    # addresses that failed): made-up keys cannot grow a web process.
+    Var("NDIF_AUTH_CACHE_MAX", "auth_cache_max", 10000, _int, "entries in each of a web process's auth tables"),
+    # Database lookups of never-seen keys that fail, per client address per
+    # minute per web process, before that address's new keys are refused (0 = off).
+    Var("NDIF_AUTH_FAILURES_PER_MIN", "auth_failures_per_min", 60, _int, "failed lookups of never-seen keys per address per minute"),
+    Var("NDIF_EXECUTION_TIMEOUT_S", "execution_timeout_s", 3600.0, _float, "a job's deadline for deserialize + run"),
+    Var("NDIF_JOB_MEMORY_GIB", "job_memory_bytes", 8, _gib, "address space an isolated job may add"),
+    Var("NDIF_JOB_DISK_MB", "job_disk_bytes", 256, _mb, "size of an isolated job's private tmpfs"),
+    Var("NDIF_LOG_LINES_PER_S", "log_lines_per_s", 100.0, _float, "LOG lines one job may publish per second (0: no limit)"),
+    Var("NDIF_LOG_BYTES_PER_JOB", "log_bytes_per_job", 4 * MiB, _int, "LOG output one job may publish in all (0: no limit)"),
+    # Limits: single-host defaults, and with auth on the AUTH_ON_DEFAULTS (why: there).
+    Var("NDIF_MAX_RESULT_BYTES", "max_result_bytes", 4 * GiB, _int, "largest result a job may return", auth_on=1 * GiB),
+    Var("NDIF_MAX_PAYLOAD_BYTES", "max_payload_bytes", 256 * MiB, _int, "largest request payload", auth_on=64 * MiB),
+    Var("NDIF_RATE_LIMIT_PER_MIN", "rate_limit_per_min", 0, _int, "requests per minute per key (0: none)", auth_on=120),
+    Var("NDIF_MAX_CONCURRENT_JOBS", "max_concurrent_jobs", 0, _int, "jobs queued or running at once per key (0: none)", auth_on=4),
+    Var("NDIF_MAX_QUEUE_DEPTH", "max_queue_depth", 0, _int, "jobs waiting per model (0: none)", auth_on=32),
+    Var("NDIF_MAX_WEBSOCKETS_PER_KEY", "max_websockets_per_key", 0, _int, "`/subscribe` websockets per key (0: none)", auth_on=16),
+    # The client version gate: "" = no gate; see ndif_celery.versions.
+    Var("NDIF_MIN_NNSIGHT_VERSION", "min_nnsight_version", "", parse_minimum, "oldest nnsight client served"),
+    Var("NDIF_MIN_PYTHON_VERSION", "min_python_version", "", parse_minimum, "oldest client Python served (major.minor)"),
+)
+
+# With NDIF_AUTH=1 the farm is shared by people who need not trust each other,
+# so these limits (the rows above with ``auth_on``) replace the single-host
+# defaults (no limit, 4 GiB results, 256 MiB payloads) that suit one researcher
+# on their own machine. Why each number: docs/configuration.md and
+# docs/security.md "Defaults with auth on". A variable that is set, 0 (no
+# limit) included, always wins over these; a key's own limits in the database
+# (keys create --rate-limit/--max-concurrent) win over both.
+AUTH_ON_DEFAULTS = {var.name: var.auth_on for var in VARIABLES if var.auth_on is not None}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The settings of one process: an attribute per :data:`VARIABLES` row
+    (its ``attr``), plus ``embedded_redis`` (no ``NDIF_REDIS_URL`` given).
+
+    The fields come from the table, so a setting is declared in one place;
+    each field's type is its parser's return type."""
+
+    __annotations__ = {**{var.attr: var.parse.__annotations__.get("return", "Any") for var in VARIABLES},
+                       "embedded_redis": "bool"}
+
+    def secrets(self) -> tuple:
+        """Values an untrusted child must not be able to read."""
+        return tuple(
+            value
+            for value in (
+                self.secret_key, self.object_store_access_key, self.object_store_secret_key,
+                self.redis_url, self.database_url,
+            )
+            if value
+        )
+
+    @property
+    def uses_s3(self) -> bool:
+        return bool(self.object_store_url)
+
+
+def _unset(var: Var, raw: Optional[str]) -> bool:
+    """Missing, or empty (blank for a boolean, which ignores spaces); an empty
+    value is kept as given where it means something (``empty_is_value``)."""
+    if raw is None:
+        return True
+    if var.empty_is_value:
+        return False
+    return (raw.strip() if var.parse is _bool else raw) == ""
+
+
 def load(env: Optional[Mapping[str, str]] = None) -> Settings:
-    """Read the settings from ``env`` (default: the process environment)."""
+    """Read the settings from ``env`` (default: the process environment):
+    each variable in table order, its default when unset (parsed like a set
+    value), then the values derived from several."""
     env = os.environ if env is None else env
-    home = Path(env.get("NDIF_HOME") or "~/.ndif-celery").expanduser().resolve()
-    api_host = env.get("NDIF_API_HOST") or "127.0.0.1"
-    api_port = _int(env, "NDIF_API_PORT", 8001)
-    redis_port = _int(env, "NDIF_EMBEDDED_REDIS_PORT", 6380)
-    redis_url = env.get("NDIF_REDIS_URL", "")
-    object_store_url = env.get("NDIF_OBJECT_STORE_URL", "")
-    auth = _bool(env, "NDIF_AUTH", False)
-    settings = Settings(
-        home=home,
-        api_host=api_host,
-        api_port=api_port,
-        api_url=(env.get("NDIF_API_URL") or f"http://{api_host}:{api_port}").rstrip("/"),
-        web_workers=_int(env, "NDIF_WEB_WORKERS", 2),
-        web_threads=_int(env, "NDIF_WEB_THREADS", 64),
-        redis_url=redis_url or f"redis://127.0.0.1:{redis_port}/0",
-        embedded_redis=not redis_url,
-        embedded_redis_port=redis_port,
-        object_store_url=object_store_url,
-        object_store_public_url=env.get("NDIF_OBJECT_STORE_PUBLIC_URL", "") or object_store_url,
-        object_store_access_key=env.get("NDIF_OBJECT_STORE_ACCESS_KEY", "minioadmin"),
-        object_store_secret_key=env.get("NDIF_OBJECT_STORE_SECRET_KEY", "minioadmin"),
-        object_store_bucket=env.get("NDIF_OBJECT_STORE_BUCKET", "ndif-results"),
-        object_store_region=env.get("NDIF_OBJECT_STORE_REGION", "us-east-1"),
-        object_store_verify=_bool(env, "NDIF_OBJECT_STORE_VERIFY", True),
-        results_dir=Path(env.get("NDIF_RESULTS_DIR") or home / "results").expanduser(),
-        secret_key=_secret_key(env, home),
-        max_inline_bytes=_int(env, "NDIF_MAX_INLINE_BYTES", 4 * MiB),
-        result_url_ttl_s=_int(env, "NDIF_RESULT_URL_TTL_S", 3600),
-        job_ttl_s=_int(env, "NDIF_JOB_TTL_S", 24 * 3600),
-        visibility_timeout_s=_int(env, "NDIF_VISIBILITY_TIMEOUT_S", 6 * 3600),
-        redis_outage_s=_float(env, "NDIF_REDIS_OUTAGE_S", 30.0),
-        cleanup_interval_s=_float(env, "NDIF_CLEANUP_INTERVAL_S", 300.0),
-        ledger_retention_days=_float(env, "NDIF_LEDGER_RETENTION_DAYS", 90.0),
-        database_url=env.get("NDIF_DATABASE_URL") or f"sqlite:///{home / 'ndif.db'}",
-        flower_port=_int(env, "NDIF_FLOWER_PORT", 5555),
-        # Loopback by default: Flower has no authentication of its own.
-        flower_host=env.get("NDIF_FLOWER_HOST") or "127.0.0.1",
-        log_level=(env.get("NDIF_LOG_LEVEL") or "INFO").upper(),
-        worker_gpus=env.get("NDIF_WORKER_GPUS", ""),
-        worker_name=env.get("NDIF_WORKER_NAME", ""),
-        # 0 = torch's default (every core); see docs/performance.md.
-        torch_threads=_int(env, "NDIF_TORCH_THREADS", 0),
-        # 0 = measure: the GPUs' memory, or half the host's RAM on a CPU worker.
-        worker_memory_bytes=int(_float(env, "NDIF_WORKER_MEMORY_GIB", 0) * GiB),
-        padding_factor=_float(env, "NDIF_PADDING_FACTOR", 0.15),
-        padding_bytes=_int(env, "NDIF_PADDING_BYTES", 256 * MiB),
-        max_replicas=_int(env, "NDIF_MAX_REPLICAS", 3),
-        replica_wait_s=_float(env, "NDIF_REPLICA_WAIT_S", 30.0),
-        replica_idle_s=_float(env, "NDIF_REPLICA_IDLE_S", 600.0),
-        autoscale_backoff_s=_float(env, "NDIF_AUTOSCALE_BACKOFF_S", 30.0),
-        controller_interval_s=_float(env, "NDIF_CONTROLLER_INTERVAL_S", 0.5),
-        auth=auth,
-        default_trusted=_bool(env, "NDIF_DEFAULT_TRUSTED", True),
-        # How untrusted jobs are isolated: see docs/security.md.
-        isolation=_choice(env, "NDIF_ISOLATION", ISOLATION_MODES),
-        # Jail layers: all required unless waived ("all,-seccomp"); see ndif_celery.jail_layers.
-        jail_waived=parse_require(env.get("NDIF_JAIL_REQUIRE", "")),
-        jail_disabled=parse_disable(env.get("NDIF_JAIL_DISABLE", "")),
-        jail_cgroup_root=env.get("NDIF_JAIL_CGROUP_ROOT", ""),
-        # The keyed weight check after every untrusted job on every model (always on GPU models).
-        verify_untrusted=_bool(env, "NDIF_VERIFY_UNTRUSTED", False),
-        auth_cache_s=_float(env, "NDIF_AUTH_CACHE_S", 5.0),
-        # Entries in each of the web's auth tables (known keys, unknown keys,
-        # addresses that failed): made-up keys cannot grow a web process.
-        auth_cache_max=_int(env, "NDIF_AUTH_CACHE_MAX", 10000),
-        # Database lookups of never-seen keys that fail, per client address per
-        # minute per web process, before that address's new keys are refused (0 = off).
-        auth_failures_per_min=_int(env, "NDIF_AUTH_FAILURES_PER_MIN", 60),
-        execution_timeout_s=_float(env, "NDIF_EXECUTION_TIMEOUT_S", 3600.0),
-        job_memory_bytes=int(_float(env, "NDIF_JOB_MEMORY_GIB", 8) * GiB),
-        job_disk_bytes=_int(env, "NDIF_JOB_DISK_MB", 256) * MiB,
-        log_lines_per_s=_float(env, "NDIF_LOG_LINES_PER_S", 100.0),
-        log_bytes_per_job=_int(env, "NDIF_LOG_BYTES_PER_JOB", 4 * MiB),
-        # Limits: single-host defaults here, AUTH_ON_DEFAULTS when auth is on.
-        max_result_bytes=_limit(env, "NDIF_MAX_RESULT_BYTES", 4 * GiB, auth),
-        max_payload_bytes=_limit(env, "NDIF_MAX_PAYLOAD_BYTES", 256 * MiB, auth),
-        rate_limit_per_min=_limit(env, "NDIF_RATE_LIMIT_PER_MIN", 0, auth),
-        max_concurrent_jobs=_limit(env, "NDIF_MAX_CONCURRENT_JOBS", 0, auth),
-        max_queue_depth=_limit(env, "NDIF_MAX_QUEUE_DEPTH", 0, auth),
-        max_websockets_per_key=_limit(env, "NDIF_MAX_WEBSOCKETS_PER_KEY", 0, auth),
-        # 0 = no metrics endpoint on the worker; a taken port moves to the next few.
-        worker_metrics_port=_int(env, "NDIF_WORKER_METRICS_PORT", 9108),
-        worker_metrics_host=env.get("NDIF_WORKER_METRICS_HOST") or "127.0.0.1",
-        flower_url=(env.get("NDIF_FLOWER_URL") or f"http://{_browsable(api_host)}:{_int(env, 'NDIF_FLOWER_PORT', 5555)}").rstrip("/"),
-        # "" = no gate; see ndif_celery.versions.
-        min_nnsight_version=parse_minimum("NDIF_MIN_NNSIGHT_VERSION", env.get("NDIF_MIN_NNSIGHT_VERSION", "")),
-        min_python_version=parse_minimum("NDIF_MIN_PYTHON_VERSION", env.get("NDIF_MIN_PYTHON_VERSION", "")),
-        # Which repos may be loaded, and which may run their own code: ndif_celery.model_policy.
-        models=env.get("NDIF_MODELS", "").strip(),
-        trust_remote_code=env.get("NDIF_TRUST_REMOTE_CODE", "").strip(),
-    )
+    read: dict = {}
+    for var in VARIABLES:
+        raw = env.get(var.name)
+        if _unset(var, raw):
+            if var.auth_on is not None and read["auth"]:
+                default = var.auth_on
+            elif callable(var.default):
+                default = var.default(read)
+            else:
+                default = var.default
+            raw = str(default)
+        read[var.attr] = var.parse(var.name, raw)
+    read["embedded_redis"] = not env.get("NDIF_REDIS_URL")
+    settings = Settings(**read)
     for field in fields(Settings):
         value = getattr(settings, field.name)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:

@@ -75,10 +75,10 @@ def parse_cli(argv: list[str]) -> click.Context:
 
 
 def config_variables() -> set[str]:
-    """Every ``NDIF_*`` name the configuration reads: the names in
-    ``ndif_celery/config.py``, the list ``tests/test_wire_and_config.py`` keeps
-    docs/configuration.md in sync with, cross-checked against what
-    ``config.load`` asks its environment for while it runs."""
+    """Every ``NDIF_*`` name the configuration reads: ``config.VARIABLES``, the
+    table ``tests/test_wire_and_config.py`` keeps docs/configuration.md in sync
+    with, cross-checked against what ``config.load`` asks its environment for
+    while it runs."""
     seen: set[str] = set()
 
     class Recorder(dict):
@@ -91,11 +91,11 @@ def config_variables() -> set[str]:
             return super().__getitem__(key)
 
     config.load(Recorder(NDIF_HOME="/nonexistent-ndif-home", NDIF_SECRET_KEY="x"))
-    in_source = set(re.findall(r'"(NDIF_[A-Z_]+)"', (ROOT / "ndif_celery" / "config.py").read_text()))
+    declared = {var.name for var in config.VARIABLES}
     read = {name for name in seen if name.startswith("NDIF_")}
     assert {"NDIF_HOME", "NDIF_REDIS_URL", "NDIF_OBJECT_STORE_BUCKET"} <= read
-    assert read <= in_source, f"config.load reads {sorted(read - in_source)}, which the list from config.py misses"
-    return in_source
+    assert read <= declared, f"config.load reads {sorted(read - declared)}, which config.VARIABLES misses"
+    return declared
 
 
 def load_settings(env: dict, home: Path) -> config.Settings:

@@ -3,6 +3,7 @@ queue naming, configuration, and the rule that the web never imports torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
@@ -82,11 +83,61 @@ def test_config_defaults_and_errors(tmp_path):
         config.load({"NDIF_HOME": str(tmp_path), "NDIF_OBJECT_STORE_VERIFY": "maybe"})
 
 
-def test_every_variable_in_the_code_is_documented():
-    code = set(re.findall(r'"(NDIF_[A-Z_]+)"', (ROOT / "ndif_celery" / "config.py").read_text()))
-    documented = set(re.findall(r"`(NDIF_[A-Z_]+)`", (ROOT / "docs" / "configuration.md").read_text()))
-    assert code, "no variables found in config.py"
-    assert code - documented == set(), "undocumented NDIF_* variables"
+def documented_rows() -> dict:
+    """docs/configuration.md's table rows: ``{name: default cell}``, each name
+    once, each inside a table (a row after prose renders as a paragraph)."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    lines = text.splitlines()
+    stray = [line[:40] for before, line in zip(lines, lines[1:]) if line.startswith("| `NDIF_") and not before.startswith("|")]
+    assert not stray, f"rows outside a table: {stray}"
+    rows = re.findall(r"^\| `(NDIF_[A-Z0-9_]+)` \| (.+?) \| .+ \|$", text, flags=re.MULTILINE)
+    names = [name for name, _ in rows]
+    assert len(names) == len(set(names)), f"documented twice: {sorted({n for n in names if names.count(n) > 1})}"
+    return dict(rows)
+
+
+def test_the_docs_table_is_config_variables_both_ways():
+    """config.VARIABLES is the one declaration of each setting; the docs' rows
+    are hand-written (paragraphs with links) and held to it: the same names,
+    and each default cell saying the table's default."""
+    table = {var.name: var for var in config.VARIABLES}
+    assert len(table) == len(config.VARIABLES), "a variable declared twice in config.VARIABLES"
+    assert len({var.attr for var in config.VARIABLES}) == len(config.VARIABLES), "an attribute declared twice"
+    rows = documented_rows()
+    assert set(table) - set(rows) == set(), "in config.VARIABLES, not in docs/configuration.md"
+    assert set(rows) - set(table) == set(), "in docs/configuration.md, not in config.VARIABLES"
+    for name, cell in rows.items():
+        var = table[name]
+        assert var.doc and "\n" not in var.doc, f"{name}: a one-line doc in config.VARIABLES"
+        if var.shown is not None:
+            assert cell.startswith(var.shown), f"{name}: the docs' default should begin {var.shown!r}, is {cell!r}"
+        elif callable(var.default):
+            raise AssertionError(f"{name}: a derived default needs `shown`, how the docs say it")
+        elif var.default == "":
+            assert cell.startswith(("unset", "empty", "(empty")), f"{name}: the docs' default should say unset/empty, is {cell!r}"
+        else:
+            written = re.match(r"`([^`]*)`", cell)
+            assert written, f"{name}: the docs' default should begin with the value in backticks, is {cell!r}"
+            assert var.parse(name, written.group(1)) == var.parse(name, str(var.default)), (
+                f"{name}: the docs say {written.group(1)!r}, config.VARIABLES {var.default!r}")
+        if var.auth_on is not None:
+            assert f"auth on: `{var.auth_on}`" in cell, f"{name}: the docs' default should say auth on: `{var.auth_on}`"
+    assert set(config.AUTH_ON_DEFAULTS) == {name for name, cell in rows.items() if "auth on:" in cell}
+
+
+def test_load_reads_exactly_the_table(tmp_path):
+    """load() asks the environment for the table's variables and no other,
+    and a Settings has an attribute per row (plus the derived embedded_redis)."""
+    seen = set()
+
+    class Recorder(dict):
+        def get(self, key, default=None):
+            seen.add(key)
+            return super().get(key, default)
+
+    settings = config.load(Recorder(NDIF_HOME=str(tmp_path)))
+    assert seen == {var.name for var in config.VARIABLES}
+    assert {f.name for f in dataclasses.fields(settings)} == {var.attr for var in config.VARIABLES} | {"embedded_redis"}
 
 
 def test_the_web_never_imports_torch(tmp_path):
