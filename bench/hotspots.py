@@ -72,9 +72,9 @@ def top(raw_files: list[Path], limit: int) -> tuple[int, list, list]:
 MARKERS = {
     "web": ["submit (web/routes", "send_job", "Celery.send_task", "_announce", "check_and_count", "identify",
             "subscribe (web/subscribe", "get_message", "download (web/results", "ledger", "metrics"],
-    "worker": ["run_job (workers/tasks", "_run_in_process", "deserialize (workers/execute", "run (workers/execute",
+    "worker": ["run_job (workers/tasks", "run (workers/job", "InProcess.run", "deserialize (workers/execute", "run (workers/execute",
                "Meta.interleave", "encode (workers/results", "completed_frame", "StatusChannel.send",
-               "restore_if_changed", "request_scope", "Controller.run", "_heartbeat", "ledger", "metrics",
+               "restore_if_changed", "request_scope", "Controller.run", "WorkerState._beat", "ledger", "metrics",
                "kombu/", "redis/"],
     "client": ["RemoteBackend._serialize", "RemoteBackend._post", "create_ssl_context", "create_connection (websocket",
                "RemoteBackend.finalize", "ResponseModel.unpickle"],

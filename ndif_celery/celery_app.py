@@ -57,9 +57,30 @@ def send_job(app: Celery, job) -> None:
 
 
 def make_app(settings: Optional[config.Settings] = None) -> Celery:
+    """The app, configured now (the web and the CLI, which only send)."""
     settings = settings or config.load()
     app = Celery("ndif_celery", broker=settings.redis_url, backend=None)
-    app.conf.update(
+    app.conf.update(celery_conf(settings))
+    return app
+
+
+def lazy_app() -> Celery:
+    """The app of a ``celery -A`` command line (the worker, beat, Flower),
+    configured from the environment when Celery first needs it, not when its
+    module is imported (Celery's ``add_defaults`` promise)."""
+    app = Celery("ndif_celery")
+
+    def configure() -> dict:
+        settings = config.load()
+        return dict(celery_conf(settings), broker_url=settings.redis_url)
+
+    app.add_defaults(configure)
+    return app
+
+
+def celery_conf(settings: config.Settings) -> dict:
+    """Every Celery setting of the farm's app, from ``settings``."""
+    return dict(
         task_serializer="json",
         accept_content=["json"],
         result_serializer="json",
@@ -89,7 +110,6 @@ def make_app(settings: Optional[config.Settings] = None) -> Celery:
             },
         },
     )
-    return app
 
 
 def worker_queue(name: str) -> str:

@@ -215,9 +215,10 @@ def blob_of(block) -> bytes:
 
 
 def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_home):
-    """The worker's own code after an untrusted job (``tasks._check_after_untrusted``),
+    """The worker's own code after an untrusted job (``executors.Isolated.after``),
     against a jailed child that flips signs in pairs in the worker's weights and raises."""
-    from workers import isolate, jail, shared_weights, tasks
+    from ndif_celery import config
+    from workers import executors, isolate, jail, shared_weights
     from workers.execute import RequestError
     from workers.resident import ResidentModels
 
@@ -242,8 +243,8 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
     with torch.no_grad():
         assert not torch.equal(model._module(ids).logits, before), "the child's write was expected to reach the worker"
 
-    worker, job = types.SimpleNamespace(models=models), types.SimpleNamespace(id="attack", model_key=key)
-    tasks._check_after_untrusted(worker, job)
+    job = types.SimpleNamespace(id="attack", model_key=key)
+    executors.Isolated(config.load(), models).after(job)
     reloaded = models.get(key)
     assert reloaded is not model, "the model was not reloaded"
     with torch.no_grad():

@@ -46,8 +46,8 @@ def readable_environs():
 
 
 def settings_in_memory():
-    worker = sys.modules.get("workers.tasks")
-    return repr(worker.settings) if worker else ""
+    worker = sys.modules.get("workers.tasks")  # its this_worker holds the worker's settings
+    return repr(worker.this_worker.settings) if worker else ""
 
 
 def test_the_workers_secrets_are_not_there(jail, model):

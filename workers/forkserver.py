@@ -10,7 +10,7 @@ the worker's process still held at that point:
 - the environment: ``os.environ`` cut down to what a zygote needs, every
   original value overwritten, the environment block (``/proc/self/environ``)
   zeroed (``jail.scrub_secrets``);
-- the settings: ``workers.tasks`` (``settings``, the Celery app) dropped from
+- the settings: ``workers.tasks`` (``this_worker.settings``, the Celery app) dropped from
   ``sys.modules``;
 - every copy of every secret and of its derived forms (a URL's password,
   quoted and unquoted; ``user:password``; each secret-named environment

@@ -1,0 +1,216 @@
+"""Executors: where a job's block runs, each owning its deadline.
+
+A job's life (``workers.job``) does not care where the user's code runs: it
+hands the payload to an executor and gets the result bytes back, or an
+exception that ``job.fail`` turns into the ERROR the client reads. Two
+executors, behind one small interface:
+
+- ``run(model, job, blob, channel, meta) -> bytes``: run the block, fill
+  ``meta`` with what the client may see about the run;
+- ``after(job)``: after the answer is sent, before the next job: check the
+  weights the job could have touched;
+- ``prepare_next(model_key)``: make the next job on the model cheaper.
+
+:class:`InProcess` (trusted keys) runs in this worker's own process, against
+the resident model itself; its deadline is a timer that interrupts the job's
+thread with :class:`JobTimedOut`, the way ``ndif-celery kill`` interrupts it
+with :class:`JobCancelled`. :class:`Isolated` (untrusted keys) runs a fresh
+jailed child per request (``workers.isolate``), forked by the model's zygote
+(``workers.zygote``: an exec'd interpreter with ``NDIF_ISOLATION=zygote``, or
+a fork of the fork server with ``=fork``), never by this worker, which holds
+secrets and what earlier jobs left in its memory; its deadline is the
+isolation policy's, which bounds every wait on the child. The policy (what the
+jail lets the child read, as whom, with which limits) is built here too.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+from huggingface_hub import constants as hf_constants
+
+from ndif_celery import config, jobs, statuses
+
+from . import execute, forkserver, isolate, jail, results
+from .resident import ResidentModels
+from .zygote import ZygoteError
+
+log = logging.getLogger("ndif_celery.worker")
+
+# A killed child is gone in milliseconds; one that is not is stuck in the kernel.
+REAP_WAIT_S = 30.0
+
+
+class JobCancelled(BaseException):
+    """Raised in the job's thread by ``ndif-celery kill``; BaseException so user
+    code's ``except Exception`` cannot swallow it."""
+
+
+class JobTimedOut(BaseException):
+    """Raised in the job's thread at its execution deadline (trusted path)."""
+
+
+def ms_since(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 1)
+
+
+class InProcess:
+    """Trusted: run in this process, against the resident model itself."""
+
+    def __init__(self, settings: config.Settings, models: ResidentModels,
+                 cancel: Callable[[str, type], bool]) -> None:
+        self.timeout_s = settings.execution_timeout_s
+        self.models = models
+        self._cancel = cancel  # WorkerState.cancel: interrupts the job's thread
+
+    def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
+        started = time.perf_counter()
+        deadline = threading.Timer(self.timeout_s, self._cancel, args=(job.id, JobTimedOut))
+        deadline.daemon = True
+        deadline.start()
+        try:
+            meta["isolated"] = False
+            with execute.request_scope(model):
+                try:
+                    tracer = execute.deserialize(model, blob, job.compress, job.env)
+                    meta["deserialize_ms"] = ms_since(started)
+                    saved = execute.run(tracer, channel.log)
+                except Exception as error:  # noqa: BLE001 - user code may raise anything
+                    # Formatted inside the scope: linecache still holds the user's source.
+                    raise execute.RequestError(execute.format_user_error(error)) from None
+            return results.encode(saved, job.compress)
+        finally:
+            deadline.cancel()
+
+    def after(self, job: jobs.Job) -> None:
+        """After the answer is sent, before the next job: the plain check
+        reads every weight, which nobody should wait for."""
+        restored = self.models.restore_if_changed(job.model_key)
+        if restored:
+            log.warning("job %s changed %d weight tensors; model reloaded", job.id, len(restored))
+
+    def prepare_next(self, model_key: str) -> None:
+        """Nothing to prepare: the model itself runs the next job."""
+
+
+class Isolated:
+    """Untrusted: a fresh jailed child per request, forked by the model's zygote."""
+
+    def __init__(self, settings: config.Settings, models: ResidentModels) -> None:
+        self.settings = settings
+        self.models = models
+        # What an isolated job may read, and whether it can run as nobody:
+        # learnt once, when the worker is ready (learn_host).
+        self.readable: tuple = ()
+        self.as_nobody = True
+
+    def learn_host(self) -> None:
+        """Read once from this host: the paths the jail leaves readable (the
+        interpreter, the packages, the HF cache) and whether user ``nobody``
+        can read the interpreter's prefixes."""
+        self.readable = tuple(jail.readable_paths((hf_constants.HF_HUB_CACHE,)))
+        self.as_nobody = jail.readable_by_others(sys.base_prefix) and jail.readable_by_others(sys.prefix)
+
+    def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
+        meta["isolated"] = True
+        zygote = self.zygote(job.model_key)
+        outcome = isolate.run(model, blob, job.compress, job.env, self.policy(zygote), channel.log, zygote=zygote)
+        # Only what isolate vouches for (the child's jail layers and timings, checked
+        # by isolate.child_meta; its own isolated_ms and spare): never a key of ours.
+        meta.update({key: value for key, value in outcome.meta.items()
+                     if key in isolate.OUTCOME_META and key not in meta})
+        meta["isolation"] = zygote.mode
+        return outcome.data
+
+    def zygote(self, model_key: str):
+        """The model's zygote (started on first use): exec'd (NDIF_ISOLATION=zygote)
+        or forked from the fork server (=fork). None can be had: the job is refused."""
+        try:
+            server = None
+            if self.settings.isolation == "fork":
+                server = forkserver.current()
+                if server is None:
+                    raise forkserver.ForkServerError("this worker has no fork server (it starts with the Celery "
+                                                     "worker, when untrusted jobs can come)")
+            zygote = self.models.zygote(model_key, fork_server=server)
+            zygote.wait_ready()
+        except ZygoteError as error:
+            self.models.drop_zygote(model_key)  # the next job tries a fresh one
+            raise execute.RequestError(f"This worker could not start its isolation process, so it did not run "
+                                       f"your job: {error}. Ask the operator (see docs/security.md).",
+                                       kind="server") from None
+        return zygote
+
+    def start_zygote(self, model_key: str) -> None:
+        """Right after a load, when untrusted jobs can come: started now, ready by
+        the first untrusted job (an exec'd one takes seconds of imports)."""
+        server = forkserver.current() if self.settings.isolation == "fork" else None
+        self.models.zygote(model_key, fork_server=server)
+
+    def policy(self, zygote=None) -> isolate.Policy:
+        settings = self.settings
+        readable = self.readable
+        if zygote is not None and zygote.cuda:
+            readable = readable + _gpu_readable()
+        return isolate.Policy(
+            timeout_s=settings.execution_timeout_s,
+            memory_bytes=settings.job_memory_bytes,
+            disk_bytes=settings.job_disk_bytes,
+            secrets=settings.secrets(),
+            max_result_bytes=settings.max_result_bytes,
+            readable=readable,
+            as_nobody=self.as_nobody,
+            jail_waived=settings.jail_waived,
+            jail_disabled=settings.jail_disabled,
+            cgroup_root=settings.jail_cgroup_root,
+            # Hidden from the child's view (its UNIX sockets included), on top of Landlock.
+            hidden=(str(settings.home), str(settings.results_dir)),
+        )
+
+    def after(self, job: jobs.Job) -> None:
+        """After every untrusted job, however it ended (success, user error,
+        timeout, cancel, a crashed child, a server fault), before the next job:
+        the keyed weight check, where a child could have written the weights (a
+        GPU model: CUDA IPC has no read-only mapping) or the operator asked for it
+        (NDIF_VERIFY_UNTRUSTED). A child not dead in time, or a check that fails,
+        evicts the model: it is not served unverified."""
+        if not self.models.checks_untrusted(job.model_key):
+            return
+        started = time.perf_counter()
+        if not isolate.wait_reaped(REAP_WAIT_S):
+            log.error("untrusted job %s: its child was not reaped within %g s; evicting %s unverified",
+                      job.id, REAP_WAIT_S, job.model_key)
+            self.models.evict(job.model_key)
+            return
+        restored = self.models.check_after_untrusted(job.model_key)
+        if restored:
+            log.warning("untrusted job %s changed %d weight tensors (%s); model reloaded", job.id, len(restored),
+                        ", ".join(restored[:5]))
+        else:
+            log.info("untrusted job %s: keyed weight check intact (%.0f ms)", job.id, ms_since(started))
+
+    def prepare_next(self, model_key: str) -> None:
+        """After an untrusted job: fork and jail the next one's child now, while
+        idle (``isolate.Spare``). Best effort: a failure here only costs speed."""
+        model = self.models.get(model_key)
+        if model is None:
+            return
+        try:
+            zygote = self.models.current_zygote(model_key)
+            if zygote is None:
+                return
+            isolate.prepare(model, self.policy(zygote), zygote=zygote)
+        except Exception:  # noqa: BLE001
+            log.exception("could not prepare a spare isolated process")
+
+
+def _gpu_readable() -> tuple:
+    """What a CUDA child may still read once locked in: the driver's device
+    nodes and its /proc and /sys entries (not tested on a GPU yet)."""
+    return tuple(glob.glob("/dev/nvidia*")) + tuple(p for p in ("/proc/driver/nvidia", "/sys") if os.path.exists(p))

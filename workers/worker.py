@@ -1,0 +1,214 @@
+"""What lives for the whole worker process, and what it does besides jobs.
+
+:class:`WorkerState` holds the worker's connections (Redis, the result
+store), its resident models, its two executors, the job it runs now (for
+``ndif-celery kill`` and the watchdog) and its controller; it registers the
+worker and beats its heart. Its methods are what the Celery tasks and
+signals of ``workers.tasks`` do: run a job (``workers.job``), load and evict
+models, sweep expired jobs, get ready, shut down. One object, made once per
+process (``tasks.ThisWorker``), so nothing here is a module global.
+
+This module imports torch (through the resident models and the executors):
+``workers.tasks`` imports it only once the worker's environment is set
+(``CUDA_VISIBLE_DEVICES``, ``OMP_NUM_THREADS``) and its fork server forked.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Optional
+
+import torch
+from celery import Celery
+from sqlalchemy.exc import SQLAlchemyError
+
+from ndif_celery import cleanup, config, db, jobs, ledger, queues, registry, statuses, wire
+from ndif_celery.celery_app import queue_for
+from ndif_celery.environment import local_env
+from ndif_celery.store import open_store
+
+from . import isolate, job as job_life, memory, metrics
+from .controller import Controller, fail_waiting
+from .execute import RequestError
+from .executors import InProcess, Isolated, JobCancelled
+from .resident import ResidentModels
+from .startup import untrusted_jobs_possible
+
+log = logging.getLogger("ndif_celery.worker")
+
+
+class WorkerState:
+    """What lives for the whole worker process: connections, store, resident models."""
+
+    def __init__(self, name: str, settings: config.Settings, app: Celery) -> None:
+        self.name = name
+        self.settings = settings
+        self.app = app
+        self.redis = jobs.connect(settings.redis_url, settings.redis_outage_s)
+        self.store = open_store(settings)
+        self.models = ResidentModels(verify_untrusted=settings.verify_untrusted)
+        self.in_process = InProcess(settings, self.models, self.cancel)
+        self.isolated = Isolated(settings, self.models)
+        self.info: dict = {"name": name, "host": socket.gethostname(), "pid": os.getpid()}
+        self.current_job: Optional[str] = None
+        self.job_thread: Optional[int] = None
+        self.controller: Optional[Controller] = None
+        self._job_lock = threading.Lock()
+        self._ledger_engine = None  # opened by the first cleanup that prunes the ledger
+
+    # --- jobs -------------------------------------------------------------------
+
+    def run(self, job: jobs.Job) -> None:
+        job_life.run(self, job)
+
+    def executor_for(self, job: jobs.Job):
+        """In this process for a trusted key; a jailed child for an untrusted one."""
+        return self.in_process if job.trusted else self.isolated
+
+    def begin(self, job_id: str, pipe) -> None:
+        """Report the job as this worker's (for the watchdog) in ``pipe``."""
+        self.current_job, self.job_thread = job_id, threading.get_ident()
+        registry.register_worker(pipe, dict(self.info, models=self.models.keys(), current_job=job_id))
+
+    def end(self) -> None:
+        with self._job_lock:
+            self.current_job, self.job_thread = None, None
+
+    def cancel(self, job_id: str, reason: type = JobCancelled) -> bool:
+        """Interrupt the running job ``job_id`` at its next Python instruction
+        (a long C call, such as one CUDA kernel, finishes first)."""
+        with self._job_lock:
+            thread = self.job_thread
+            if self.current_job != job_id or thread is None:
+                return False
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(reason))
+            return True
+
+    # --- registration -----------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        registry.register_worker(
+            self.redis, dict(self.info, models=self.models.keys(), current_job=self.current_job)
+        )
+        for model_key in self.models.keys():
+            # Declared dead after a long stall and forgotten? Claim the models again.
+            if registry.get_deployment(self.redis, self.name, model_key) is None:
+                registry.set_deployment(self.redis, self.name, model_key, registry.RUNNING,
+                                        size_bytes=self.models.size(model_key))
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(registry.HEARTBEAT_S)
+            try:
+                self.heartbeat()
+            except Exception:  # noqa: BLE001 - a broker blip must not kill the heartbeat
+                log.warning("heartbeat failed", exc_info=True)
+
+    # --- deployments (sent by the controller to this worker's own queue) ---------
+
+    def load_model(self, model_key: str, dtype: Optional[str], size_bytes: int, evict: tuple) -> None:
+        settings = self.settings
+        for key in evict:
+            self.evict(key)
+        queue = queue_for(model_key)
+        repo = wire.repo_fields(model_key)["repo_id"]
+        text = f"Loading {repo} onto {self.name}."
+        for entry in queues.waiting(self.redis, queue):
+            statuses.StatusChannel(self.redis, entry.job, settings.job_ttl_s).send(wire.DEPLOYING, text)
+        registry.set_deployment(self.redis, self.name, model_key, registry.DEPLOYING, size_bytes=size_bytes,
+                                dtype=dtype)
+        try:
+            seconds = self.models.load(model_key, dtype, size_bytes=size_bytes)
+            try:
+                metrics.model_loaded(repo, seconds)
+            except Exception:  # noqa: BLE001 - metrics never fail a load
+                log.warning("worker metrics failed", exc_info=True)
+        except RequestError as error:
+            registry.remove_deployment(self.redis, self.name, model_key)
+            fail_waiting(self.redis, queue, str(error), settings.job_ttl_s)
+            return
+        registry.set_deployment(
+            self.redis, self.name, model_key, registry.RUNNING,
+            size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,
+        )
+        if untrusted_jobs_possible(settings):
+            try:
+                self.isolated.start_zygote(model_key)
+            except Exception:  # noqa: BLE001 - the first untrusted job retries and reports
+                log.exception("could not start the isolation zygote for %s", repo)
+        self.heartbeat()
+        registry.publish_status(self.redis)
+        self.app.control.add_consumer(queue, destination=[self.name], reply=True, timeout=10)
+        log.info("%s loaded in %.2f s; consuming %s", repo, seconds, queue)
+
+    def evict(self, model_key: str) -> None:
+        """Stop taking the model's jobs first, then let go of it."""
+        self.app.control.cancel_consumer(queue_for(model_key), destination=[self.name], reply=True, timeout=10)
+        isolate.discard()  # it holds the model's memory
+        self.models.evict(model_key)
+        registry.remove_deployment(self.redis, self.name, model_key)
+        self.heartbeat()
+        registry.publish_status(self.redis)
+        registry.wake_controller(self.redis, "evicted")
+        log.info("evicted %s", model_key)
+
+    # --- housekeeping (sent by ndif-celery beat) ---------------------------------
+
+    def cleanup(self) -> dict:
+        """Delete results and job state past ``NDIF_JOB_TTL_S``, and old ledger rows."""
+        swept = cleanup.sweep(self.redis, self.store, self.settings.job_ttl_s)
+        swept["ledger_rows"] = self._prune_ledger()
+        if any(swept.values()):
+            log.info("cleanup: %(jobs)d expired jobs, %(orphan_results)d orphaned results, "
+                     "%(ledger_rows)d ledger rows deleted", swept)
+        return swept
+
+    def _prune_ledger(self) -> int:
+        """Ledger rows past NDIF_LEDGER_RETENTION_DAYS; a database away only waits."""
+        try:
+            if self._ledger_engine is None:
+                self._ledger_engine = db.engine_for(self.settings.database_url)
+            return ledger.prune(self._ledger_engine, self.settings.ledger_retention_days)
+        except (SQLAlchemyError, OSError) as error:
+            log.warning("cleanup: the ledger database cannot be reached (%s); pruning later", type(error).__name__)
+            return 0
+
+    # --- the worker's life --------------------------------------------------------
+
+    def ready(self) -> None:
+        """Import the heavy stack, register, start the heartbeat and the controller."""
+        settings = self.settings
+        import nnsight.modeling.transformers  # noqa: F401 - now, not during the first job
+
+        if settings.torch_threads:
+            torch.set_num_threads(settings.torch_threads)
+        self.isolated.learn_host()
+        self.info.update(
+            gpus=[g for g in settings.worker_gpus.split(",") if g.strip()],
+            memory_bytes=memory.budget_bytes(settings),
+            cached=memory.cached_repos(settings),
+            started_at=time.time(),
+        )
+        self.info["metrics_port"] = metrics.start(
+            settings.worker_metrics_host, settings.worker_metrics_port, lambda: len(self.models.keys())
+        )
+        self.redis.set(registry.ENV, json.dumps(local_env()))
+        self.heartbeat()
+        threading.Thread(target=self._beat, name="ndif-heartbeat", daemon=True).start()
+        self.controller = Controller(self.name, self.redis, self.app, settings)
+        self.controller.start()
+        registry.wake_controller(self.redis, "worker ready")
+        log.info("worker %s ready (%d bytes for models)", self.name, self.info["memory_bytes"])
+
+    def shutdown(self) -> None:
+        isolate.discard()
+        self.models.drop_zygotes()
+        if self.controller is not None:
+            self.controller.stop()
+        registry.unregister_worker(self.redis, self.name)
