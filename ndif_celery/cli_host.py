@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import click
 import redis as redis_py
 
-from . import config, doctor as checks, jobs, logs as service_logs, registry, stack
+from . import config, doctor as checks, host_versions, jobs, logs as service_logs, registry, stack
 
 
 class _Interrupted(Exception):
@@ -192,8 +192,8 @@ def _farm_status(settings: config.Settings) -> Optional[dict]:
 def version(as_json: bool) -> None:
     """Versions of python, ndif-celery, nnsight, torch (+CUDA), transformers,
     celery, flask, redis-py and the redis-server binary."""
-    report = checks.versions()
-    click.echo(json.dumps(report, indent=2) if as_json else checks.render_versions(report))
+    report = host_versions.versions()
+    click.echo(json.dumps(report, indent=2) if as_json else host_versions.render_versions(report))
 
 
 @click.command()

@@ -1,16 +1,19 @@
-"""``ndif-celery version`` and ``ndif-celery doctor``: what is installed, and
-whether this host can run (or is running) the farm.
+"""``ndif-celery doctor``: whether this host can run (or is running) the farm.
+(What is installed, ``ndif-celery version``, is ``ndif_celery.host_versions``.)
 
 Each doctor check returns one :class:`Check`: OK, WARN, FAIL or SKIP (does not
 apply here, e.g. the database with auth off), a one-line finding, and for
 anything short of OK the fix. The checks only look: they start nothing, and
 they write nothing but a probe file they remove (``NDIF_HOME`` is not even
 created when missing). Every network probe is bounded by a short timeout.
+
+One file of about 400 lines on purpose: the checks are small independent
+functions, each next to its fix text, in the order ``run`` prints them, so a
+reader follows one symptom top to bottom as the output reads.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import ipaddress
 import os
 import re
@@ -23,7 +26,14 @@ from pathlib import Path
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
-from . import config
+import redis
+from huggingface_hub import constants
+from sqlalchemy import create_engine, text
+
+from . import config, db, stack
+from .host_versions import cuda_available, dist_version, redis_server_version
+from .jail_layers import LAYERS
+from .store import StoreUnavailable, open_store
 
 PINNED_NNSIGHT = "0.8.1"  # as setup.cfg pins it; clients and workers must agree
 MIN_PYTHON = (3, 10)
@@ -43,87 +53,6 @@ class Check:
     fix: str = ""
 
 
-# -- versions ------------------------------------------------------------------
-
-_DISTRIBUTIONS = (
-    ("ndif-celery", "ndif-celery"), ("nnsight", "nnsight"), ("torch", "torch"),
-    ("transformers", "transformers"), ("celery", "celery"), ("flask", "flask"), ("redis-py", "redis"),
-)
-
-
-def _dist_version(dist: str) -> Optional[str]:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def redis_server_version() -> tuple[Optional[str], str]:
-    """(version, binary) of the ``redis-server`` the embedded Redis would run;
-    version None (and the reason in place of the binary) when there is none."""
-    from .redis_server import RedisServerNotFound, redis_server_binary
-
-    try:
-        binary = redis_server_binary()
-    except RedisServerNotFound as exc:
-        return None, str(exc)
-    try:
-        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        return None, f"{binary}: {exc}"
-    match = re.search(r"\bv=(\S+)", out)
-    return (match.group(1) if match else out.strip() or "unknown"), binary
-
-
-def _cuda_available(torch) -> bool:
-    """``torch.cuda.is_available()`` through NVML, which creates no CUDA context."""
-    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
-    try:
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001 - a broken driver is "not available" here
-        return False
-    finally:
-        if saved is None:
-            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
-        else:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
-
-
-def versions() -> dict:
-    """What ``ndif-celery version`` prints: each component's version, None if missing."""
-    report: dict = {"python": sys.version.split()[0]}
-    for label, dist in _DISTRIBUTIONS:
-        report[label] = _dist_version(dist)
-    report["cuda"] = None
-    report["cuda_available"] = False
-    try:
-        import torch
-
-        report["cuda"] = torch.version.cuda
-        report["cuda_available"] = _cuda_available(torch) if torch.version.cuda else False
-    except Exception:  # noqa: BLE001 - reported as torch's own check in doctor
-        pass
-    report["redis-server"], report["redis-server-binary"] = redis_server_version()
-    if report["redis-server"] is None:
-        report["redis-server-binary"] = None
-    return report
-
-
-def render_versions(report: dict) -> str:
-    lines = []
-    for name, value in report.items():
-        if name in ("cuda_available", "redis-server-binary"):
-            continue
-        if name == "cuda":
-            value = f"{value} ({'available' if report['cuda_available'] else 'not available'})" if value \
-                else "none (CPU build of torch)"
-        elif name == "redis-server" and value:
-            value = f"{value} ({report['redis-server-binary']})"
-        lines.append(f"{name:<14}{value or 'not installed'}")
-    return "\n".join(lines)
-
-
 # -- doctor checks -------------------------------------------------------------
 
 
@@ -137,7 +66,7 @@ def check_python() -> Check:
 
 
 def check_nnsight() -> Check:
-    found = _dist_version("nnsight")
+    found = dist_version("nnsight")
     fix = (f"pip install nnsight=={PINNED_NNSIGHT} (the farm speaks nnsight {PINNED_NNSIGHT}'s wire "
            "protocol; researchers must use the same version)")
     if found is None:
@@ -164,7 +93,7 @@ def _nvidia_gpus() -> Optional[list[str]]:
 
 def check_torch() -> Check:
     try:
-        import torch
+        import torch  # here only: importing it is the check, and doctor must answer without it
     except Exception as exc:  # noqa: BLE001 - any import failure is the finding
         return Check("torch", FAIL, f"cannot import torch: {type(exc).__name__}: {exc}",
                      "pip install torch==2.13.0 (or `make install`, which installs the CPU build)")
@@ -177,7 +106,7 @@ def check_torch() -> Check:
                          "(pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128)")
         return Check("torch", OK, f"{torch.__version__}, CPU only (no nvidia-smi)" if gpus is None
                      else f"{torch.__version__}, CPU only (nvidia-smi lists no GPU)")
-    if not _cuda_available(torch):
+    if not cuda_available(torch):
         return Check("torch", WARN, f"{torch.__version__}, CUDA {torch.version.cuda} build, but CUDA is not "
                      f"available{seen}", "check the NVIDIA driver (nvidia-smi) and CUDA_VISIBLE_DEVICES; "
                      "workers run on CPU until then")
@@ -186,8 +115,6 @@ def check_torch() -> Check:
 
 def _ping_redis(url: str) -> Optional[str]:
     """None if the Redis at ``url`` answers PING, else why not."""
-    import redis
-
     client = redis.Redis.from_url(url, socket_timeout=PROBE_TIMEOUT_S, socket_connect_timeout=PROBE_TIMEOUT_S)
     try:
         client.ping()
@@ -225,8 +152,6 @@ def check_redis(settings: config.Settings, stack_running: bool) -> Check:
 
 
 def check_store(settings: config.Settings) -> Check:
-    from .store import StoreUnavailable, open_store
-
     if not settings.uses_s3 and not settings.results_dir.exists():
         # Made on first use; check where it would be made rather than make it.
         home = check_home(settings, settings.results_dir, "NDIF_RESULTS_DIR")
@@ -249,15 +174,11 @@ def check_store(settings: config.Settings) -> Check:
 def check_database(settings: config.Settings) -> Check:
     if not settings.auth:
         return Check("database", SKIP, "NDIF_AUTH is off: no API keys, no database needed")
-    from sqlalchemy import create_engine, text
-
     url = settings.database_url
     shown = re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)  # never print a password
     args = {"connect_timeout": int(PROBE_TIMEOUT_S)} if url.startswith("postgresql") else {}
     try:
         if url.startswith("sqlite:///"):
-            from . import db
-
             engine = db.engine_for(url)
         else:
             engine = create_engine(url, connect_args=args)
@@ -318,8 +239,6 @@ def _disk(name: str, path: Path, warn: int, fail: int, fix: str) -> Check:
 
 
 def hf_cache() -> Path:
-    from huggingface_hub import constants
-
     return Path(constants.HF_HUB_CACHE)
 
 
@@ -349,8 +268,6 @@ def check_hf() -> Check:
 def _port_check(name: str, host: str, port: int, variable: str, what: str, ours: Optional[str]) -> Check:
     """A port ``up`` binds: free, held by this NDIF_HOME's stack (``ours`` says how
     we know), or taken by something else."""
-    from . import stack
-
     if ours:
         return Check(name, OK, f"{host}:{port} {ours}")
     problem = stack._port_problem(host, port, variable, what)
@@ -361,8 +278,6 @@ def _port_check(name: str, host: str, port: int, variable: str, what: str, ours:
 
 
 def check_ports(settings: config.Settings, alive: dict) -> list[Check]:
-    from . import stack
-
     if not alive.get("web"):
         checks = [_port_check("api port", settings.api_host, settings.api_port, "NDIF_API_PORT", "the web API", None)]
     elif stack.api_answers(settings, PROBE_TIMEOUT_S):
@@ -414,7 +329,6 @@ def check_jail(settings: config.Settings) -> list[Check]:
     whether it is required (``NDIF_JAIL_REQUIRE``). A required layer that is
     missing FAILs where untrusted jobs can come: every one would be refused."""
     from workers import jail
-    from ndif_celery.jail_layers import LAYERS
 
     report = jail.probe(readable=jail.readable_paths((str(hf_cache()),)), cgroup_root=settings.jail_cgroup_root,
                         disabled=settings.jail_disabled)
@@ -446,8 +360,6 @@ def check_jail(settings: config.Settings) -> list[Check]:
 
 
 def _stack_alive(settings: config.Settings) -> dict:
-    from . import stack
-
     try:
         return {service: alive for service, _, alive in stack.status(settings)}
     except stack.StackError:
