@@ -5,7 +5,7 @@ one ``print`` of 100 MB, or an exception carrying a 100 MB message, becomes a
 100 MB status published through Redis, kept there for ``NDIF_JOB_TTL_S``, and
 re-encoded by every process it passes. Everything here is plain Python (no
 torch): ``ndif_celery.jobs`` applies it to every status on every path (trusted
-in-process jobs and isolated children alike), and ``workers.isolate`` uses the
+in-process jobs and isolated children alike), and ``workers.frames`` uses the
 same limits for the frames an isolated child sends.
 
 - :func:`truncate`: a text cut so that its JSON encoding (as ``json.dumps``

@@ -160,7 +160,7 @@ def test_different_keys_give_different_fingerprints():
 
 
 class _GpuWayForker:
-    """Forks children the way a GPU zygote does (``isolate._child`` with
+    """Forks children the way a GPU zygote does (``workers.child.main`` with
     ``before_jail``: no PID namespace, no inner fork), from this process,
     whose model lives in a ``MAP_SHARED`` file (``shared_weights.share``), so
     the child's writes reach this process's weights, as a CUDA IPC mapping's
@@ -170,7 +170,7 @@ class _GpuWayForker:
         self.model = model
 
     def fork(self, out_fd, in_fd, policy, workdir, cgroup):
-        from workers import isolate
+        from workers.child import kill_group, main as child_main
 
         child = types.SimpleNamespace(pid=0, status=None)
         forked, done = threading.Event(), threading.Event()
@@ -178,7 +178,7 @@ class _GpuWayForker:
         def run() -> None:  # a fresh thread (OpenMP), which stays to reap the child
             pid = os.fork()
             if pid == 0:
-                isolate._child(self.model, policy, out_fd, in_fd, workdir, cgroup, before_jail=lambda: None)
+                child_main(self.model, policy, out_fd, in_fd, workdir, cgroup, before_jail=lambda: None)
                 os._exit(70)
             child.pid = pid
             forked.set()
@@ -187,7 +187,7 @@ class _GpuWayForker:
 
         threading.Thread(target=run, daemon=True).start()
         forked.wait()
-        child.kill = lambda: isolate._kill_group(child.pid)
+        child.kill = lambda: kill_group(child.pid)
         child.wait = lambda timeout=None: child.status if done.wait(timeout) else None
         return child
 
@@ -218,7 +218,7 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
     """The worker's own code after an untrusted job (``executors.Isolated.after``),
     against a jailed child that flips signs in pairs in the worker's weights and raises."""
     from ndif_celery import config
-    from workers import executors, isolate, jail, shared_weights
+    from workers import executors, isolate, jail
     from workers.execute import RequestError
     from workers.resident import ResidentModels
 
@@ -234,7 +234,7 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
     ids = torch.tensor([[5, 17, 99, 3, 42]])
     with torch.no_grad():
         before = model._module(ids).logits
-    models.shared[key] = shared_weights.share(model._module)
+    models.resident(key).share()  # the weights in a MAP_SHARED file, as for a zygote
     policy = isolate.Policy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
                             readable=tuple(jail.readable_paths((str(hf_home / "hub"),))))
     with pytest.raises(RequestError, match="after editing the weights"):

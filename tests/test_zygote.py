@@ -160,17 +160,17 @@ def test_a_dead_zygote_is_replaced_and_the_next_job_is_right(zygote_stack, model
 
 class _ForksTheGpuWay:
     """Stands in for a zygote whose model has GPU weights: its children take
-    the CUDA child's path (``isolate._child`` with ``before_jail``), which on a
+    the CUDA child's path (``workers.child.main`` with ``before_jail``), which on a
     GPU maps the weights and here does nothing else."""
 
     def __init__(self, model) -> None:
         self.model = model
 
     def fork(self, out_fd, in_fd, policy, workdir, cgroup):
-        from workers import isolate
+        from workers.child import kill_group, main as child_main
 
         def child() -> None:
-            isolate._child(self.model, policy, out_fd, in_fd, workdir, cgroup, before_jail=lambda: None)
+            child_main(self.model, policy, out_fd, in_fd, workdir, cgroup, before_jail=lambda: None)
 
         return _ForkedFromAThread(child)
 
@@ -202,9 +202,9 @@ class _ForkedFromAThread:
         return self.status
 
     def kill(self) -> None:
-        from workers import isolate
+        from workers.child import kill_group
 
-        isolate._kill_group(self.pid)
+        kill_group(self.pid)
 
 
 def test_the_gpu_childs_path_runs_a_request_jailed(resident, hf_home, monkeypatch):

@@ -14,13 +14,12 @@ worker prepares a :class:`Spare` (forked, jailed, OpenMP pool started) that
 waits for the next request on the same model; a request with no fitting spare
 forks one on the spot. Either way each request gets a child of its own.
 
-Frames on the pipes: one type byte, an 8-byte big-endian length, the body.
-Child to worker: ``L`` a LOG line (UTF-8), ``R`` the result blob, ``E`` an
-error message (UTF-8), ``M`` meta (JSON). Worker to child: ``J`` the request's
-JSON header (compress, env), then ``B`` the payload blob.
+This module is the worker's side; what runs in the child is
+``workers.child`` (its entry point ``child.main``, started by the zygote),
+and the frames both sides send are ``workers.frames``.
 
 The child runs user code, so everything it sends is hostile until checked:
-each frame kind has a size limit (``FRAME_LIMITS``; only ``R`` may be as
+each frame kind has a size limit (``frames.FRAME_LIMITS``; only ``R`` may be as
 large as the result limit), read from its header before its body is
 buffered; a header over its kind's limit, or of an unknown kind, kills the
 child and ends the job with an ERROR. Meta passes only the keys the worker
@@ -38,7 +37,6 @@ import re
 import select
 import shutil
 import signal
-import struct
 import tempfile
 import threading
 import time
@@ -49,17 +47,8 @@ from ndif_celery import bounds
 
 from . import jail
 from .execute import RequestError, result_too_big
+from .frames import FRAME_LIMITS, FRAME_NAMES, HEADER, request_frames
 
-_HEADER = struct.Struct(">cQ")
-
-try:  # import the seccomp binding once here, so no child pays for finding libseccomp
-    jail.load_seccomp_binding()
-except jail.JailError:
-    pass  # each child finds the layer missing and says so (refused unless NDIF_JAIL_REQUIRE waives it)
-
-#: The largest body of each frame kind a child may send (``R``: the policy's result limit).
-FRAME_LIMITS = {b"L": bounds.LOG_LINE_BYTES, b"E": bounds.ERROR_BYTES, b"M": bounds.META_BYTES}
-_FRAME_NAMES = {b"L": "LOG", b"E": "ERROR", b"M": "meta", b"R": "result"}
 #: How long reaping a SIGKILLed child may take before the worker stops waiting for it.
 REAP_TIMEOUT_S = 10.0
 #: The slices every wait on a child is cut into, so ``ndif-celery kill`` (an
@@ -138,12 +127,10 @@ class Spare:
         ``deadline`` (``time.monotonic()``; default: the policy's timeout from now)."""
         if deadline is None:
             deadline = time.monotonic() + self.policy.timeout_s
-        header = json.dumps({"compress": bool(compress), "env": env}).encode()
         try:
             os.set_blocking(self.in_fd, False)
-            _write_until(self.forked, self.in_fd, _HEADER.pack(b"J", len(header)) + header, deadline, self.policy)
-            _write_until(self.forked, self.in_fd, _HEADER.pack(b"B", len(blob)), deadline, self.policy)
-            _write_until(self.forked, self.in_fd, blob, deadline, self.policy)
+            for data in request_frames(blob, compress, env):
+                _write_until(self.forked, self.in_fd, data, deadline, self.policy)
         except BrokenPipeError:
             pass  # the child died before reading (its jail failed): _collect says why
         finally:
@@ -194,10 +181,15 @@ def prepare(model: Any, policy: Policy, zygote: Any) -> None:
         _spare = spare
 
 
-def discard() -> None:
-    """Kill the spare (its model is being evicted, or the worker stops)."""
+def discard(zygote: Any = None) -> None:
+    """Kill the spare (its model is being evicted, or the worker stops).
+
+    With ``zygote``, only a spare that zygote forked (a resident model
+    letting go of what it holds: ``resident.Resident.close``)."""
     global _spare
     with _spare_lock:
+        if zygote is not None and (_spare is None or _spare.zygote is not zygote):
+            return
         spare, _spare = _spare, None
     if spare is not None:
         spare.close()
@@ -267,16 +259,16 @@ def _collect(forked: Any, fd: int, policy: Policy, log: Callable[[str], None],
         if not chunk:
             break
         buffer += chunk
-        while len(buffer) >= _HEADER.size:
-            kind, length = _HEADER.unpack_from(buffer)
+        while len(buffer) >= HEADER.size:
+            kind, length = HEADER.unpack_from(buffer)
             _check(forked, kind, length, policy)
-            if len(buffer) < _HEADER.size + length:
+            if len(buffer) < HEADER.size + length:
                 break
             if kind == b"R":  # the last frame: keep it where it is, no copy
-                result = memoryview(buffer)[_HEADER.size : _HEADER.size + length]
+                result = memoryview(buffer)[HEADER.size : HEADER.size + length]
                 break
-            body = bytes(buffer[_HEADER.size : _HEADER.size + length])
-            del buffer[: _HEADER.size + length]
+            body = bytes(buffer[HEADER.size : HEADER.size + length])
+            del buffer[: HEADER.size + length]
             if kind == b"L":
                 log(body.decode("utf-8", "replace"))
             elif kind == b"E":
@@ -309,7 +301,7 @@ def _check(forked, kind: bytes, length: int, policy: Policy) -> None:
     if length > limit:
         forked.kill()
         raise RequestError(
-            f"Your job's isolated process announced {bounds.human_bytes(length)} in one {_FRAME_NAMES[kind]} frame, "
+            f"Your job's isolated process announced {bounds.human_bytes(length)} in one {FRAME_NAMES[kind]} frame, "
             f"over the {bounds.human_bytes(limit)} such a frame may carry, so it was stopped.")
 
 
@@ -399,192 +391,3 @@ def _died(status: int, policy: Policy) -> str:
         }.get(sig, "")
         return f"Your job's isolated process died of {sig}{hint} before it returned a result."
     return f"Your job's isolated process exited (status {os.WEXITSTATUS(status)}) before it returned a result."
-
-
-def _kill_group(pid: int) -> None:
-    """SIGKILL the child's process group (its zygote reaps it)."""
-    if pid <= 0:  # no child yet: killpg(0) would be the worker's own group
-        return
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-# --- the child --------------------------------------------------------------------
-
-
-def _send(fd: int, kind: bytes, body) -> None:
-    if kind in (b"L", b"E"):  # the worker kills a child whose frame is over its kind's limit
-        # Bounded as the worker will bound it (as JSON), so it is cut once, with one note.
-        body = bounds.truncate(bytes(body).decode("utf-8", "replace"), FRAME_LIMITS[kind]).encode("utf-8")
-    body = memoryview(body)
-    if body.nbytes < 65536:
-        _write_all(fd, _HEADER.pack(kind, body.nbytes) + body.tobytes())
-    else:  # a big result: no copy of it just to prepend the header
-        _write_all(fd, _HEADER.pack(kind, body.nbytes))
-        _write_all(fd, body)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _read_exactly(fd: int, size: int) -> bytes:
-    buffer = bytearray(size)
-    view = memoryview(buffer)
-    got = 0
-    while got < size:
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            raise EOFError("the worker closed the request pipe")
-        got += n
-    return bytes(buffer)
-
-
-def _receive_request(fd: int) -> tuple[bytes, bool, dict]:
-    """The request the worker hands a spare: a JSON header, then the blob."""
-    kind, length = _HEADER.unpack(_read_exactly(fd, _HEADER.size))
-    header = json.loads(_read_exactly(fd, length)) if kind == b"J" else {}
-    kind, length = _HEADER.unpack(_read_exactly(fd, _HEADER.size))
-    blob = _read_exactly(fd, length)
-    os.close(fd)
-    return blob, bool(header.get("compress")), header.get("env") or {}
-
-
-def _child(model, policy, fd, request_fd, workdir, cgroup, before_jail=None) -> None:
-    """The forked child. ``before_jail`` (a GPU child of the zygote) maps the
-    GPU weights first; such a child stays in its parent's PID namespace (CUDA
-    IPC does not cross one) and runs the code itself (CUDA cannot fork)."""
-    code = 1
-    try:
-        os.setsid()  # its own process group: killed as one, and it cannot signal ours
-        jail.die_with_parent()
-        # Which layers this child gets, and why any is missing: checked against
-        # NDIF_JAIL_REQUIRE once all are set up (_run_jailed).
-        layers = jail.Layers(policy.jail_disabled)
-        layers.attempt("pids_cgroup", lambda: jail.join_cgroup(cgroup, policy.max_processes))
-        jail.close_inherited_fds(keep=(fd, request_fd))
-        try:
-            if before_jail is not None:
-                before_jail()
-            # The host's UNIX sockets, read while this is still the host's network namespace.
-            sockets = layers.attempt("unix_sockets", jail.listening_unix_paths)
-            jail.enter_namespaces(pid=before_jail is None)
-            layers.got["namespaces"] = True
-        except (jail.JailError, OSError) as error:
-            _send(fd, b"E", _refuse(error).encode())
-            os._exit(0)
-        if before_jail is not None:
-            _run_jailed(model, policy, fd, request_fd, workdir, layers, sockets, gpu=True)
-        inner = os.fork()  # PID 1 of the new PID namespace runs the code
-        if inner == 0:
-            _run_jailed(model, policy, fd, request_fd, workdir, layers, sockets)
-        os.close(fd)
-        os.close(request_fd)
-        _, status = os.waitpid(inner, 0)
-        code = os.waitstatus_to_exitcode(status)
-        if code < 0:
-            os.kill(os.getpid(), -code)  # die the same way, so the parent can say why
-    except BaseException:  # noqa: BLE001 - nothing may escape a forked child
-        code = 1
-    finally:
-        os._exit(code if code >= 0 else 1)
-
-
-def _refuse(error: BaseException) -> str:
-    return (
-        "This worker cannot isolate untrusted code, so it did not run your job: "
-        f"{error}. Ask the operator (the worker needs Linux namespaces; see docs/security.md)."
-    )
-
-
-def _refuse_missing(layers: "jail.Layers", missing: list) -> str:
-    """The ERROR of a job refused because its jail lacks a required layer."""
-    return (
-        "This worker cannot isolate untrusted code as its operator requires, so it did not run your job: "
-        f"missing jail layer(s): {layers.describe(missing)}. Ask the operator (the host lacks a layer that "
-        "NDIF_JAIL_REQUIRE requires; `ndif-celery doctor` lists them; see docs/security.md)."
-    )
-
-
-def _run_jailed(model, policy, fd, request_fd, workdir, layers: "jail.Layers", sockets,
-                gpu: bool = False) -> None:
-    """Lock in, take the one request, run it, send the result, exit.
-
-    Every jail layer is set up (``jail.lock_down``); if one the operator
-    requires is missing, the child refuses before it reads the request.
-
-    ``gpu``: this is the zygote's CUDA child itself (no inner fork, so it
-    already leads its session), and RLIMIT_AS stays unset (the CUDA driver
-    reserves far more virtual memory than any sane cap; GPU memory is bounded
-    by the allocator fraction instead)."""
-    from . import execute, results
-
-    try:
-        jail.die_with_parent()
-        if not gpu:
-            os.setsid()
-        jail.scrub_secrets(list(policy.secrets))
-        limits = jail.Limits(memory_bytes=0 if gpu else policy.memory_bytes, cpu_seconds=int(policy.timeout_s) + 1,
-                             file_bytes=policy.disk_bytes, processes=policy.max_processes)
-        layers.user = jail.lock_down(layers, workdir, policy.readable, limits, policy.disk_bytes, policy.as_nobody,
-                                     sockets, hidden=policy.hidden, pid_namespace=not gpu)
-        missing = layers.missing(policy.jail_waived)
-        if missing:
-            _send(fd, b"E", _refuse_missing(layers, missing).encode())
-            os._exit(0)
-        os.chdir(workdir)
-        os.environ.update(HOME=workdir, TMPDIR=workdir)
-        tempfile.tempdir = workdir
-        _warm_up(model)
-    except BaseException as error:  # noqa: BLE001
-        _send(fd, b"E", _refuse(error).encode())
-        os._exit(0)
-    try:
-        blob, compress, env = _receive_request(request_fd)
-    except BaseException:  # noqa: BLE001 - discarded unused: the worker let go of it
-        os._exit(0)
-    try:
-        marks = [time.perf_counter()]
-        tracer = execute.deserialize(model, blob, compress, env)
-        marks.append(time.perf_counter())
-        saved = execute.run(tracer, lambda line: _send(fd, b"L", line.encode("utf-8", "replace")))
-        marks.append(time.perf_counter())
-        data = results.encode(saved, compress)
-        marks.append(time.perf_counter())
-        if policy.max_result_bytes and len(data) > policy.max_result_bytes:
-            raise result_too_big(len(data), policy.max_result_bytes)
-        child_ms = {name: round((b - a) * 1000, 1)
-                    for name, a, b in zip(("deserialize_ms", "run_ms", "encode_ms"), marks, marks[1:])}
-        _send(fd, b"M", json.dumps({"jail": layers.meta(policy.jail_waived), "child": child_ms}).encode())
-        _send(fd, b"R", data)
-    except BaseException as error:  # noqa: BLE001 - user code may raise anything, SystemExit included
-        message = str(error) if isinstance(error, RequestError) else execute.format_user_error(error)
-        try:
-            _send(fd, b"E", message.encode("utf-8", "replace"))
-        except BaseException:  # noqa: BLE001
-            pass
-    os._exit(0)
-
-
-def _warm_up(model) -> None:
-    """Pay, before the request arrives, what its first forward pass would:
-    this process's own OpenMP thread pool (a fresh one: no thread of its
-    zygote ever computed), and
-    the copy-on-write faults and lazy setup of one tiny forward pass through
-    the model (a one-token input; best effort: a model that takes something
-    else simply starts cold). No user data is involved."""
-    import torch
-
-    torch.ones(1 << 16).add_(1).sum()
-    try:
-        module = model._module
-        device = next(module.parameters()).device
-        with torch.no_grad():
-            module(torch.zeros((1, 1), dtype=torch.long, device=device))
-    except Exception:  # noqa: BLE001
-        pass

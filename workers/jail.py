@@ -356,7 +356,7 @@ def set_limits(limits: Limits) -> None:
     ]
     for which, value in pairs:
         if which == resource.RLIMIT_AS and not limits.memory_bytes:
-            continue  # no cap asked for (a CUDA process: see isolate._run_jailed)
+            continue  # no cap asked for (a CUDA process: see child._run_jailed)
         resource.setrlimit(which, (value, value))
 
 

@@ -1,8 +1,15 @@
-"""The models this worker keeps loaded, by model key.
+"""The models this worker keeps loaded, by model key: one :class:`Resident` each.
 
 The controller decides what a worker holds; this module only loads and drops.
 A model is built once from its model key (from the HF cache, or the hub when
 reachable) and stays resident for every later job until it is evicted.
+
+Why one object per model: everything the worker keeps for a model (its
+weights' shared mapping, its fingerprints, its zygote, its size as placed)
+is born with the load and must die with the eviction or the reload, together.
+A :class:`Resident` holds all of it and lets go of all of it in
+:meth:`Resident.close`; :class:`ResidentModels` is only the registry of
+them, and the one interface callers use (no caller reaches inside).
 """
 
 from __future__ import annotations
@@ -14,38 +21,119 @@ import secrets
 import time
 from typing import Any, Optional
 
-from . import integrity
+import torch
+from nnsight.modeling.mixins.remotable import Remotable
+
+from ndif_celery import config, model_policy
+from ndif_celery.wire import repo_fields
+
+from . import integrity, isolate, shared_weights
 from .execute import RequestError, no_grad_weights
+from .zygote import Zygote
 
 log = logging.getLogger(__name__)
 
 
+class Resident:
+    """One model this worker holds, and everything kept for it.
+
+    ``fingerprint``: the plain fingerprint, checked after trusted jobs (retaken
+    when the weights move into shared memory: same values, new storage).
+    ``keyed``: ``(KeyedHash, its fingerprint at load)`` where untrusted jobs are
+    followed by the keyed check, else None; it depends on the values only.
+    ``shared``: the weights in memory a zygote maps (``shared_weights.Shared``),
+    made on the zygote's first start. ``zygote``: the model's ``zygote.Zygote``.
+    ``size_bytes``: as placed, for re-registering the deployment.
+    """
+
+    def __init__(self, model_key: str, model: Any, dtype: Optional[str], size_bytes: int = 0,
+                 keyed: bool = False) -> None:
+        self.model_key = model_key
+        self.model = model
+        self.dtype = dtype
+        self.size_bytes = size_bytes
+        self.fingerprint = integrity.fingerprint(model._module)
+        self.keyed: Optional[tuple] = None
+        if keyed:
+            # A fresh key per load, drawn here and never handed to any child.
+            key = integrity.KeyedHash(secrets.token_bytes(32))
+            self.keyed = (key, key.fingerprint(model._module))
+        self.shared: Any = None
+        self.zygote: Optional[Zygote] = None
+
+    def share(self) -> Any:
+        """The weights in shared memory (moved there on first call)."""
+        if self.shared is None:
+            self.shared = shared_weights.share(self.model._module)
+            self.fingerprint = integrity.fingerprint(self.model._module)  # same values, new storage
+        return self.shared
+
+    def start_zygote(self, fork_server: Any = None) -> Zygote:
+        """Its zygote: the current one if it still fits the model, else a new one."""
+        if self.zygote is not None and self.zygote.fits(self.model):
+            return self.zygote
+        self.drop_zygote()
+        self.zygote = Zygote(self.model, self.share(), self.model_key, self.dtype, fork_server=fork_server)
+        return self.zygote
+
+    def drop_zygote(self) -> None:
+        """Stop its zygote (and so every child it forked, the spare included)."""
+        zygote, self.zygote = self.zygote, None
+        if zygote is not None:
+            isolate.discard(zygote=zygote)
+            zygote.close()
+
+    def changed(self) -> list[str]:
+        """After a trusted job: the tensors whose plain fingerprint changed."""
+        return integrity.changed(self.model._module, self.fingerprint)
+
+    def changed_keyed(self) -> list[str]:
+        """After an untrusted job: the tensors whose keyed fingerprint changed (raises if the check fails)."""
+        keyed, expected = self.keyed
+        return integrity.changed(self.model._module, expected, key=keyed)
+
+    def close(self) -> None:
+        """Release everything it holds: the spare child and the zygote, the
+        shared mapping's descriptor, the keyed hash and the model itself."""
+        self.drop_zygote()
+        shared, self.shared = self.shared, None
+        if shared is not None and shared.cpu_fd >= 0:
+            os.close(shared.cpu_fd)
+        self.keyed = None
+        self.model = None
+
+
 class ResidentModels:
+    """The registry of this worker's :class:`Resident` models, by model key."""
+
     def __init__(self, verify_untrusted: bool = False) -> None:
         # NDIF_VERIFY_UNTRUSTED: the keyed check after every untrusted job on
         # every model, not only on GPU models (whose weights a child can write).
         self.verify_untrusted = verify_untrusted
-        self.models: dict[str, Any] = {}
-        self.fingerprints: dict[str, dict] = {}
-        self.zygotes: dict[str, Any] = {}  # model key -> its workers.zygote.Zygote (NDIF_ISOLATION=zygote)
-        self.shared: dict[str, Any] = {}  # model key -> its shared_weights.Shared
-        self.keyed: dict[str, tuple] = {}  # model key -> (KeyedHash, its fingerprint at load): checked after untrusted jobs
-        self.dtypes: dict[str, Optional[str]] = {}
-        self.sizes: dict[str, int] = {}  # as placed, for re-registering
+        self._residents: dict[str, Resident] = {}
 
     def get(self, model_key: str) -> Optional[Any]:
-        return self.models.get(model_key)
+        resident = self._residents.get(model_key)
+        return resident.model if resident is not None else None
 
-    def load(self, model_key: str, dtype: Optional[str] = None) -> float:
-        """Load ``model_key`` (if not already here); return the seconds it took."""
-        if model_key in self.models:
+    def resident(self, model_key: str) -> Optional[Resident]:
+        return self._residents.get(model_key)
+
+    def keys(self) -> list[str]:
+        return list(self._residents)
+
+    def size(self, model_key: str) -> int:
+        """Its size as placed (``load``'s ``size_bytes``); 0 if unknown or not here."""
+        resident = self._residents.get(model_key)
+        return resident.size_bytes if resident is not None else 0
+
+    def load(self, model_key: str, dtype: Optional[str] = None, size_bytes: int = 0) -> float:
+        """Load ``model_key`` (if not already here); return the seconds it took.
+        ``size_bytes``: its size as placed, kept for re-registering it (a model
+        already here keeps its weights and takes the new size)."""
+        if model_key in self._residents:
+            self._residents[model_key].size_bytes = size_bytes
             return 0.0
-        from nnsight.modeling.mixins.remotable import Remotable
-
-        from ndif_celery.wire import repo_fields
-
-        from ndif_celery import config, model_policy
-
         try:  # again here, whoever sent the load: never a key the policy refuses
             canonical = model_policy.Policy.from_settings(config.load()).loadable(model_key)
         except model_policy.PolicyError as error:
@@ -66,58 +154,47 @@ class ResidentModels:
                 f"{type(error).__name__}: {error}"
             ) from None
         no_grad_weights(model._module)
-        self.models[model_key] = model
-        self.fingerprints[model_key] = integrity.fingerprint(model._module)
-        if self.verify_untrusted or _on_gpu(model._module):
-            # A fresh key per load, drawn here and never handed to any child.
-            keyed = integrity.KeyedHash(secrets.token_bytes(32))
-            self.keyed[model_key] = (keyed, keyed.fingerprint(model._module))
-        self.dtypes[model_key] = dtype
+        self._residents[model_key] = Resident(model_key, model, dtype, size_bytes,
+                                              keyed=self.verify_untrusted or _on_gpu(model._module))
         return round(time.monotonic() - started, 3)
 
-    def zygote(self, model_key: str, fork_server: Any = None) -> Optional[Any]:
+    def zygote(self, model_key: str, fork_server: Any = None) -> Optional[Zygote]:
         """The model's zygote (``workers.zygote``), started on first use: its
         weights move into shared memory once, then a clean process maps them
         (exec'd, or forked from ``fork_server``: ``workers.forkserver``)."""
-        from . import shared_weights
-        from .zygote import Zygote
+        resident = self._residents.get(model_key)
+        return resident.start_zygote(fork_server) if resident is not None else None
 
-        model = self.models.get(model_key)
-        if model is None:
-            return None
-        current = self.zygotes.get(model_key)
-        if current is not None and current.fits(model):
-            return current
-        if current is not None:
-            current.close()
-        shared = self.shared.get(model_key)
-        if shared is None:
-            shared = self.shared[model_key] = shared_weights.share(model._module)
-            self.fingerprints[model_key] = integrity.fingerprint(model._module)  # same values, new storage
-            # (the keyed fingerprint, taken at load, depends on the values only)
-        zygote = self.zygotes[model_key] = Zygote(model, shared, model_key, self.dtypes.get(model_key),
-                                                  fork_server=fork_server)
-        return zygote
+    def current_zygote(self, model_key: str) -> Optional[Zygote]:
+        """The model's zygote if one was started (none is started here)."""
+        resident = self._residents.get(model_key)
+        return resident.zygote if resident is not None else None
 
     def drop_zygote(self, model_key: str) -> None:
-        zygote = self.zygotes.pop(model_key, None)
-        if zygote is not None:
-            zygote.close()
+        resident = self._residents.get(model_key)
+        if resident is not None:
+            resident.drop_zygote()
+
+    def drop_zygotes(self) -> None:
+        """Stop every model's zygote (the worker stops); the models stay."""
+        for resident in list(self._residents.values()):
+            resident.drop_zygote()
 
     def restore_if_changed(self, model_key: str) -> list[str]:
         """After a trusted job: reload the model if its plain fingerprint changed; return what had changed."""
-        model = self.models.get(model_key)
-        if model is None:
+        resident = self._residents.get(model_key)
+        if resident is None:
             return []
-        changed = integrity.changed(model._module, self.fingerprints[model_key])
+        changed = resident.changed()
         if changed:
-            self._reload(model_key)
+            self._reload(resident)
         return changed
 
     def checks_untrusted(self, model_key: str) -> bool:
         """Whether untrusted jobs on this model are followed by the keyed check: its weights are on a GPU
         (a zygote's child maps them writable), or the operator asked for it (NDIF_VERIFY_UNTRUSTED)."""
-        return model_key in self.keyed
+        resident = self._residents.get(model_key)
+        return resident is not None and resident.keyed is not None
 
     def check_after_untrusted(self, model_key: str) -> list[str]:
         """After an untrusted job, however it ended, once its child is dead: compare the keyed
@@ -125,42 +202,32 @@ class ResidentModels:
 
         Fails closed: if the check itself fails, the model is evicted (the
         next job loads it afresh) rather than served unverified."""
-        model = self.models.get(model_key)
-        if model is None or model_key not in self.keyed:
+        resident = self._residents.get(model_key)
+        if resident is None or resident.keyed is None:
             return []
-        keyed, expected = self.keyed[model_key]
         try:
-            changed = integrity.changed(model._module, expected, key=keyed)
+            changed = resident.changed_keyed()
         except Exception as error:  # noqa: BLE001 - an unverifiable model is not served
             log.exception("the keyed weight check of %s failed; evicting the model", model_key)
             self.evict(model_key)
             return [f"(the check failed: {type(error).__name__})"]
         if changed:
-            self._reload(model_key)
+            self._reload(resident)
         return changed
 
-    def _reload(self, model_key: str) -> None:
-        dtype = self.dtypes.get(model_key)
-        self.evict(model_key)
-        self.load(model_key, dtype)
+    def _reload(self, resident: Resident) -> None:
+        self.evict(resident.model_key)
+        self.load(resident.model_key, resident.dtype, resident.size_bytes)
 
     def evict(self, model_key: str) -> bool:
-        self.drop_zygote(model_key)
-        shared = self.shared.pop(model_key, None)
-        if shared is not None and shared.cpu_fd >= 0:
-            os.close(shared.cpu_fd)
-        self.keyed.pop(model_key, None)
-        model = self.models.pop(model_key, None)
-        self.fingerprints.pop(model_key, None)
-        if model is None:
+        resident = self._residents.pop(model_key, None)
+        if resident is None:
             return False
-        del model
+        resident.close()
+        del resident
         gc.collect()
         _empty_cuda_cache()
         return True
-
-    def keys(self) -> list[str]:
-        return list(self.models)
 
 
 def _on_gpu(module: Any) -> bool:
@@ -168,20 +235,14 @@ def _on_gpu(module: Any) -> bool:
 
 
 def _gpus_visible() -> bool:
-    import torch
-
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
 def cuda_initialized() -> bool:
     """Whether this process has initialised CUDA (after which it cannot fork a usable child)."""
-    import torch
-
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def _empty_cuda_cache() -> None:
-    import torch
-
     if cuda_initialized():
         torch.cuda.empty_cache()

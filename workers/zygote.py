@@ -16,7 +16,7 @@ is also the GPU path: the zygote never initialises CUDA, so its children can;
 each opens the GPU weights' IPC handles before it locks itself in (no PID
 namespace there: CUDA IPC does not cross one).
 
-Each child runs exactly the code of the fork path (``isolate._child``): the
+Each child runs the one child entry point (``workers.child.main``): the
 worker creates the two pipes, hands them to the zygote over a Unix socket
 (``SCM_RIGHTS``) with the job's policy, and talks to the child directly. The
 zygote answers with JSON lines only (``forked``, ``exited``); the worker
@@ -38,6 +38,9 @@ from dataclasses import asdict
 from typing import Any, Optional
 
 from . import jail
+from .child import kill_group
+from .child import main as child_main
+from .isolate import Policy
 
 READY_TIMEOUT_S = 300.0  # imports and the skeleton; a big model's config is quick, imports are not
 _PREPROCESSORS = ("tokenizer", "image_processor", "feature_extractor", "processor")
@@ -69,9 +72,7 @@ class ZygoteChild:
         return self.status if self.status is not None else 0
 
     def kill(self) -> None:
-        from .isolate import _kill_group
-
-        _kill_group(self.pid)
+        kill_group(self.pid)
 
 
 class Zygote:
@@ -140,7 +141,7 @@ class Zygote:
             raise ZygoteError(self.error)
 
     def fork(self, out_fd: int, in_fd: int, policy: Any, workdir: str, cgroup: str) -> ZygoteChild:
-        """Have the zygote fork a child that runs ``isolate._child`` on these pipes.
+        """Have the zygote fork a child that runs ``child.main`` on these pipes.
 
         The policy goes without its secrets: the zygote never learns them (its
         environment has none), so there is nothing for the child to scrub."""
@@ -268,9 +269,6 @@ def _build(header: dict, cpu_fd: int) -> Any:
 
 
 def _serve(sock: socket.socket, model: Any, header: dict) -> None:
-    from . import isolate
-    from .isolate import Policy
-
     cuda = bool(header["shared"]["cuda"])
     children: set = set()
     while True:
@@ -284,7 +282,7 @@ def _serve(sock: socket.socket, model: Any, header: dict) -> None:
             message = b""
         if not message:  # the worker is gone or let go of us
             for pid in children:
-                isolate._kill_group(pid)
+                kill_group(pid)
             os._exit(0)
         request = json.loads(message)
         policy = Policy(**{**request["policy"], "secrets": tuple(request["policy"]["secrets"]),
@@ -294,7 +292,7 @@ def _serve(sock: socket.socket, model: Any, header: dict) -> None:
         if pid == 0:
             sock.close()
             before = (lambda: _attach_cuda(model, header, policy)) if cuda else None
-            isolate._child(model, policy, out_fd, in_fd, request["workdir"], request["cgroup"], before_jail=before)
+            child_main(model, policy, out_fd, in_fd, request["workdir"], request["cgroup"], before_jail=before)
         os.close(out_fd)
         os.close(in_fd)
         children.add(pid)
