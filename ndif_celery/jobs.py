@@ -37,6 +37,10 @@ from . import wire
 
 ENDED = "ndif:jobs:ended"
 
+# One small function per Redis key, alike on purpose (tools/duplicates sees
+# them as a repeat): each name is greppable where it is used, and a key's
+# layout changes in exactly one place.
+
 
 def payload_key(job_id: str) -> str:
     return f"ndif:job:{job_id}:payload"

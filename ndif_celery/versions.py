@@ -51,14 +51,19 @@ def python_major_minor(sys_version: str) -> Optional[str]:
     return f"{int(match.group(1))}.{int(match.group(2))}" if match else None
 
 
+def _require_reported(what: str, client_version: Optional[str]) -> None:
+    """NDIF's refusal of a request that did not say its ``what`` version at all."""
+    if not client_version:
+        raise VersionRefused(
+            f"Client {what} version was not provided. This usually means an "
+            "outdated nnsight; please `pip install --upgrade nnsight` and retry."
+        )
+
+
 def check_nnsight(client_version: Optional[str], minimum: str) -> None:
     if not minimum:
         return
-    if not client_version:
-        raise VersionRefused(
-            "Client nnsight version was not provided. This usually means an "
-            "outdated nnsight; please `pip install --upgrade nnsight` and retry."
-        )
+    _require_reported("nnsight", client_version)
     try:
         client = Version(client_version)
     except InvalidVersion:
@@ -71,13 +76,12 @@ def check_nnsight(client_version: Optional[str], minimum: str) -> None:
 
 
 def check_python(client_version: Optional[str], minimum: str) -> None:
+    """Like ``check_nnsight`` in shape, apart on purpose: python is compared on
+    major.minor of a ``sys.version`` string, nnsight on its full version, and
+    each answers with NDIF's own wording."""
     if not minimum:
         return
-    if not client_version:
-        raise VersionRefused(
-            "Client python version was not provided. This usually means an "
-            "outdated nnsight; please `pip install --upgrade nnsight` and retry."
-        )
+    _require_reported("python", client_version)
     major_minor = python_major_minor(client_version)
     if major_minor is None:
         raise VersionRefused(f"Malformed python version '{client_version}'.")

@@ -311,7 +311,7 @@ def _become_server(sock: socket.socket, needles: list, keep_env: tuple) -> None:
     jail.die_with_parent()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)  # not the worker's (Celery's) handlers
-    for fd in jail._open_fds():
+    for fd in jail.open_fds():
         if fd > 2 and fd != sock.fileno():
             try:
                 os.close(fd)

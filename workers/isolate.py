@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ndif_celery import bounds
+from ndif_celery import bounds, messages
 
 from . import jail
 from .execute import RequestError, result_too_big
@@ -307,7 +307,7 @@ def _check(forked, kind: bytes, length: int, policy: Policy) -> None:
 
 def _timed_out(forked, policy: Policy) -> RequestError:
     forked.kill()
-    return RequestError(f"Your job exceeded the execution timeout of {policy.timeout_s:g}s.", kind="timeout")
+    return RequestError(messages.timed_out(policy.timeout_s), kind="timeout")
 
 
 def _wait_for(forked, deadline: float, policy: Policy) -> int:

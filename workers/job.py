@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ndif_celery import cleanup, jobs, registry, statuses, wire
+from ndif_celery import cleanup, jobs, messages, registry, statuses, wire
 from ndif_celery.celery_app import send_job
 from ndif_celery.store import StoreUnavailable
 
@@ -167,8 +167,7 @@ def fail(worker, life: Life, error: BaseException) -> None:
     if isinstance(error, JobCancelled):
         channel.send(wire.ERROR, "Your job was cancelled by the operator.", meta=meta, kind="cancelled")
     elif isinstance(error, JobTimedOut):
-        channel.send(wire.ERROR, f"Your job exceeded the execution timeout of "
-                     f"{worker.settings.execution_timeout_s:g}s.", meta=meta, kind="timeout")
+        channel.send(wire.ERROR, messages.timed_out(worker.settings.execution_timeout_s), meta=meta, kind="timeout")
     elif isinstance(error, RequestError):
         channel.send(wire.ERROR, str(error), meta=meta, kind=error.kind)
     elif isinstance(error, StoreUnavailable):
