@@ -15,13 +15,12 @@ import json
 import os
 import signal
 import sys
-import time
 from typing import Callable, Optional
 
 import click
 import redis as redis_py
 
-from . import config, doctor as checks, host_versions, jobs, logs as service_logs, registry, stack
+from . import config, doctor as checks, host_versions, jobs, logs as service_logs, registry, stack, supervisor
 
 
 class _Interrupted(Exception):
@@ -60,20 +59,28 @@ def _stop(settings: config.Settings, timeout: float = 10) -> dict:
     # bounded by its own timeouts.
     for signum in _TRAPPED:
         signal.signal(signum, signal.SIG_IGN)
-    return stack.stop(settings, timeout)
+    return supervisor.stop_all(settings, timeout)
 
 
 @click.command()
-@click.option("--detach", "-d", is_flag=True, help="Return once the stack is ready and leave it running.")
+@click.option("--detach", "-d", is_flag=True, help="Return once the stack is ready and leave it running, supervised.")
 @click.option("--timeout", default=120.0, show_default=True, type=float,
               help="Seconds to wait for the stack to become ready.")
 def up(detach: bool, timeout: float) -> None:
-    """Run Redis, the web, a worker and Flower on this host.
+    """Run Redis, the web, a worker, beat and Flower on this host, supervised.
 
-    In the foreground until Ctrl-C (or SIGTERM), which stops everything; if a
-    service dies, the rest are stopped and the exit status is 1.
+    In the foreground until Ctrl-C (or SIGTERM), which stops everything. A
+    service that dies once the stack is up is restarted with backoff
+    (``ndif_celery.supervisor``); with --detach a copy of `up` stays behind to
+    do that, until `ndif-celery down`.
     """
     current = settings()
+    record = supervisor.read(current)
+    if record.get("alive"):
+        raise click.ClickException(
+            f"ndif-celery is already running; run `ndif-celery down` first "
+            f"(NDIF_HOME={current.home}: supervisor pid {record['pid']})")
+    ready_fd = _detach() if detach else None  # from here on, in the supervisor
     for signum in _TRAPPED:
         signal.signal(signum, _raise_interrupted)
 
@@ -84,6 +91,7 @@ def up(detach: bool, timeout: float) -> None:
     except _Interrupted:
         sys.exit(1)  # start() stopped what it had started
     click.echo(f"starting {', '.join(started)} (NDIF_HOME={current.home}, logs in {current.home / 'logs'})")
+    keeper = supervisor.Supervisor(current, started, lambda line: click.echo(line, err=True))
 
     try:
         stack.wait_ready(current, timeout)
@@ -98,28 +106,61 @@ def up(detach: bool, timeout: float) -> None:
     click.echo(f"ndif-celery is up at {current.api_url}")
     if "flower" in started:
         click.echo(f"Flower: {stack.flower_url(current)}")
-    if detach:
+    for signum in _TRAPPED:
+        signal.signal(signum, keeper.request_stop)  # from here, only between restarts
+    if ready_fd is not None:
         click.echo("stop it with `ndif-celery down`")
+        _detached_ready(current, ready_fd)
+    else:
+        click.echo("press Ctrl-C to stop")
+    if keeper.run() == "down":
+        click.echo("stopped by `ndif-celery down`")
         return
+    click.echo("stopping")
+    _stop(current)
+    click.echo("stopped")
 
-    click.echo("press Ctrl-C to stop")
+
+def _detach() -> int:
+    """Fork the supervisor, which goes on with `up` in a session of its own;
+    this process waits for it to say "ready" and exits 0, or exits with its
+    status when it fails (its error went to our terminal, which it shares
+    until then). Returns, in the supervisor, the pipe to say "ready" on."""
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_end)
+        os.setsid()  # no Ctrl-C or hang-up of this terminal reaches it
+        return write_end
+    os.close(write_end)
+    said = b""
     try:
-        while True:
-            if not stack.state_path(current).exists():
-                click.echo("stopped by `ndif-celery down`")
-                return
-            dead = stack.first_dead(current)
-            if dead is not None:
-                _, message = dead
-                click.echo(f"error: {message}", err=True)
-                click.echo("stopping the other services", err=True)
-                _stop(current)
-                sys.exit(1)
-            time.sleep(0.5)
-    except _Interrupted:
-        click.echo("stopping")
-        _stop(current)
-        click.echo("stopped")
+        while chunk := os.read(read_end, 64):
+            said += chunk
+    except KeyboardInterrupt:
+        os.kill(pid, signal.SIGTERM)  # it stops what it started
+    if said == b"ready":
+        sys.exit(0)
+    _, status_ = os.waitpid(pid, 0)
+    sys.exit(os.waitstatus_to_exitcode(status_) or 1)
+
+
+def _detached_ready(current: config.Settings, ready_fd: int) -> None:
+    """Let go of the terminal (output to $NDIF_HOME/logs/supervisor.log) and
+    tell the waiting `up --detach` that the stack is ready."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    log = os.open(stack.log_path(current, "supervisor"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(null)
+    os.close(log)
+    os.write(ready_fd, b"ready")
+    os.close(ready_fd)
 
 
 @click.command()
@@ -129,7 +170,7 @@ def down(timeout: float) -> None:
     """Stop the stack that `up` started (fine if it is not running)."""
     current = settings()
     try:
-        outcome = stack.stop(current, timeout)
+        outcome = supervisor.stop_all(current, timeout)
     except stack.StackError as exc:
         raise click.ClickException(str(exc)) from None
     if not outcome:
@@ -154,9 +195,14 @@ def status(as_json: bool) -> None:
     except stack.StackError as exc:
         raise click.ClickException(str(exc)) from None
     recorded = {service: (pid, alive) for service, pid, alive in rows}
+    keeper = supervisor.read(current)
+    if keeper:
+        click.echo(f"{'supervisor':<10}{keeper['pid']:>8}  {'running' if keeper['alive'] else 'stopped'}")
+    supervised = keeper.get("services", {})
     for service in recorded or stack.default_services(current):
         pid, alive = recorded.get(service, (None, False))
-        click.echo(f"{service:<8}{pid if pid else '-':>8}  {'running' if alive else 'stopped'}")
+        click.echo(f"{service:<10}{pid if pid else '-':>8}  {'running' if alive else 'stopped'}"
+                   + _restarts(supervised.get(service)))
     answers = stack.api_answers(current)
     click.echo(f"{'api':<8}{stack.ping_url(current)}  {'answers' if answers else 'not answering'}")
     if farm is None:
@@ -174,6 +220,19 @@ def status(as_json: bool) -> None:
     for entry in sorted(hot, key=lambda e: (e["repo_id"], e["worker"])):
         pin = " pinned" if entry["pinned"] else ""
         click.echo(f"  {entry['repo_id']:<36} {entry['application_state']:<10} on {entry['worker']}{pin}")
+
+
+def _restarts(record: Optional[dict]) -> str:
+    """``  restarts N, last exit: <reason> at <time>`` from the supervisor's record."""
+    if not record:
+        return ""
+    text = f"  restarts {record['restarts']}"
+    last = record.get("last_exit")
+    if last:
+        text += f", last exit: {last['reason']} at {last['at']}"
+    if record.get("restarting"):
+        text += " (restarting)"
+    return text
 
 
 def _mib(n: int) -> str:

@@ -259,6 +259,60 @@ def _exit_status(entry: dict) -> Optional[int]:
     return child.poll() if child is not None else None
 
 
+# Public names for the supervisor (ndif_celery.supervisor), which restarts
+# the services this module launched.
+process_alive = _alive
+start_ticks = _start_ticks
+
+
+def exit_code(entry: dict) -> Optional[int]:
+    """None while the service an entry names runs; once it ended, its
+    ``Popen.returncode`` (negative: the signal), or 0 when it was not our child."""
+    if int(entry.get("pid") or 0) in _CHILDREN:
+        return _exit_status(entry)
+    return None if _alive(entry) else 0
+
+
+def stopping(settings: config.Settings) -> bool:
+    """Whether ``stop`` is stopping the stack (``ndif-celery down``) right now."""
+    return _stopping_path(settings).exists()
+
+
+def mark_stopping(settings: config.Settings) -> None:
+    """Say that the stack is being stopped on purpose (``stop`` clears it):
+    set before the supervisor is stopped, so it restarts nothing meanwhile."""
+    marker = _stopping_path(settings)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
+def clear_stopping(settings: config.Settings) -> None:
+    _stopping_path(settings).unlink(missing_ok=True)
+
+
+def relaunch(settings: config.Settings, service: str, state: dict) -> dict:
+    """Start ``service`` again in place of its dead entry in ``state``; record it.
+
+    What is left of the old process group (gunicorn's workers, a worker's
+    isolation children) is stopped first: it may hold the port or the GPU the
+    new one needs.
+    """
+    _stop_one(state[service], 5.0)
+    try:
+        argv = command(settings, service)
+    except RedisServerNotFound as exc:
+        raise StackError(str(exc)) from None
+    if service == "redis":
+        redis_dir(settings).mkdir(parents=True, exist_ok=True)
+    entry = _launch(settings, service, argv, child_env(settings))
+    state[service] = entry
+    current = _read_state(settings)
+    if current:  # not when `down` removed it meanwhile
+        current[service] = entry
+        _write_state(settings, current)
+    return entry
+
+
 def _port_problem(host: str, port: int, variable: str, what: str) -> Optional[str]:
     """Why ``what`` could not listen on ``host:port``, or None if it can.
 
@@ -360,19 +414,6 @@ def _failure(settings: config.Settings, service: str, entry: dict, what: str) ->
 def status(settings: config.Settings) -> list[tuple[str, int, bool]]:
     """Each recorded service, its pid, and whether it still runs, in start order."""
     return [(service, int(entry["pid"]), _alive(entry)) for service, entry in _read_state(settings).items()]
-
-
-def first_dead(settings: config.Settings) -> Optional[tuple[str, str]]:
-    """The first recorded service that stopped, with the tail of its log; else None.
-
-    None as well while ``stop`` is stopping the stack on purpose.
-    """
-    if _stopping_path(settings).exists():
-        return None
-    for service, entry in _read_state(settings).items():
-        if not _alive(entry):
-            return service, str(_failure(settings, service, entry, "exited"))
-    return None
 
 
 def start(settings: config.Settings, services: Optional[Iterable[str]] = None) -> dict:
@@ -586,9 +627,8 @@ def stop(settings: config.Settings, timeout: float = 10) -> dict:
     if not state:
         state_path(settings).unlink(missing_ok=True)
         return outcome
+    mark_stopping(settings)
     marker = _stopping_path(settings)
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.touch()
     try:
         for service in reversed(list(state)):
             outcome[service] = _stop_one(state[service], timeout)
