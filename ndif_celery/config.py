@@ -104,6 +104,16 @@ def _isolation(name: str, raw: str) -> str:
     return value
 
 
+WEB_WORKER_CLASSES = ("gevent", "gthread")
+
+
+def _web_worker_class(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in WEB_WORKER_CLASSES:
+        raise ValueError(f"{name} must be one of {', '.join(WEB_WORKER_CLASSES)}, got {value!r}")
+    return value
+
+
 def _jail_require(name: str, raw: str) -> tuple:
     # Jail layers: all required unless waived ("all,-seccomp"); see ndif_celery.jail_layers.
     return parse_require(raw)
@@ -178,7 +188,13 @@ VARIABLES: tuple = (
     Var("NDIF_API_URL", "api_url", lambda read: f"http://{read['api_host']}:{read['api_port']}", _url,
         "the URL clients reach the web at (used in signed result URLs)", shown="`http://<host>:<port>`"),
     Var("NDIF_WEB_WORKERS", "web_workers", 2, _int, "gunicorn worker processes"),
-    Var("NDIF_WEB_THREADS", "web_threads", 64, _int, "threads per web process; a blocking client holds one while its job runs"),
+    Var("NDIF_WEB_WORKER_CLASS", "web_worker_class", "gevent", _web_worker_class,
+        "gunicorn worker class: `gevent` (a waiting websocket is a few KiB, no thread) or `gthread` (a thread each)"),
+    Var("NDIF_WEB_CONNECTIONS", "web_connections", 20000, _int,
+        "open connections (websockets included) per web process under `gevent`"),
+    Var("NDIF_WEB_THREADS", "web_threads", 64, _int, "threads per web process under `gthread`; a blocking client holds one while its job runs"),
+    Var("NDIF_WEB_REDIS_CONNECTIONS", "web_redis_connections", 32, _int,
+        "Redis connections per web process for requests (plus one shared pub/sub for all its websockets)"),
     Var("NDIF_EMBEDDED_REDIS_PORT", "embedded_redis_port", 6380, _int, "port of the embedded Redis"),
     Var("NDIF_REDIS_URL", "redis_url", lambda read: f"redis://127.0.0.1:{read['embedded_redis_port']}/0", _text,
         "the broker and job-state Redis; unset: `ndif-celery up` runs an embedded one", shown="unset: embedded"),

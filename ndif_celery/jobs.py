@@ -99,7 +99,7 @@ class Job:
         return cls(**{k: message[k] for k in cls.__dataclass_fields__ if k in message})
 
 
-def connect(url: str, outage_s: float = 0.0) -> redis.Redis:
+def connect(url: str, outage_s: float = 0.0, max_connections: int = 0) -> redis.Redis:
     """A Redis client; with ``outage_s``, one that rides out a Redis restart.
 
     The web and the workers pass ``NDIF_REDIS_OUTAGE_S``: a command that finds
@@ -109,11 +109,18 @@ def connect(url: str, outage_s: float = 0.0) -> redis.Redis:
     and fails at once, which is what someone typing a command wants.
     """
     retries = int(outage_s / _RETRY_CAP_S) + 4 if outage_s > 0 else 0
-    return redis.Redis.from_url(
-        url, health_check_interval=30, socket_keepalive=True, socket_connect_timeout=5,
+    options = dict(
+        health_check_interval=30, socket_keepalive=True, socket_connect_timeout=5,
         retry=Retry(ExponentialBackoff(cap=_RETRY_CAP_S, base=0.05), retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )
+    if max_connections:
+        # The web: thousands of greenlets may ask at once; they queue for one
+        # of max_connections instead of each opening its own (Redis's client
+        # count stays independent of how many clients wait).
+        pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=outage_s + 5, **options)
+        return redis.Redis(connection_pool=pool)
+    return redis.Redis.from_url(url, **options)
 
 
 _RETRY_CAP_S = 0.5

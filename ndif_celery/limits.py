@@ -88,8 +88,8 @@ def release(pipe, job: jobs.Job) -> None:
     pipe.zrem(_active_key(job.owner), job.id)
 
 
-# Open /subscribe websockets per key. Each open socket holds one web thread for
-# as long as it is open, so one key holding many can starve everyone's streams.
+# Open /subscribe websockets per key. Each open socket is held by a web process
+# for as long as it is open, so one key holding many can crowd out everyone's streams.
 # Counted in Redis across every web process as a sorted set per key
 # (``ndif:sockets:<owner>``: session id -> lease deadline, epoch seconds). A live
 # socket renews its lease every few seconds; a web process that dies with
@@ -135,6 +135,19 @@ def renew_socket(client: redis.Redis, identity: auth.Identity, session_id: str) 
     pipe = client.pipeline(transaction=False)
     pipe.zadd(key, {session_id: time.time() + SOCKET_LEASE_S})
     pipe.expire(key, int(SOCKET_LEASE_S * 2))
+    pipe.execute()
+
+
+def renew_sockets(client: redis.Redis, leases) -> None:
+    """``renew_socket`` for many (identity, session id) pairs in one round trip:
+    a web process renews all its counted sockets at once (``web/hub.py``)."""
+    deadline = time.time() + SOCKET_LEASE_S
+    pipe = client.pipeline(transaction=False)
+    for identity, session_id in leases:
+        key = _sockets_key(identity.owner)
+        # XX: only a socket still counted; one released meanwhile stays released.
+        pipe.zadd(key, {session_id: deadline}, xx=True)
+        pipe.expire(key, int(SOCKET_LEASE_S * 2))
     pipe.execute()
 
 

@@ -1,10 +1,22 @@
 """gunicorn settings for the web, derived from the ``NDIF_*`` environment.
 
-Threaded workers: each blocking client holds one websocket (one thread) open
-for the life of its job, so threads, not processes, are the unit of capacity.
+The web is mostly *waiting*: every blocking client holds one ``/subscribe``
+websocket for its job's whole life, minutes when a queue is long. Under the
+default gevent worker (``NDIF_WEB_WORKER_CLASS=gevent``) a waiting socket is a
+greenlet pair and a mailbox (a few KiB), and all of a process's sockets share
+one Redis pub/sub connection (``web/hub.py``); gunicorn monkey-patches the
+worker before it imports the app, so Flask, flask-sock, simple-websocket and
+redis-py cooperate unchanged. ``gthread`` (a thread per open socket, the old
+model) stays selectable; docs/architecture.md says why gevent is the default
+and docs/performance.md shows the measurements.
+
+Each open socket is a file descriptor: the master raises its ``RLIMIT_NOFILE``
+soft limit to the hard limit before it forks (the workers inherit it).
 ``deploy/gunicorn.conf.py`` re-exports this for operators who run gunicorn
 themselves.
 """
+
+import resource
 
 from ndif_celery import config as _config
 
@@ -12,10 +24,14 @@ _settings = _config.load()
 
 bind = f"{_settings.api_host}:{_settings.api_port}"
 workers = _settings.web_workers
-worker_class = "gthread"
+worker_class = _settings.web_worker_class
 threads = _settings.web_threads
-# Websockets live as long as their job; gthread's timeout only watches the
-# worker's main loop, so it can stay short.
+worker_connections = _settings.web_connections
+# A listen backlog large enough for thousands of clients connecting at once
+# (the kernel caps it at net.core.somaxconn).
+backlog = 4096
+# Websockets live as long as their job; the worker's heartbeat (which is all
+# gunicorn's timeout watches) comes from its own loop, so it can stay short.
 timeout = 120
 graceful_timeout = 30
 keepalive = 5
@@ -23,3 +39,27 @@ accesslog = "-"
 errorlog = "-"
 loglevel = _settings.log_level.lower()
 proc_name = "ndif-celery-web"
+
+
+def raise_open_files_limit() -> tuple:
+    """RLIMIT_NOFILE soft -> hard (each websocket is a file descriptor); the
+    (soft, hard) limits now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def on_starting(server) -> None:
+    soft, _ = raise_open_files_limit()
+    # The limit is per process: each worker holds its own connections.
+    per_worker = worker_connections if worker_class == "gevent" else threads
+    if soft != resource.RLIM_INFINITY and soft < per_worker + 256:
+        server.log.warning(
+            "open-files limit %d is below the %d connections a web worker may hold; raise the hard limit "
+            "(systemd LimitNOFILE, compose ulimits nofile, ulimit -Hn) or lower NDIF_WEB_CONNECTIONS",
+            soft, per_worker,
+        )

@@ -2,28 +2,41 @@
 
 The socket subscribes to its Redis channel *before* it hands out the session
 id, because pub/sub has no replay: nothing the worker publishes afterwards can
-be missed. Frames are forwarded verbatim: JSON as text, a pickled COMPLETED
-(an inline result) as binary. The socket closes after a terminal status.
+be missed. The subscription is on the web process's one shared pub/sub
+connection (``web/hub.py``), which routes each frame to the socket's mailbox;
+a waiting socket holds no thread and no Redis connection of its own (under
+gunicorn's gevent worker, the default: ``web/gunicorn_conf.py``). Frames are
+forwarded verbatim: JSON as text, a pickled COMPLETED (an inline result) as
+binary. The socket closes after a terminal status.
 """
 
 from __future__ import annotations
 
-import json
-import time
 import uuid
-from typing import Optional
 
 from flask import current_app, g, request
 from flask_sock import Sock
 
 from ndif_celery import jobs, limits, wire
 
+from .hub import Hub
 from .identity import identify
 
 sock = Sock()
-POLL_S = 1.0
-# How often a quiet socket checks whether its job ended unheard (see _ended_meanwhile).
-RESYNC_S = 5.0
+# The longest a socket sleeps without looking at its connection (a client that
+# closes wakes it at once; this only bounds a missed wake-up).
+IDLE_WAIT_S = 60.0
+
+
+def hub() -> Hub:
+    """This web process's hub, made on first use (after gunicorn forked the worker)."""
+    found = current_app.extensions.get("ndif_hub")
+    if found is None:
+        settings = current_app.config["NDIF_SETTINGS"]
+        found = current_app.extensions.setdefault(
+            "ndif_hub", Hub(current_app.config["NDIF_REDIS"], subscribe_timeout_s=settings.redis_outage_s + 5)
+        )
+    return found
 
 
 def refuse_unknown_keys():
@@ -50,54 +63,26 @@ def release_socket(_error=None) -> None:
 @sock.route("/subscribe")
 def subscribe(ws) -> None:
     identity, session_id = g.ndif_identity, g.ndif_session_id
-    counted = "ndif_socket" in g
+    lease = (identity, session_id) if "ndif_socket" in g else None
     client = current_app.config["NDIF_REDIS"]
     # Only the key that opened the socket may submit jobs that report to it.
     client.set(jobs.session_owner_key(session_id), identity.owner, ex=current_app.config["NDIF_SETTINGS"].job_ttl_s)
-    pubsub = client.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(jobs.session_channel(session_id))
+    the_hub = hub()
+    # simple-websocket sets ws.event when the client closes (or sends): the hub
+    # sets the same event when a frame arrives, so one wait serves both.
+    box = the_hub.open(session_id, ws.event, lease)
     try:
-        ws.send(json.dumps({"session_id": session_id}))
-        checked = renewed = time.monotonic()
+        ws.send('{"session_id": "%s"}' % session_id)
         while ws.connected:
-            if counted and time.monotonic() - renewed >= RESYNC_S:
-                renewed = time.monotonic()
-                limits.renew_socket(client, identity, session_id)
-            message = pubsub.get_message(timeout=POLL_S)
-            if message is None:
-                if time.monotonic() - checked >= RESYNC_S:
-                    checked = time.monotonic()
-                    ended = _ended_meanwhile(client, session_id)
-                    if ended is not None:
-                        ws.send(ended.decode())
-                        break
-                continue
-            frame = message["data"]
-            if frame[:1] == b"{":
-                ws.send(frame.decode())
-            else:
-                ws.send(frame)
-            if wire.frame_status(frame) in wire.TERMINAL:
-                break
+            ws.event.wait(IDLE_WAIT_S)
+            ws.event.clear()
+            while box.frames:
+                frame = box.frames.popleft()
+                ws.send(frame.decode() if frame[:1] == b"{" else frame)
+                if wire.frame_status(frame) in wire.TERMINAL:
+                    return
+            if box.ended is not None:  # ended while its frame was lost (see hub.ended_unheard)
+                ws.send(box.ended.decode())
+                return
     finally:
-        pubsub.close()
-
-
-def _ended_meanwhile(client, session_id: str) -> Optional[bytes]:
-    """The final status of a job of this session that ended without its frame
-    reaching us, else None.
-
-    Pub/sub has no replay: a status published while the subscription was being
-    re-established (Redis restarted) is gone. The latest-status key is not, and
-    a result that found nobody listening was kept in the store, so the status
-    stored for pollers is complete. An inline result was, by definition,
-    delivered to a subscriber (this socket): it is waiting to be read.
-    """
-    for job_id in client.smembers(jobs.session_jobs_key(session_id)):
-        latest = jobs.latest_status(client, job_id.decode())
-        if not jobs.ended(latest):
-            continue
-        if (json.loads(latest).get("meta") or {}).get("inline"):
-            continue  # its result frame was delivered to this socket: read it next
-        return latest
-    return None
+        the_hub.close(session_id)

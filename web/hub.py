@@ -1,0 +1,206 @@
+"""One Redis pub/sub connection per web process, fanned out to its websockets.
+
+Why: a blocking client holds ``/subscribe`` for its job's whole life, minutes
+when the model's queue is long. A pub/sub connection and a thread per waiting
+socket made the web's capacity the thread count (128 by default) and Redis's
+client count grow with every waiting researcher. Here a web process holds ONE
+pub/sub connection, owned by one dispatcher (a greenlet under gunicorn's
+gevent worker, a thread under gthread: it is written with ``threading``, which
+gevent patches), and a waiting socket is a mailbox and an event, a few KiB.
+
+* **Subscribe before handout.** Pub/sub has no replay. :meth:`Hub.open`
+  returns only after Redis *confirmed* the SUBSCRIBE for the session's channel
+  (the confirmation is read by the dispatcher), so the session id the socket
+  then hands out can never see its first status published into the void.
+* **One owner.** Only the dispatcher reads or writes the pub/sub connection
+  (redis-py's ``PubSub`` is not safe to share); sockets ask it to subscribe and
+  unsubscribe through a list it drains between reads, many channels per
+  command. redis-py re-subscribes every channel itself when it reconnects
+  after a Redis restart.
+* **Resync in bulk.** A quiet socket's job may end while its frame is lost (a
+  status published while Redis restarted). Every ``RESYNC_S`` the hub reads the
+  stored statuses of every open session's jobs in pipelines (not a round trip
+  per socket) and hands an ended job's final status to its socket; the same
+  pass renews the per-key socket leases (``limits.renew_sockets``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import deque
+from typing import Callable, Optional
+
+import redis
+
+from ndif_celery import jobs, limits
+
+log = logging.getLogger("ndif_celery.web.hub")
+
+# How long the dispatcher waits on the pub/sub socket before it looks at its
+# list of (un)subscribe requests: the most a handshake waits for it.
+DISPATCH_POLL_S = 0.02
+# How often open sessions are checked for a job that ended unheard, and their
+# per-key socket leases renewed (well within limits.SOCKET_LEASE_S).
+RESYNC_S = 5.0
+# Sessions per pipeline in the resync pass.
+_CHUNK = 500
+
+
+class Mailbox:
+    """What a waiting socket costs here: its frames and a way to wake it.
+
+    ``wake`` is the socket's own event (simple-websocket sets it when the
+    client closes or sends), so one wait wakes the handler for either."""
+
+    __slots__ = ("frames", "wake", "subscribed", "lease", "ended")
+
+    def __init__(self, wake: threading.Event, lease=None):
+        self.frames: deque = deque()
+        self.wake = wake
+        self.subscribed = threading.Event()
+        self.lease = lease  # (identity, session_id) when the key's sockets are counted
+        self.ended: Optional[bytes] = None  # a final status found by the resync
+
+    def put(self, frame: bytes) -> None:
+        self.frames.append(frame)
+        self.wake.set()
+
+
+class Hub:
+    def __init__(self, client: redis.Redis, subscribe_timeout_s: float = 30.0):
+        self.client = client
+        self.subscribe_timeout_s = subscribe_timeout_s
+        self.boxes: dict[bytes, Mailbox] = {}
+        self._pending: list[tuple[str, bytes]] = []
+        self._lock = threading.Lock()
+        self._pubsub = None
+        self._started = False
+
+    # -- the socket's side -------------------------------------------------
+    def open(self, session_id: str, wake: threading.Event, lease=None) -> Mailbox:
+        """A mailbox for ``session_id``'s channel, returned once Redis confirmed
+        the subscription (raises ``redis.ConnectionError`` if it did not in time)."""
+        channel = jobs.session_channel(session_id).encode()
+        box = Mailbox(wake, lease)
+        self._ensure_started()
+        with self._lock:
+            self.boxes[channel] = box
+            self._pending.append(("s", channel))
+        if not box.subscribed.wait(self.subscribe_timeout_s):
+            self.close(session_id)
+            raise redis.ConnectionError(f"Redis did not confirm the subscription to {channel.decode()} in time")
+        return box
+
+    def close(self, session_id: str) -> None:
+        channel = jobs.session_channel(session_id).encode()
+        with self._lock:
+            if self.boxes.pop(channel, None) is not None:
+                self._pending.append(("u", channel))
+
+    def __len__(self) -> int:
+        return len(self.boxes)
+
+    # -- the dispatcher ----------------------------------------------------
+    def _ensure_started(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        for target, name in ((self._dispatch, "ndif-hub-dispatch"), (self._resync_loop, "ndif-hub-resync")):
+            threading.Thread(target=_forever(target, name), name=name, daemon=True).start()
+
+    def _dispatch(self) -> None:
+        if self._pubsub is None:
+            self._pubsub = self.client.pubsub(ignore_subscribe_messages=False)
+        pubsub = self._pubsub
+        while True:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            subscribe = [channel for kind, channel in pending if kind == "s"]
+            unsubscribe = [channel for kind, channel in pending if kind == "u"]
+            if subscribe:
+                pubsub.subscribe(*subscribe)
+            if unsubscribe:
+                pubsub.unsubscribe(*unsubscribe)
+            if not pubsub.subscribed:
+                time.sleep(DISPATCH_POLL_S)
+                continue
+            # Drain what is there, then go back to the requests.
+            message = pubsub.get_message(timeout=DISPATCH_POLL_S)
+            while message is not None:
+                self._route(message)
+                message = pubsub.get_message(timeout=0)
+
+    def _route(self, message: dict) -> None:
+        box = self.boxes.get(message["channel"])
+        if box is None:
+            return  # the socket already left
+        if message["type"] == "message":
+            box.put(message["data"])
+        elif message["type"] == "subscribe":
+            box.subscribed.set()
+
+    # -- the resync pass ---------------------------------------------------
+    def _resync_loop(self) -> None:
+        while True:
+            time.sleep(RESYNC_S)
+            self.resync()
+
+    def resync(self) -> None:
+        """Hand each open session's ended-unheard job its final status, and
+        renew the counted sockets' leases: a few pipelines for all sessions."""
+        boxes = list(self.boxes.items())
+        leases = [box.lease for _, box in boxes if box.lease is not None]
+        if leases:
+            limits.renew_sockets(self.client, leases)
+        for start in range(0, len(boxes), _CHUNK):
+            chunk = boxes[start:start + _CHUNK]
+            pipe = self.client.pipeline(transaction=False)
+            for channel, _ in chunk:
+                pipe.smembers(jobs.session_jobs_key(_session_of(channel)))
+            members = pipe.execute()
+            asked = [(box, job_id.decode()) for (_, box), ids in zip(chunk, members) for job_id in ids]
+            if not asked:
+                continue
+            pipe = self.client.pipeline(transaction=False)
+            for _, job_id in asked:
+                pipe.get(jobs.status_key(job_id))
+            for (box, _), latest in zip(asked, pipe.execute()):
+                if box.ended is None and ended_unheard(latest):
+                    box.ended = latest
+                    box.wake.set()
+
+
+def ended_unheard(latest: Optional[bytes]) -> bool:
+    """Whether a stored status is final and was not an inline result.
+
+    Pub/sub has no replay: a status published while the subscription was being
+    re-established (Redis restarted) is gone. The latest-status key is not, and
+    a result that found nobody listening was kept in the store, so the status
+    stored for pollers is complete. An inline result was, by definition,
+    delivered to a subscriber (this process): it is in the socket's mailbox.
+    """
+    if not jobs.ended(latest):
+        return False
+    return not (json.loads(latest).get("meta") or {}).get("inline")
+
+
+def _session_of(channel: bytes) -> str:
+    return channel.decode().rsplit(":", 1)[-1]
+
+
+def _forever(target: Callable[[], None], name: str) -> Callable[[], None]:
+    """Keep a hub loop alive through Redis outages longer than the client's retries."""
+
+    def run() -> None:
+        while True:
+            try:
+                target()
+            except Exception:  # noqa: BLE001 - logged; the loop must not die
+                log.warning("%s: retrying after an error", name, exc_info=True)
+                time.sleep(0.5)
+
+    return run
