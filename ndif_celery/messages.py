@@ -21,3 +21,20 @@ def queued(model_key: str, position: int) -> str:
 def timed_out(timeout_s: float) -> str:
     """ERROR ``kind="timeout"``: the job ran past ``NDIF_EXECUTION_TIMEOUT_S``."""
     return f"Your job exceeded the execution timeout of {timeout_s:g}s."
+
+
+def worker_lost_again(worker: str) -> str:
+    """QUEUED: the worker running the job died; the watchdog sent it again (attempt 2)."""
+    return f"The worker running your job ({worker}) was lost; your job is queued to run again."
+
+
+def worker_lost_twice(worker: str) -> str:
+    """ERROR ``kind="worker_lost"``: its second worker died too; it is not run a third time."""
+    return (f"The worker was lost while running your job ({worker}, twice); "
+            "it may have run out of memory. It was not run again.")
+
+
+def unserved(model_key: str) -> str:
+    """QUEUED: no live worker holds the job's model (told once per change, by the watchdog)."""
+    return (f"No worker is serving {wire.repo_id(model_key)} right now; your job stays queued "
+            "and runs once a worker is back.")

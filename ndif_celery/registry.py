@@ -16,6 +16,9 @@ so a killed worker disappears from ``/status`` without anyone cleaning up.
 - key  ``ndif:env``           the workers' Python and package versions, for ``GET /env``
 - key  ``ndif:status``        the ``GET /status`` document, rewritten by the controller every tick
 - channel ``ndif:controller`` wakes the controller (a new queue, a deploy, an evict)
+- hash ``ndif:orphans``       job id -> JSON {worker, pid}: the job a worker process was running
+  when it died, handed over by the next process of the same name (``take_over``) for the
+  watchdog (``ndif_celery.watchdog``) to rescue
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ ENV = "ndif:env"
 STATUS = "ndif:status"
 STATUS_TTL_S = 5
 WAKE = "ndif:controller"
+ORPHANS = "ndif:orphans"
 HEARTBEAT_S = 2.0
 STALE_S = 10.0
 
@@ -49,6 +53,24 @@ RUNNING = "RUNNING"
 def register_worker(client: redis.Redis, info: dict) -> None:
     info = dict(info, last_seen=time.time())
     client.hset(WORKERS, info["name"], json.dumps(info))
+
+
+def take_over(client: redis.Redis, name: str, pid: int) -> Optional[dict]:
+    """A worker process starts under ``name``: forget what an earlier process of
+    that name claimed (its models are not in this one), and hand the job it was
+    running to the watchdog. Without this, a worker restarted (by ``up``'s
+    supervisor) before it went stale would overwrite its predecessor's entry,
+    and the job it died with would be lost in silence. Returns that entry."""
+    raw = client.hget(WORKERS, name)
+    if raw is None:
+        return None
+    old = json.loads(raw)
+    if old.get("pid") == pid:
+        return None
+    if old.get("current_job"):
+        client.hset(ORPHANS, old["current_job"], json.dumps({"worker": name, "pid": old.get("pid")}))
+    unregister_worker(client, name)
+    return old
 
 
 def unregister_worker(client: redis.Redis, name: str) -> None:

@@ -46,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SERVICES = ("redis", "web", "worker", "beat", "flower")
 CELERY_APP = "workers.tasks:app"
+BEAT_APP = "ndif_celery.beat:app"
 
 # How long `start` waits for its own Redis before starting the services that
 # need it (a redis-server is up in milliseconds; this only bounds a failure).
@@ -100,9 +101,11 @@ def command(settings: config.Settings, service: str, worker_name: Optional[str] 
     if service == "worker":
         return [sys.executable, "-m", "celery", "-A", CELERY_APP, *worker_argv(settings, worker_name)]
     if service == "beat":
-        # Its schedule file under NDIF_HOME; run one beat per farm.
+        # Its schedule file under NDIF_HOME; one beat per farm (a second is
+        # safe: the watchdog it runs leads by a lease). Its app is
+        # ndif_celery.beat's, which adds the watchdog (ndif_celery.watchdog).
         return [
-            sys.executable, "-m", "celery", "-A", CELERY_APP, "beat",
+            sys.executable, "-m", "celery", "-A", BEAT_APP, "beat",
             f"--schedule={settings.home / 'run' / 'beat-schedule'}", f"--loglevel={settings.log_level}",
         ]
     if service == "flower":

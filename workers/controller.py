@@ -13,21 +13,24 @@ over within seconds). The leader, on every tick or when woken:
 4. tells waiting clients their new queue position when it changes;
 5. writes the summaries of ended jobs into the ledger database (``ndif_celery.ledger``).
 
+Dead workers and the jobs they were running are not its business: it dies
+with the workers, so the watchdog runs in ``ndif-celery beat``
+(``ndif_celery.watchdog``).
+
 It only decides and sends: loading and evicting run on the chosen worker as
 tasks on that worker's own queue, one thing at a time with its jobs.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 from collections import defaultdict
 from typing import Optional
 
-from ndif_celery import config, jobs, ledger, messages, model_policy, queues, registry, statuses, wire
-from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, send_job, worker_queue
+from ndif_celery import config, ledger, messages, model_policy, queues, registry, statuses, wire
+from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
 
 from . import placement, sizing
 
@@ -84,7 +87,6 @@ class Controller(threading.Thread):
 
     def tick(self) -> None:
         now = time.time()
-        self.bury_dead_workers(now)
         farm = Farm.read(self.redis)
         wishes = self.wishes = registry.desired(self.redis)
         waiting_ids = set()
@@ -113,33 +115,6 @@ class Controller(threading.Thread):
         registry.publish_status(self.redis)
         self.ledger(self.redis)  # ended jobs into the database, off every job's path
         self.positions = {k: v for k, v in self.positions.items() if k in waiting_ids}
-
-    def bury_dead_workers(self, now: float) -> None:
-        """A worker silent for ``STALE_S`` is dead: forget it and its models, and
-        rescue the job it was running (once more elsewhere, else ERROR)."""
-        for name, info in registry.all_workers(self.redis).items():
-            if now - info.get("last_seen", 0) <= registry.STALE_S:
-                continue
-            job_id = info.get("current_job")
-            if job_id and self.redis.set(jobs.lost_key(job_id), name, nx=True, ex=self.settings.job_ttl_s):
-                self.rescue(job_id, name)
-            registry.unregister_worker(self.redis, name)
-            log.warning("worker %s is gone (silent since %.0f s)", name, now - info.get("last_seen", 0))
-
-    def rescue(self, job_id: str, worker: str) -> None:
-        raw = self.redis.get(jobs.message_key(job_id))
-        if raw is None or jobs.finished(self.redis, job_id):
-            return
-        job = jobs.Job.from_message(json.loads(raw))
-        channel = statuses.StatusChannel(self.redis, job, self.settings.job_ttl_s)
-        if job.attempt >= 2:
-            channel.send(wire.ERROR, f"The worker was lost while running your job ({worker}, twice); "
-                                     "it may have run out of memory. It was not run again.", kind="worker_lost")
-            return
-        job.attempt += 1
-        self.redis.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), keepttl=True)
-        send_job(self.app, job)
-        channel.send(wire.QUEUED, f"The worker running your job ({worker}) was lost; running it again elsewhere.")
 
     def refused(self, model_key: str, entries: list, wishes: dict, queue: str) -> bool:
         """The model policy again before a first deploy (``ndif_celery.model_policy``),

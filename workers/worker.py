@@ -199,6 +199,9 @@ class WorkerState:
             settings.worker_metrics_host, settings.worker_metrics_port, lambda: len(self.models.keys())
         )
         self.redis.set(registry.ENV, json.dumps(local_env()))
+        # A process of this name that died (restarted by a supervisor before
+        # it went stale): its models are not here, its job goes to the watchdog.
+        registry.take_over(self.redis, self.name, os.getpid())
         self.heartbeat()
         threading.Thread(target=self._beat, name="ndif-heartbeat", daemon=True).start()
         self.controller = Controller(self.name, self.redis, self.app, settings)

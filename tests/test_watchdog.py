@@ -1,0 +1,150 @@
+"""The beat's watchdog (``ndif_celery.watchdog``) against a real embedded Redis,
+ticked by hand: a dead worker's job is sent again exactly once, then ended with
+ERROR; a worker restarted under its own name hands its predecessor's job over;
+jobs waiting for a model nobody serves are told so once per change; two
+watchdogs never both act. The end-to-end story (a real worker ``kill -9``ed
+under ``up``'s supervisor) is tests/test_supervision.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+import redis
+
+from ndif_celery import config, jobs, messages, queues, redis_server, registry, wire
+from ndif_celery.celery_app import make_app, queue_for
+from ndif_celery.watchdog import Watchdog, unserved_key
+from tests.servers import free_port, port_open
+
+MODEL_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "watchdog/tiny"}'
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory):
+    home = tmp_path_factory.mktemp("watchdog")
+    port = free_port()
+    settings = config.load({"NDIF_HOME": str(home), "NDIF_EMBEDDED_REDIS_PORT": str(port),
+                            "NDIF_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
+    redis_server.redis_dir(settings).mkdir(parents=True)
+    proc = subprocess.Popen(redis_server.redis_argv(settings), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 15
+    while not port_open(port):
+        assert proc.poll() is None and time.monotonic() < deadline, "the embedded redis-server did not start"
+        time.sleep(0.05)
+    yield settings
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+@pytest.fixture
+def client(settings):
+    client = redis.Redis.from_url(settings.redis_url)
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def watchdog(settings, client):
+    return Watchdog(settings, client, make_app(settings), name="test-watchdog")
+
+
+def _job(client, job_id: str, attempt: int = 1) -> jobs.Job:
+    job = jobs.Job(id=job_id, model_key=MODEL_KEY, received_at=time.time(), attempt=attempt)
+    client.set(jobs.message_key(job_id), jobs.dumps(job.to_message()))
+    client.set(jobs.status_key(job_id), wire.response_json(job_id, wire.RUNNING, ""))
+    return job
+
+
+def _worker(client, name: str, pid: int, current_job=None, seen_ago: float = 0.0) -> None:
+    client.hset(registry.WORKERS, name, json.dumps(
+        {"name": name, "pid": pid, "last_seen": time.time() - seen_ago, "current_job": current_job}))
+
+
+def _latest(client, job_id: str) -> dict:
+    return json.loads(client.get(jobs.status_key(job_id)))
+
+
+def _queued_ids(client) -> list[str]:
+    return [entry.job.id for entry in queues.waiting(client, queue_for(MODEL_KEY))]
+
+
+def test_a_dead_workers_job_is_sent_again_once_then_ended(client, watchdog):
+    _job(client, "a" * 32)
+    _worker(client, "w@dead", 1, current_job="a" * 32, seen_ago=registry.STALE_S + 1)
+    watchdog.tick()
+    assert _queued_ids(client) == ["a" * 32]
+    assert queues.waiting(client, queue_for(MODEL_KEY))[0].job.attempt == 2
+    assert _latest(client, "a" * 32)["status"] == wire.QUEUED
+    assert "was lost" in _latest(client, "a" * 32)["description"]
+    assert not client.hexists(registry.WORKERS, "w@dead")
+    # The same worker entry again (say, read before it was deleted): never twice.
+    _worker(client, "w@dead", 1, current_job="a" * 32, seen_ago=registry.STALE_S + 1)
+    watchdog.tick()
+    assert _queued_ids(client) == ["a" * 32]
+
+    # Its second worker dies too: ERROR, not a third run.
+    client.delete(jobs.lost_key("b" * 32))
+    _job(client, "b" * 32, attempt=2)
+    _worker(client, "w@dead2", 2, current_job="b" * 32, seen_ago=registry.STALE_S + 1)
+    watchdog.tick()
+    latest = _latest(client, "b" * 32)
+    assert latest["status"] == wire.ERROR and "twice" in latest["description"]
+    assert "b" * 32 not in _queued_ids(client)
+
+
+def test_an_ended_job_is_not_run_again(client, watchdog):
+    _job(client, "c" * 32)
+    client.set(jobs.status_key("c" * 32), wire.response_json("c" * 32, wire.COMPLETED, ""))
+    _worker(client, "w@dead", 1, current_job="c" * 32, seen_ago=registry.STALE_S + 1)
+    watchdog.tick()
+    assert _queued_ids(client) == []
+    assert _latest(client, "c" * 32)["status"] == wire.COMPLETED
+
+
+def test_a_worker_restarted_under_its_name_hands_its_job_over(client, watchdog):
+    _job(client, "d" * 32)
+    _worker(client, "cpu@host", 100, current_job="d" * 32)  # fresh: not stale yet
+    registry.set_deployment(client, "cpu@host", MODEL_KEY, registry.RUNNING, size_bytes=1)
+    old = registry.take_over(client, "cpu@host", 200)  # the new process, at ready()
+    assert old["pid"] == 100
+    assert registry.get_deployment(client, "cpu@host", MODEL_KEY) is None, "the new process holds nothing yet"
+    assert registry.take_over(client, "cpu@host", 200) is None
+    watchdog.tick()
+    assert _queued_ids(client) == ["d" * 32]
+    assert client.hlen(registry.ORPHANS) == 0
+
+
+def test_jobs_nobody_serves_are_told_once_per_change(client, watchdog, settings):
+    app = make_app(settings)
+    from ndif_celery.celery_app import send_job
+
+    job = _job(client, "e" * 32)
+    send_job(app, job)
+    client.sadd(registry.QUEUES, queue_for(MODEL_KEY))  # as the web's intake does
+    watchdog.tick()
+    watchdog.tick()
+    assert _latest(client, job.id)["description"] == messages.unserved(MODEL_KEY)
+    assert client.exists(unserved_key(job.id))
+    # Told once: a third tick publishes nothing new (the key stays as it was).
+    client.set(jobs.status_key(job.id), wire.response_json(job.id, wire.QUEUED, "marker"))
+    watchdog.tick()
+    assert _latest(client, job.id)["description"] == "marker"
+    # A worker holds the model: the note is cleared, to be told again if it goes.
+    _worker(client, "w@live", 3)
+    registry.set_deployment(client, "w@live", MODEL_KEY, registry.DEPLOYING)
+    watchdog.tick()
+    assert not client.exists(unserved_key(job.id))
+
+
+def test_two_watchdogs_one_leads(client, settings):
+    first = Watchdog(settings, client, make_app(settings), name="first")
+    second = Watchdog(settings, client, make_app(settings), name="second")
+    assert first.lead() and not second.lead()
+    assert first.lead(), "the leader keeps its lease"
+    client.delete("ndif:watchdog:leader")  # the leader died and its lease ran out
+    assert second.lead() and not first.lead()
