@@ -1,6 +1,6 @@
 """A worker's own Prometheus endpoint: what this process did and holds.
 
-Started when the worker is ready (``workers.tasks``) on
+Started when the worker is ready (``WorkerState.ready``, ``workers.worker``) on
 ``NDIF_WORKER_METRICS_HOST:NDIF_WORKER_METRICS_PORT`` (default
 127.0.0.1:9108; port 0 turns it off). Several workers on one host: a taken
 port moves this one to the next free one of the following few, and the port
