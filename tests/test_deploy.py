@@ -587,6 +587,17 @@ def test_minio_init_sets_an_expiry_rule_on_the_farm_bucket(compose, dockerfile, 
     assert len(farm) == 1 and farm <= buckets, f"the farm uses bucket {farm}; the expiry rule is on {buckets}"
 
 
+def test_every_long_running_service_is_restarted_by_docker(compose):
+    """Compose is these services' supervisor (``up``'s is not used): each one
+    that is not a one-shot comes back after a crash, an OOM kill or a worker
+    that replaced itself (ndif_celery.supervisor.REPLACE_EXIT_CODE)."""
+    for name, service in services(compose).items():
+        if name == by_image(compose, "minio/mc"):
+            assert service.get("restart") == "no", name  # the bucket's one-shot setup
+            continue
+        assert service.get("restart") in ("unless-stopped", "always"), f"{name}: restart {service.get('restart')!r}"
+
+
 def test_dependencies_wait_for_health(compose, dockerfile, image_env, tmp_path):
     all_services = services(compose)
     for name, service in all_services.items():
@@ -691,7 +702,9 @@ def test_the_units_cover_every_service_of_the_stack():
 def test_each_unit_runs_a_real_cli_command_under_the_farm_target(name, tmp_path):
     sections = unit(SYSTEMD / name)
     assert one(sections, "Service", "EnvironmentFile") == "/etc/ndif-celery/env"
-    assert one(sections, "Service", "Restart") == "on-failure"
+    # Its own supervisor: restarted whatever ended it, a worker that replaced
+    # itself (ndif_celery.supervisor.REPLACE_EXIT_CODE) or exited 0 included.
+    assert one(sections, "Service", "Restart") == "always"
     assert one(sections, "Service", "KillSignal") == "SIGTERM"
     assert one(sections, "Unit", "PartOf") == TARGET
     assert one(sections, "Install", "WantedBy") == TARGET
@@ -767,7 +780,7 @@ def test_systemd_analyze_verifies_the_units(tmp_path):
     broken_dir.mkdir()
     template = (unit_dir / "ndif-celery-worker@.service").read_text()
     (broken_dir / "ndif-celery-worker@.service").write_text(
-        template.replace(str(cli), str(tmp_path / "missing" / "ndif-celery")).replace("Restart=on-failure", "Restart=sometimes")
+        template.replace(str(cli), str(tmp_path / "missing" / "ndif-celery")).replace("Restart=always", "Restart=sometimes")
     )
     rc, lines = _verify([broken_dir / "ndif-celery-worker@0.service"], broken_dir)
     problems = _ours(lines, broken_dir, ["ndif-celery-worker@.service"])
