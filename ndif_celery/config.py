@@ -269,6 +269,9 @@ VARIABLES: tuple = (
     # minute per web process, before that address's new keys are refused (0 = off).
     Var("NDIF_AUTH_FAILURES_PER_MIN", "auth_failures_per_min", 60, _int, "failed lookups of never-seen keys per address per minute"),
     Var("NDIF_EXECUTION_TIMEOUT_S", "execution_timeout_s", 3600.0, _float, "a job's deadline for deserialize + run"),
+    # After a deadline or a kill has answered the job, how long its thread may take to
+    # unwind before the worker replaces itself (workers.deadline).
+    Var("NDIF_DEADLINE_GRACE_S", "deadline_grace_s", 5.0, _float, "how long a timed-out or killed job may take to unwind before its worker replaces itself"),
     Var("NDIF_JOB_MEMORY_GIB", "job_memory_bytes", 8, _gib, "address space an isolated job may add"),
     Var("NDIF_JOB_DISK_MB", "job_disk_bytes", 256, _mb, "size of an isolated job's private tmpfs"),
     Var("NDIF_LOG_LINES_PER_S", "log_lines_per_s", 100.0, _float, "LOG lines one job may publish per second (0: no limit)"),

@@ -76,6 +76,8 @@ def wait_evicted(client: redis.Redis, model_key: str, timeout: float) -> None:
 
 
 CANCELLED = "Request cancelled by operator."
+# How long `ndif-celery kill` waits for workers' answers (the running worker's comes in milliseconds).
+KILL_REPLY_S = 2.0
 
 
 def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
@@ -85,7 +87,18 @@ def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
         if job is not None:
             statuses.StatusChannel(client, job, ttl_s).send(wire.ERROR, CANCELLED, kind="cancelled")
             return "removed from the queue"
-    replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, reply=True, timeout=2)
+    # Ask the worker that reports running it (its heartbeat's current_job), and
+    # return on its answer: a broadcast waits out its whole reply timeout.
+    runners = [name for name, info in registry.all_workers(client).items() if info.get("current_job") == job_id]
+    if runners:
+        replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, destination=runners,
+                                               reply=True, timeout=KILL_REPLY_S, limit=len(runners))
+    else:
+        replies = []
+    if not any(answer.get("ok") == "cancelling" for reply in replies or [] for answer in reply.values()):
+        # Not reported yet (the job just started): every worker, for the whole reply timeout.
+        replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, reply=True,
+                                               timeout=KILL_REPLY_S)
     for reply in replies or []:
         for worker, answer in reply.items():
             if answer.get("ok") == "cancelling":

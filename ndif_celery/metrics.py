@@ -17,7 +17,10 @@ Series (all prefixed ``ndif_``): ``ndif_http_requests_total{route,method,status}
 queue, deserialize, run, upload, total), ``ndif_result_bytes_total``,
 ``ndif_payload_bytes_total``, ``ndif_queue_depth{model}``,
 ``ndif_queue_head_wait_seconds{model}``, ``ndif_workers``,
-``ndif_deployments{state}``, ``ndif_ledger_pending``.
+``ndif_deployments{state}``, ``ndif_ledger_pending``,
+``ndif_worker_replacements_total{worker}`` (workers that replaced themselves
+because a job's code would not unwind from its deadline or a kill; counted
+here, since the process that would count it exits: ``workers.deadline``).
 
 Each worker serves its own series besides (``workers.metrics``).
 """
@@ -35,6 +38,7 @@ REQUESTS = "ndif:metrics:requests"
 JOBS = "ndif:metrics:jobs"
 BYTES = "ndif:metrics:bytes"
 PHASES = "ndif:metrics:phases"
+REPLACEMENTS = "ndif:metrics:replacements"  # worker name -> times it replaced itself
 
 PHASE_NAMES = ("queue", "deserialize", "run", "upload", "total")
 # Seconds; a job's phases run from milliseconds (a cached trace) to an hour.
@@ -107,7 +111,8 @@ class FarmCollector:
         for key in (REQUESTS, JOBS, BYTES, PHASES):
             pipe.hgetall(key)
         pipe.llen(ledger.PENDING)
-        requests_raw, jobs_raw, bytes_raw, phases_raw, pending = pipe.execute()
+        pipe.hgetall(REPLACEMENTS)
+        requests_raw, jobs_raw, bytes_raw, phases_raw, pending, replacements = pipe.execute()
 
         requests = CounterMetricFamily(
             "ndif_http_requests", "HTTP requests answered by the web, by route rule, method and status.",
@@ -194,6 +199,19 @@ class FarmCollector:
         )
         family.add_metric([], int(pending))
         yield family
+
+        family = CounterMetricFamily(
+            "ndif_worker_replacements", "Times each worker replaced itself: a job did not unwind from its "
+            "deadline or a kill.", labels=["worker"],
+        )
+        for worker, count in sorted(replacements.items()):
+            family.add_metric([worker.decode(errors="replace")], int(count))
+        yield family
+
+
+def worker_replaced(client: redis.Redis, worker: str) -> None:
+    """Count one replacement of ``worker`` (``workers.deadline.replace_worker``)."""
+    client.hincrby(REPLACEMENTS, worker, 1)
 
 
 def render(client: redis.Redis) -> bytes:

@@ -12,14 +12,17 @@ executors, behind one small interface:
 - ``prepare_next(model_key)``: make the next job on the model cheaper.
 
 :class:`InProcess` (trusted keys) runs in this worker's own process, against
-the resident model itself; its deadline is a timer that interrupts the job's
-thread with :class:`JobTimedOut`, the way ``ndif-celery kill`` interrupts it
-with :class:`JobCancelled`. :class:`Isolated` (untrusted keys) runs a fresh
+the resident model itself; its deadline is the worker's watchdog
+(``workers.deadline``), which sends the ERROR at the limit itself, then
+interrupts the job's thread with :class:`JobTimedOut` (the way ``ndif-celery
+kill`` interrupts it with :class:`JobCancelled`), and replaces the worker if
+the thread is stuck in C where no exception reaches it. :class:`Isolated` (untrusted keys) runs a fresh
 jailed child per request (``workers.isolate``), forked by the model's zygote
 (``workers.zygote``: an exec'd interpreter with ``NDIF_ISOLATION=zygote``, or
 a fork of the fork server with ``=fork``), never by this worker, which holds
 secrets and what earlier jobs left in its memory; its deadline is the
-isolation policy's, which bounds every wait on the child. The policy (what the
+isolation policy's, which bounds every wait on the child (the watchdog stands
+behind it, ``deadline.ISOLATED_MARGIN_S`` later). The policy (what the
 jail lets the child read, as whom, with which limits) is built here too.
 """
 
@@ -29,15 +32,12 @@ import glob
 import logging
 import os
 import sys
-import threading
 import time
-from typing import Callable
-
 from huggingface_hub import constants as hf_constants
 
 from ndif_celery import config, jobs, statuses
 
-from . import execute, forkserver, isolate, jail, results
+from . import deadline, execute, forkserver, isolate, jail, results
 from .resident import ResidentModels
 from .zygote import ZygoteError
 
@@ -63,18 +63,14 @@ def ms_since(start: float) -> float:
 class InProcess:
     """Trusted: run in this process, against the resident model itself."""
 
-    def __init__(self, settings: config.Settings, models: ResidentModels,
-                 cancel: Callable[[str, type], bool]) -> None:
+    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.Watchdog) -> None:
         self.timeout_s = settings.execution_timeout_s
         self.models = models
-        self._cancel = cancel  # WorkerState.cancel: interrupts the job's thread
+        self.watchdog = watchdog  # the worker's: answers at the deadline, interrupts, replaces if stuck
 
     def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
         started = time.perf_counter()
-        deadline = threading.Timer(self.timeout_s, self._cancel, args=(job.id, JobTimedOut))
-        deadline.daemon = True
-        deadline.start()
-        try:
+        with self.watchdog.watch(job.id, channel, meta, self.timeout_s):
             meta["isolated"] = False
             with execute.request_scope(model):
                 try:
@@ -85,8 +81,6 @@ class InProcess:
                     # Formatted inside the scope: linecache still holds the user's source.
                     raise execute.RequestError(execute.format_user_error(error)) from None
             return results.encode(saved, job.compress)
-        finally:
-            deadline.cancel()
 
     def after(self, job: jobs.Job) -> None:
         """After the answer is sent, before the next job: the plain check
@@ -102,9 +96,10 @@ class InProcess:
 class Isolated:
     """Untrusted: a fresh jailed child per request, forked by the model's zygote."""
 
-    def __init__(self, settings: config.Settings, models: ResidentModels) -> None:
+    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.Watchdog) -> None:
         self.settings = settings
         self.models = models
+        self.watchdog = watchdog  # the backstop behind the policy's deadline
         # What an isolated job may read, and whether it can run as nobody:
         # learnt once, when the worker is ready (learn_host).
         self.readable: tuple = ()
@@ -120,7 +115,11 @@ class Isolated:
     def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
         meta["isolated"] = True
         zygote = self.zygote(job.model_key)
-        outcome = isolate.run(model, blob, job.compress, job.env, self.policy(zygote), channel.log, zygote=zygote)
+        # Armed once the zygote is ready (its start is not the job's time), as isolate.run's own deadline is.
+        backstop_s = self.settings.execution_timeout_s + deadline.ISOLATED_MARGIN_S
+        with self.watchdog.watch(job.id, channel, meta, backstop_s):
+            outcome = isolate.run(model, blob, job.compress, job.env, self.policy(zygote), channel.log,
+                                  zygote=zygote)
         # Only what isolate vouches for (the child's jail layers and timings, checked
         # by isolate.child_meta; its own isolated_ms and spare): never a key of ours.
         meta.update({key: value for key, value in outcome.meta.items()

@@ -38,7 +38,7 @@ from ndif_celery import cleanup, jobs, messages, registry, statuses, wire
 from ndif_celery.celery_app import send_job
 from ndif_celery.store import StoreUnavailable
 
-from . import metrics, results
+from . import deadline, metrics, results
 from .execute import RequestError, result_too_big
 from .executors import JobCancelled, JobTimedOut, ms_since
 
@@ -102,8 +102,9 @@ def start(worker, job: jobs.Job) -> Optional[Life]:
         registry.wake_controller(worker.redis, "requeued")
         return None
     settings = worker.settings
-    channel = statuses.StatusChannel(worker.redis, job, settings.job_ttl_s, settings.log_lines_per_s,
-                                     settings.log_bytes_per_job)
+    # Its final status sent once: by this thread or by the deadline's watchdog (workers.deadline).
+    channel = deadline.Channel(worker.redis, job, settings.job_ttl_s, settings.log_lines_per_s,
+                               settings.log_bytes_per_job)
     life = Life(job, model, blob, worker.executor_for(job), channel, worker.redis.pipeline(transaction=False))
     life.meta.update(job_id=job.id, worker=worker.name, queue_ms=round((life.started - job.received_at) * 1000, 1))
     # One more round trip (sent by announce): this worker runs the job (for the

@@ -10,7 +10,9 @@ Series: ``ndif_worker_model_load_seconds{model}`` (the last load of each model),
 ``ndif_worker_model_load_duration_seconds`` (histogram of loads),
 ``ndif_worker_execution_seconds`` (histogram: a job's time on the worker, from
 taking it to its final status), ``ndif_worker_jobs_total{outcome}``,
-``ndif_worker_rss_bytes``, ``ndif_worker_gpu_memory_bytes`` (reserved by torch
+``ndif_worker_deadlines_total{kind}`` (jobs the deadline watchdog answered:
+timeout, cancelled; ``workers.deadline``), ``ndif_worker_rss_bytes``,
+``ndif_worker_gpu_memory_bytes`` (reserved by torch
 on this worker's GPUs; 0 before CUDA is used), ``ndif_worker_resident_models``,
 plus prometheus_client's process and Python series.
 """
@@ -38,6 +40,10 @@ EXECUTION = Histogram("ndif_worker_execution_seconds",
 JOBS = Counter("ndif_worker_jobs_total", "Jobs this worker ended, by outcome.", ["outcome"])
 for _outcome in ("COMPLETED", "ERROR"):
     JOBS.labels(_outcome)
+DEADLINES = Counter("ndif_worker_deadlines_total",
+                    "Jobs this worker's deadline watchdog ended (timeout, or cancelled by the operator).", ["kind"])
+for _kind in ("timeout", "cancelled"):
+    DEADLINES.labels(_kind)
 RSS = Gauge("ndif_worker_rss_bytes", "Resident memory of the worker process.")
 GPU_MEMORY = Gauge("ndif_worker_gpu_memory_bytes",
                    "GPU memory torch holds on this worker's GPUs (reserved; 0 before CUDA is first used).")
@@ -94,6 +100,10 @@ def start(host: str, port: int, resident: Callable[[], int]) -> Optional[int]:
 def job_ended(outcome: str, seconds: float) -> None:
     JOBS.labels(outcome).inc()
     EXECUTION.observe(max(0.0, seconds))
+
+
+def deadline_fired(kind: str) -> None:
+    DEADLINES.labels(kind).inc()
 
 
 def model_loaded(model: str, seconds: float) -> None:

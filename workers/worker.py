@@ -33,10 +33,10 @@ from ndif_celery.celery_app import queue_for
 from ndif_celery.environment import local_env
 from ndif_celery.store import open_store
 
-from . import isolate, job as job_life, memory, metrics
+from . import deadline, isolate, job as job_life, memory, metrics
 from .controller import Controller, fail_waiting
 from .execute import RequestError
-from .executors import InProcess, Isolated, JobCancelled
+from .executors import InProcess, Isolated, JobCancelled, JobTimedOut
 from .resident import ResidentModels
 from .startup import untrusted_jobs_possible
 
@@ -53,8 +53,11 @@ class WorkerState:
         self.redis = jobs.connect(settings.redis_url, settings.redis_outage_s)
         self.store = open_store(settings)
         self.models = ResidentModels(verify_untrusted=settings.verify_untrusted)
-        self.in_process = InProcess(settings, self.models, self.cancel)
-        self.isolated = Isolated(settings, self.models)
+        # The deadline of every job, and `ndif-celery kill`: answers, interrupts, replaces this process if stuck.
+        self.deadlines = deadline.Watchdog(settings.execution_timeout_s, settings.deadline_grace_s,
+                                           (JobTimedOut, JobCancelled), self.replace)
+        self.in_process = InProcess(settings, self.models, self.deadlines)
+        self.isolated = Isolated(settings, self.models, self.deadlines)
         self.info: dict = {"name": name, "host": socket.gethostname(), "pid": os.getpid()}
         self.current_job: Optional[str] = None
         self.job_thread: Optional[int] = None
@@ -81,14 +84,21 @@ class WorkerState:
             self.current_job, self.job_thread = None, None
 
     def cancel(self, job_id: str, reason: type = JobCancelled) -> bool:
-        """Interrupt the running job ``job_id`` at its next Python instruction
-        (a long C call, such as one CUDA kernel, finishes first)."""
+        """``ndif-celery kill``: a job in its executor is answered at once and
+        interrupted by the watchdog (``workers.deadline``: replaced if stuck);
+        in any other step, it is interrupted at its next Python instruction."""
+        if self.deadlines.kill(job_id):
+            return True
         with self._job_lock:
             thread = self.job_thread
             if self.current_job != job_id or thread is None:
                 return False
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(reason))
             return True
+
+    def replace(self, job_id: str, why: str) -> None:
+        """The job's thread will not unwind: exit for a fresh process (``deadline.replace_worker``)."""
+        deadline.replace_worker(self, job_id, why)
 
     # --- registration -----------------------------------------------------------
 

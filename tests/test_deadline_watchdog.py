@@ -1,0 +1,136 @@
+"""The deadline watchdog in-process (fast tier, a real embedded Redis).
+
+What ``workers.deadline`` promises, without a stack: the ERROR is published at
+the limit by the watchdog, even while the job's thread sleeps in C; it is the
+job's only final status (the thread's late COMPLETED is dropped); a thread
+that unwinds from the interruption keeps its worker, and one that does not is
+reported stuck after the grace period (``on_stuck``, which exits a real worker).
+The end-to-end cases, with the real client, are in ``tests/test_deadlines.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import pytest
+import redis
+
+from ndif_celery import config, jobs, redis_server, wire
+from tests.servers import free_port, port_open
+from workers import deadline
+from workers.executors import JobCancelled, JobTimedOut
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    home = tmp_path_factory.mktemp("watchdog")
+    port = free_port()
+    settings = config.load({"NDIF_HOME": str(home), "NDIF_EMBEDDED_REDIS_PORT": str(port),
+                            "NDIF_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
+    redis_server.redis_dir(settings).mkdir(parents=True)
+    proc = subprocess.Popen(redis_server.redis_argv(settings), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    started = time.monotonic()
+    while not port_open(port):
+        assert proc.poll() is None and time.monotonic() < started + 15, "the embedded redis-server did not start"
+        time.sleep(0.05)
+    client = redis.Redis.from_url(settings.redis_url)
+    yield client
+    client.close()
+    proc.terminate()
+    proc.wait(timeout=15)
+
+
+def _job(client, name: str):
+    job = jobs.Job(id=f"job-{name}-{time.time_ns()}", model_key="test-model")
+    return job, deadline.Channel(client, job, 60)
+
+
+def _latest(client, job) -> dict:
+    return json.loads(client.get(jobs.status_key(job.id)))
+
+
+def _run_in_thread(watchdog, job, channel, seconds, body):
+    """``body`` inside a watch, in a thread of its own (as the pool thread runs a job); what it raised."""
+    outcome = {}
+
+    def target():
+        try:
+            with watchdog.watch(job.id, channel, {"job_id": job.id}, seconds):
+                body()
+            channel.send(wire.COMPLETED, "done")  # the job's own, late answer
+            outcome["returned"] = True
+        except BaseException as error:  # noqa: BLE001
+            outcome["raised"] = type(error)
+            channel.send(wire.ERROR, "the job's own ERROR")
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_thread_sleeping_in_c_gets_its_error_at_the_limit_and_is_reported_stuck(client):
+    stuck = []
+    watchdog = deadline.Watchdog(0.5, 0.5, (JobTimedOut, JobCancelled), lambda job_id, why: stuck.append(job_id))
+    job, channel = _job(client, "stuck")
+    started = time.monotonic()
+    thread, outcome = _run_in_thread(watchdog, job, channel, 0.5, lambda: time.sleep(3))
+    while client.get(jobs.status_key(job.id)) is None:
+        assert time.monotonic() - started < 2.5, "no ERROR while the thread sleeps"
+        time.sleep(0.02)
+    latest = _latest(client, job)
+    assert latest["status"] == wire.ERROR and "exceeded the execution timeout of 0.5s" in latest["description"]
+    assert time.monotonic() - started < 1.5
+    while not stuck:
+        assert time.monotonic() - started < 2.8, "the stuck thread was not reported"
+        time.sleep(0.02)
+    assert stuck == [job.id]
+    thread.join(5)  # the sleep ends; the interruption lands; its own ERROR is dropped
+    assert outcome == {"raised": JobTimedOut}
+    assert _latest(client, job)["description"] == latest["description"]
+    assert client.zscore(jobs.ENDED, job.id) is not None
+
+
+def test_a_thread_that_unwinds_keeps_its_worker_and_sends_one_final_status(client):
+    stuck = []
+    watchdog = deadline.Watchdog(0.3, 1.0, (JobTimedOut, JobCancelled), lambda job_id, why: stuck.append(job_id))
+    job, channel = _job(client, "unwinds")
+
+    def python_loop():
+        while True:
+            time.sleep(0.01)
+
+    thread, outcome = _run_in_thread(watchdog, job, channel, 0.3, python_loop)
+    thread.join(3)
+    assert outcome == {"raised": JobTimedOut}
+    assert channel.answered_by == deadline.DEADLINE
+    assert "execution timeout" in _latest(client, job)["description"]
+    time.sleep(1.2)
+    assert stuck == []
+
+
+def test_a_kill_answers_at_once_and_a_late_result_is_dropped(client):
+    watchdog = deadline.Watchdog(60, 5, (JobTimedOut, JobCancelled), lambda job_id, why: None)
+    job, channel = _job(client, "killed")
+    thread, outcome = _run_in_thread(watchdog, job, channel, 60, lambda: [time.sleep(0.01) for _ in range(300)])
+    time.sleep(0.2)
+    assert not watchdog.kill("another-job")
+    started = time.monotonic()
+    assert watchdog.kill(job.id)
+    assert time.monotonic() - started < 0.5
+    assert _latest(client, job)["description"] == deadline.CANCELLED
+    thread.join(3)
+    assert outcome == {"raised": JobCancelled}
+    assert _latest(client, job)["description"] == deadline.CANCELLED
+
+
+def test_a_job_that_answers_first_is_not_interrupted(client):
+    watchdog = deadline.Watchdog(0.3, 0.3, (JobTimedOut, JobCancelled), lambda job_id, why: None)
+    job, channel = _job(client, "quick")
+    thread, outcome = _run_in_thread(watchdog, job, channel, 0.3, lambda: None)
+    thread.join(2)
+    time.sleep(0.5)
+    assert outcome == {"returned": True}
+    assert _latest(client, job)["status"] == wire.COMPLETED
