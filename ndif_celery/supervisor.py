@@ -164,7 +164,10 @@ class Supervisor:
             if self.stop_requested:
                 return "signal"
             for name in list(self.state):
-                self.check(name)
+                try:
+                    self.check(name)
+                except Exception as exc:  # noqa: BLE001 - the supervisor must outlive one bad restart
+                    self.note(name, f"supervising {name} failed ({type(exc).__name__}: {exc}); trying again")
             time.sleep(POLL_S)
 
     def check(self, name: str) -> None:

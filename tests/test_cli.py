@@ -174,16 +174,23 @@ def test_foreground_up_stops_everything_on_sigterm(tmp_path):
 
 
 @pytest.mark.e2e  # starts a stack in its body
-def test_foreground_up_exits_nonzero_when_a_service_dies(tmp_path):
+def test_foreground_up_restarts_a_service_that_dies(tmp_path):
+    """The foreground `up` is the supervisor (ndif_celery.supervisor): a worker
+    killed is started again and said so; `down` from elsewhere ends `up` too."""
     stack = Stack(tmp_path / "home")
     proc, out = _foreground_up(stack, tmp_path)
     try:
         pids = stack.pids()
         os.kill(pids["worker"], signal.SIGKILL)
-        assert proc.wait(timeout=90) == 1, out.read_text()
+        wait_until(lambda: stack.pids().get("worker") not in (None, pids["worker"]), 30, "the worker restarted")
         text = out.read_text()
-        assert "worker" in text and "exited" in text, text
-        assert_all_gone(stack, pids)
+        assert "worker (pid" in text and "killed by SIGKILL" in text and "worker restarted" in text, text
+        assert proc.poll() is None, text
+        new = stack.pids()
+        assert stack.stop().returncode == 0
+        assert proc.wait(timeout=90) == 0, out.read_text()
+        assert "stopped by `ndif-celery down`" in out.read_text()
+        assert_all_gone(stack, {**pids, **{f"new-{k}": v for k, v in new.items()}})
     finally:
         if proc.poll() is None:
             proc.kill()

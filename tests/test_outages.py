@@ -85,9 +85,7 @@ def test_a_redis_restart_loses_no_queued_job(stack):
     redis_pid = stack.pids()["redis"]
     os.kill(redis_pid, signal.SIGTERM)  # a clean restart: Redis flushes its AOF
     _wait_gone(redis_pid)
-    time.sleep(1.0)  # down for a moment: the workers and the web notice
-    stack.run_service("redis")
-    stack.wait_answers()
+    stack.wait_answers()  # `up`'s supervisor starts it again a second later
     expected = {0: _local(model, 0), 1: _local(model, 1)}
     for backend, layer in zip([running, *queued], (1, 0, 1, 0, 1)):
         result = poll(backend, timeout_s=90)

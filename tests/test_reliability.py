@@ -51,7 +51,9 @@ def test_a_job_whose_worker_is_killed_runs_again_elsewhere(farm):
     assert time.monotonic() - killed < 30, "the lost job took longer than 30 s to come back"
     assert torch.equal(result["out"], _local(model))
     latest = httpx.get(f"{farm.url}/response/{backend.job_id}").json()
-    assert latest["meta"]["worker"] != first
+    # W0 is the stack's own worker, which `up` restarts under its name: the
+    # re-run may land on it again (a new process); the added workers stay dead.
+    assert latest["meta"]["worker"] != first or first == W0
 
 
 class GoesAway(RemoteBackend):
@@ -108,8 +110,7 @@ def test_a_web_restart_loses_no_queued_job_and_strands_no_blocking_client(farm):
     client.join(timeout=15)
     assert not client.is_alive(), "a blocking client hung when the web died"
     assert blocked["outcome"] != "completed"
-    farm.run_service("web")
-    farm.wait_answers()
+    farm.wait_answers()  # `up`'s supervisor restarts the web (tests/test_supervision.py)
     local = _local(model)
     for backend in [running, *queued]:
         assert torch.equal(poll(backend)["out"], local)
