@@ -3,7 +3,9 @@ that reaches its broker: ``deploy``, ``evict``, ``queue``, ``kill`` and
 ``jobs`` (the ledger). The logic lives in :mod:`ndif_celery.farm`,
 :mod:`ndif_celery.queues` and :mod:`ndif_celery.ledger`; these only parse,
 print and turn their errors into clean CLI errors. Registered on the group in
-:mod:`ndif_celery.cli`.
+:mod:`ndif_celery.cli`. Nothing of this host's stack is imported here
+(:mod:`ndif_celery.cli_common`, not ``cli_host``), and the ledger's database
+layer only by ``jobs``: ``ndif-celery kill`` should start at once.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ from typing import Optional
 
 import click
 import redis as redis_py
-from sqlalchemy.exc import SQLAlchemyError
 
-from . import db, farm, jobs, ledger, model_policy, queues
+from . import farm, jobs, model_policy, queues
 from .celery_app import make_app
-from .cli_host import echo_rows, settings
+from .cli_common import echo_rows, settings
 
 
 def connect():
@@ -107,6 +108,12 @@ def kill(job_id: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def jobs_command(user: Optional[str], since: Optional[str], limit: int, as_json: bool) -> None:
     """Ended jobs from the ledger (NDIF_DATABASE_URL), newest first."""
+    # Here, not at the top: the ledger's database layer is the one command's
+    # need, and `kill` (which an operator wants at once) should not load it.
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from . import db, ledger
+
     current = settings()
     try:
         since_at = ledger.parse_since(since) if since else None

@@ -15,12 +15,13 @@ import json
 import os
 import signal
 import sys
-from typing import Callable, Optional
+from typing import Optional
 
 import click
 import redis as redis_py
 
 from . import config, doctor as checks, host_versions, jobs, logs as service_logs, registry, stack, supervisor
+from .cli_common import echo_rows, settings  # noqa: F401 - cli_keys and older callers import them from here
 
 
 class _Interrupted(Exception):
@@ -32,26 +33,6 @@ _TRAPPED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 def _raise_interrupted(signum, frame):
     raise _Interrupted(signal.Signals(signum).name)
-
-
-def settings() -> config.Settings:
-    """This host's settings, or a ClickException naming the bad variable."""
-    try:
-        return config.load()
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-
-
-def echo_rows(rows: list, as_json: bool, render: Callable[[dict], str], empty: str = "") -> None:
-    """Print a listing command's ``rows``: as JSON with ``--json``, else one
-    ``render(row)`` line each, or ``empty`` when there are none."""
-    if as_json:
-        click.echo(json.dumps(rows, indent=2))
-        return
-    if not rows and empty:
-        click.echo(empty)
-    for row in rows:
-        click.echo(render(row))
 
 
 def _stop(settings: config.Settings, timeout: float = 10) -> dict:
