@@ -11,36 +11,24 @@ The end-to-end cases, with the real client, are in ``tests/test_deadlines.py``.
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 
 import pytest
 import redis
 
-from ndif_celery import config, jobs, redis_server, wire
-from tests.servers import free_port, port_open
+from ndif_celery import jobs, wire
+from tests.servers import embedded_redis
 from workers import deadline
 from workers.executors import JobCancelled, JobTimedOut
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    home = tmp_path_factory.mktemp("watchdog")
-    port = free_port()
-    settings = config.load({"NDIF_HOME": str(home), "NDIF_EMBEDDED_REDIS_PORT": str(port),
-                            "NDIF_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
-    redis_server.redis_dir(settings).mkdir(parents=True)
-    proc = subprocess.Popen(redis_server.redis_argv(settings), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    started = time.monotonic()
-    while not port_open(port):
-        assert proc.poll() is None and time.monotonic() < started + 15, "the embedded redis-server did not start"
-        time.sleep(0.05)
-    client = redis.Redis.from_url(settings.redis_url)
-    yield client
-    client.close()
-    proc.terminate()
-    proc.wait(timeout=15)
+    with embedded_redis(tmp_path_factory.mktemp("watchdog")) as settings:
+        client = redis.Redis.from_url(settings.redis_url)
+        yield client
+        client.close()
 
 
 def _job(client, name: str):

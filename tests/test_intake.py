@@ -14,33 +14,20 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
-import time
 
 import pytest
 import redis
 
-from ndif_celery import config, jobs, ledger, metrics, queues, redis_server, registry, statuses, wire
+from ndif_celery import jobs, ledger, metrics, queues, registry, statuses, wire
 from ndif_celery.celery_app import queue_for
-from tests.servers import free_port, port_open
+from tests.servers import embedded_redis
 from tests.tiny_model import REPO_ID, client_model
 
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory):
-    home = tmp_path_factory.mktemp("intake")
-    port = free_port()
-    settings = config.load({"NDIF_HOME": str(home), "NDIF_EMBEDDED_REDIS_PORT": str(port),
-                            "NDIF_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
-    redis_server.redis_dir(settings).mkdir(parents=True)
-    proc = subprocess.Popen(redis_server.redis_argv(settings), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 15
-    while not port_open(port):
-        assert proc.poll() is None and time.monotonic() < deadline, "the embedded redis-server did not start"
-        time.sleep(0.05)
-    yield settings
-    proc.terminate()
-    proc.wait(timeout=15)
+    with embedded_redis(tmp_path_factory.mktemp("intake")) as settings:
+        yield settings
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
@@ -46,6 +45,7 @@ import time
 from typing import Iterable, Optional
 from urllib.parse import unquote, urlsplit
 
+from . import control
 from .zygote import ZygoteError
 
 READY_TIMEOUT_S = 60.0
@@ -209,18 +209,7 @@ class ForkServer:
         self.sock.close()
 
     def _read(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                self._gone(self.error or "the fork server exited; restart the worker to get a clean one")
-                return
-            try:
-                message = json.loads(data)
-            except ValueError:
-                continue
+        for message in control.messages(self.sock):
             if "ready" in message:
                 self.ready.set()
             elif "error" in message:
@@ -238,6 +227,7 @@ class ForkServer:
                     process = self._processes.pop(int(message["exited"]), None)
                 if process is not None:
                     process.ended(int(message["status"]))
+        self._gone(self.error or "the fork server exited; restart the worker to get a clean one")
 
     def _gone(self, reason: str) -> None:
         if self.error is None:
@@ -331,26 +321,15 @@ def _become_server(sock: socket.socket, needles: list, keep_env: tuple) -> None:
         scrub_memory(needles)
         del needles
     except BaseException as error:  # noqa: BLE001 - reported: no zygote from an unscrubbed server
-        _reply(sock, {"error": f"the fork server could not scrub itself: {type(error).__name__}: {error}"})
+        control.reply(sock, {"error": f"the fork server could not scrub itself: {type(error).__name__}: {error}"})
         os._exit(1)
-    _reply(sock, {"ready": True})
+    control.reply(sock, {"ready": True})
     _serve(sock)
 
 
 def _serve(sock: socket.socket) -> None:
     children: set = set()
-    while True:
-        ready, _, _ = select.select([sock], [], [], 0.2)
-        _reap_children(sock, children)
-        if not ready:
-            continue
-        try:
-            message, fds, _, _ = socket.recv_fds(sock, 65536, 3)
-        except OSError:
-            message = b""
-        if not message:  # the worker is gone or let go of us: zygotes die with us
-            os._exit(0)
-        request = json.loads(message)
+    for request, fds in control.requests(sock, 3, children):
         zygote_fd, header_fd = fds[0], fds[1]
         cpu_fd = fds[2] if request.get("cpu") and len(fds) > 2 else -1
         pid = os.fork()
@@ -359,7 +338,8 @@ def _serve(sock: socket.socket) -> None:
         for fd in fds:
             os.close(fd)
         children.add(pid)
-        _reply(sock, {"spawned": request["spawn"], "pid": pid})
+        control.reply(sock, {"spawned": request["spawn"], "pid": pid})
+    os._exit(0)  # the worker is gone or let go of us: zygotes die with us
 
 
 def _become_zygote(server_sock: socket.socket, zygote_fd: int, header_fd: int, cpu_fd: int) -> None:
@@ -374,22 +354,3 @@ def _become_zygote(server_sock: socket.socket, zygote_fd: int, header_fd: int, c
         code = 0
     finally:
         os._exit(code)
-
-
-def _reap_children(sock: socket.socket, children: set) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-        _reply(sock, {"exited": pid, "status": status})
-
-
-def _reply(sock: socket.socket, message: dict) -> None:
-    try:
-        sock.send(json.dumps(message).encode())
-    except OSError:
-        os._exit(0)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import select
 import socket
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from . import jail
+from . import control, jail
 from .child import kill_group
 from .child import main as child_main
 from .isolate import Policy
@@ -176,19 +175,7 @@ class Zygote:
         self._fail("the isolation zygote was stopped")
 
     def _read(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except OSError:
-                data = b""
-            if not data:
-                code = self.process.wait()
-                self._fail(self.error or f"the isolation zygote exited (status {code})")
-                return
-            try:
-                message = json.loads(data)
-            except ValueError:
-                continue
+        for message in control.messages(self.sock):
             if "ready" in message:
                 self.ready.set()
             elif "error" in message:
@@ -205,6 +192,8 @@ class Zygote:
                     child = self._children.pop(int(message["exited"]), None)
                 if child is not None:
                     child.ended(int(message["status"]))
+        code = self.process.wait()
+        self._fail(self.error or f"the isolation zygote exited (status {code})")
 
     def _fail(self, reason: str) -> None:
         """The zygote is gone: every child it had is gone with it (they die with their parent)."""
@@ -236,11 +225,11 @@ def serve(sock_fd: int, cpu_fd: int, header_file: Any) -> None:
         header = pickle.loads(header_file.read())  # from the worker, which started us
         model = _build(header, cpu_fd)
     except BaseException as error:  # noqa: BLE001 - reported, then gone
-        _reply(sock, {"error": f"the isolation zygote could not build the model: {type(error).__name__}: {error}"})
+        control.reply(sock, {"error": f"the isolation zygote could not build the model: {type(error).__name__}: {error}"})
         os._exit(1)
     if cpu_fd >= 0:
         os.close(cpu_fd)  # the private mapping stays; children get no handle on the shared file
-    _reply(sock, {"ready": True})
+    control.reply(sock, {"ready": True})
     _serve(sock, model, header)
 
 
@@ -271,20 +260,7 @@ def _build(header: dict, cpu_fd: int) -> Any:
 def _serve(sock: socket.socket, model: Any, header: dict) -> None:
     cuda = bool(header["shared"]["cuda"])
     children: set = set()
-    while True:
-        ready, _, _ = select.select([sock], [], [], 0.2)
-        _reap(sock, children)
-        if not ready:
-            continue
-        try:
-            message, fds, _, _ = socket.recv_fds(sock, 65536, 2)
-        except OSError:
-            message = b""
-        if not message:  # the worker is gone or let go of us
-            for pid in children:
-                kill_group(pid)
-            os._exit(0)
-        request = json.loads(message)
+    for request, fds in control.requests(sock, 2, children):
         policy = Policy(**{**request["policy"], "secrets": tuple(request["policy"]["secrets"]),
                            "readable": tuple(request["policy"]["readable"])})
         out_fd, in_fd = fds
@@ -296,7 +272,10 @@ def _serve(sock: socket.socket, model: Any, header: dict) -> None:
         os.close(out_fd)
         os.close(in_fd)
         children.add(pid)
-        _reply(sock, {"forked": request["fork"], "pid": pid})
+        control.reply(sock, {"forked": request["fork"], "pid": pid})
+    for pid in children:  # the worker is gone or let go of us
+        kill_group(pid)
+    os._exit(0)
 
 
 def _attach_cuda(model: Any, header: dict, policy: Any) -> None:
@@ -313,25 +292,6 @@ def _attach_cuda(model: Any, header: dict, policy: Any) -> None:
         total = torch.cuda.get_device_properties(index).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, policy.memory_bytes / total), index)
     torch.cuda.synchronize()
-
-
-def _reap(sock: socket.socket, children: set) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        children.discard(pid)
-        _reply(sock, {"exited": pid, "status": status})
-
-
-def _reply(sock: socket.socket, message: dict) -> None:
-    try:
-        sock.send(json.dumps(message).encode())
-    except OSError:
-        os._exit(0)
 
 
 if __name__ == "__main__":
