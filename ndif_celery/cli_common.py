@@ -2,9 +2,9 @@
 
 ``settings()`` is the one way every command reads its configuration (a bad
 ``NDIF_*`` value is a clean CLI error, not a traceback); ``echo_rows`` prints
-a listing. Apart from :mod:`ndif_celery.cli_host` (which imports the stack,
-doctor and the result stores) so a farm command such as ``ndif-celery kill``
-starts without them.
+a listing. Apart from :mod:`ndif_celery.cli_host` (which imports the stack)
+and :mod:`ndif_celery.cli_checks` (doctor, the result stores) so a farm
+command such as ``ndif-celery kill`` starts without them.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 ``up``/``down``/``status`` run a whole farm on this host (the logic lives in
 :mod:`ndif_celery.stack`); ``web``, ``worker``, ``beat``, ``flower`` and
 ``redis`` replace themselves with one service in the foreground, for a
-Procfile, systemd or a container, on any number of hosts; ``logs``,
-``version`` and ``doctor`` look at this host. ``settings()`` is the one way
+Procfile, systemd or a container, on any number of hosts; ``logs`` shows a
+service's log (``version`` and ``doctor``, with their heavy imports, are in
+:mod:`ndif_celery.cli_checks`). ``settings()`` is the one way
 every command reads its configuration (a bad ``NDIF_*`` value is a clean CLI
 error, not a traceback). Registered on the group in :mod:`ndif_celery.cli`.
 """
@@ -20,8 +21,8 @@ from typing import Optional
 import click
 import redis as redis_py
 
-from . import config, doctor as checks, host_versions, jobs, logs as service_logs, registry, stack, supervisor
-from .cli_common import echo_rows, settings  # noqa: F401 - cli_keys and older callers import them from here
+from . import config, jobs, logs as service_logs, registry, services, stack, supervisor
+from .cli_common import echo_rows, settings  # noqa: F401 - older callers import them from here
 
 
 class _Interrupted(Exception):
@@ -180,7 +181,7 @@ def status(as_json: bool) -> None:
     if keeper:
         click.echo(f"{'supervisor':<10}{keeper['pid']:>8}  {'running' if keeper['alive'] else 'stopped'}")
     supervised = keeper.get("services", {})
-    for service in recorded or stack.default_services(current):
+    for service in recorded or services.default_services(current):
         pid, alive = recorded.get(service, (None, False))
         click.echo(f"{service:<10}{pid if pid else '-':>8}  {'running' if alive else 'stopped'}"
                    + _restarts(supervised.get(service)))
@@ -228,27 +229,6 @@ def _farm_status(settings: config.Settings) -> Optional[dict]:
 
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the versions as JSON.")
-def version(as_json: bool) -> None:
-    """Versions of python, ndif-celery, nnsight, torch (+CUDA), transformers,
-    celery, flask, redis-py and the redis-server binary."""
-    report = host_versions.versions()
-    click.echo(json.dumps(report, indent=2) if as_json else host_versions.render_versions(report))
-
-
-@click.command()
-def doctor() -> None:
-    """Check this host: one line per check (OK, WARN, FAIL, SKIP) and the fix
-    for each problem. Exits 1 if any check fails."""
-    results = checks.run()
-    click.echo(checks.render(results))
-    if checks.failed(results):
-        failing = ", ".join(c.name for c in results if c.status == checks.FAIL)
-        click.echo(f"\n{sum(c.status == checks.FAIL for c in results)} check(s) failed: {failing}", err=True)
-        sys.exit(1)
-
-
-@click.command()
 @click.argument("service")
 @click.option("-n", "--lines", default=100, show_default=True, type=click.IntRange(min=0),
               help="How many of the last lines to show.")
@@ -281,7 +261,7 @@ def _exec(service: str, worker_name: Optional[str] = None) -> None:
         click.echo(f"warning: NDIF_REDIS_URL is set ({current.redis_url}); the farm uses that Redis, "
                    f"not this one on port {current.embedded_redis_port}", err=True)
     try:
-        stack.exec_service(current, service, worker_name)
+        services.exec_service(current, service, worker_name)
     except (stack.StackError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -314,4 +294,4 @@ SERVICES = [
     _service_command("redis", "Run the embedded Redis in the foreground (port NDIF_EMBEDDED_REDIS_PORT)."),
 ]
 
-COMMANDS = [up, down, status, logs, version, doctor, worker, *SERVICES]
+COMMANDS = [up, down, status, logs, worker, *SERVICES]

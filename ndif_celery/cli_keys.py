@@ -11,7 +11,7 @@ from typing import Optional
 import click
 
 from . import db
-from .cli_host import echo_rows, settings
+from .cli_common import echo_rows, settings
 
 
 @click.group()
