@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from . import config, stack
+from . import config, services, stack
 
 POLL_S = 0.25
 
@@ -35,8 +35,8 @@ def resolve(settings: config.Settings, service: str) -> Path:
     where = settings.home / "logs"
     have = f"logs in {where}: {', '.join(logs)}" if logs else \
         f"there are no logs in {where} yet (start the stack with `ndif-celery up`)"
-    if service not in stack.SERVICES and service not in logs:
-        raise LogError(f"unknown service {service!r}; the services are {', '.join(stack.SERVICES)}; {have}")
+    if service not in services.SERVICES and service not in logs:
+        raise LogError(f"unknown service {service!r}; the services are {', '.join(services.SERVICES)}; {have}")
     path = stack.log_path(settings, service)
     if not path.is_file():
         raise LogError(f"no log for {service} at {path} (it has not run in NDIF_HOME={settings.home}); {have}")

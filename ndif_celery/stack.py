@@ -15,7 +15,13 @@ Each service runs in its own process group (its own session), so
 
 A multi-host farm does not use this module's process management: each host
 runs ``ndif-celery worker`` (or ``web``, ``flower``) under its own supervisor,
-which :func:`exec_service` serves.
+which :func:`ndif_celery.services.exec_service` serves.
+
+What each service runs is :mod:`ndif_celery.services`; how a recorded process
+is checked and stopped (pid reuse, process groups) is
+:mod:`ndif_celery.processes`; restarting a service that died is
+:mod:`ndif_celery.supervisor`. This module keeps the state file, the ports,
+start, readiness and stop.
 """
 
 from __future__ import annotations
@@ -24,10 +30,8 @@ import datetime
 import errno
 import json
 import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Iterable, Optional
@@ -35,26 +39,13 @@ from typing import Iterable, Optional
 import httpx
 import redis
 
-from . import config, registry
-from .celery_app import worker_argv
-from .redis_server import RedisServerNotFound, redis_argv, redis_dir
-
-# The directory that holds the ndif_celery, web and workers packages. Children
-# run from here so ``web.app`` and ``workers.tasks`` import even when the
-# project is used from a checkout without being installed.
-ROOT = Path(__file__).resolve().parent.parent
-
-SERVICES = ("redis", "web", "worker", "beat", "flower")
-CELERY_APP = "workers.tasks:app"
-BEAT_APP = "ndif_celery.beat:app"
+from . import config, processes, registry
+from .redis_server import RedisServerNotFound, redis_dir
+from .services import ROOT, SERVICES, StackError, child_env, command, default_services
 
 # How long `start` waits for its own Redis before starting the services that
 # need it (a redis-server is up in milliseconds; this only bounds a failure).
 REDIS_START_TIMEOUT_S = 15.0
-
-
-class StackError(RuntimeError):
-    """A stack operation failed; the message is meant for the user as is."""
 
 
 # -- paths ------------------------------------------------------------------
@@ -75,87 +66,6 @@ def log_path(settings: config.Settings, service: str) -> Path:
     return settings.home / "logs" / f"{service}.log"
 
 
-# -- commands ---------------------------------------------------------------
-
-
-def default_services(settings: config.Settings) -> list[str]:
-    """The services of a single-host stack, in start order.
-
-    Redis only when no ``NDIF_REDIS_URL`` names one; it starts first because
-    everything else talks to it, and so stops last.
-    """
-    services = ["web", "worker", "beat", "flower"]
-    return (["redis"] + services) if settings.embedded_redis else services
-
-
-def command(settings: config.Settings, service: str, worker_name: Optional[str] = None) -> list[str]:
-    """The command line of one service.
-
-    Python services run as ``sys.executable -m ...`` so they use the same
-    interpreter (and virtual environment) as the CLI, whatever is on ``PATH``.
-    """
-    if service == "redis":
-        return redis_argv(settings)
-    if service == "web":
-        return [sys.executable, "-m", "gunicorn", "-c", "python:web.gunicorn_conf", "web.app:create_app()"]
-    if service == "worker":
-        return [sys.executable, "-m", "celery", "-A", CELERY_APP, *worker_argv(settings, worker_name)]
-    if service == "beat":
-        # Its schedule file under NDIF_HOME; one beat per farm (a second is
-        # safe: the watchdog it runs leads by a lease). Its app is
-        # ndif_celery.beat's, which adds the watchdog (ndif_celery.watchdog).
-        return [
-            sys.executable, "-m", "celery", "-A", BEAT_APP, "beat",
-            f"--schedule={settings.home / 'run' / 'beat-schedule'}", f"--loglevel={settings.log_level}",
-        ]
-    if service == "flower":
-        return [
-            sys.executable, "-m", "celery", "-A", CELERY_APP, "flower",
-            f"--port={settings.flower_port}", f"--address={settings.flower_host}",
-        ]
-    raise StackError(f"unknown service {service!r}; the services are {', '.join(SERVICES)}")
-
-
-def child_env(settings: config.Settings, base: Optional[dict] = None) -> dict:
-    """The environment of every service: the caller's, plus where the stack lives.
-
-    Everything passes through (``HF_HOME``, ``HF_HUB_OFFLINE``, every
-    ``NDIF_*``). ``NDIF_HOME`` and ``NDIF_REDIS_URL`` are set explicitly so all
-    services agree on them even when they were defaulted or given relative to
-    the caller's directory (services run from :data:`ROOT`); with
-    ``NDIF_REDIS_URL`` set, no service would ever start a Redis of its own.
-    """
-    env = dict(os.environ if base is None else base)
-    env["NDIF_HOME"] = str(settings.home)
-    env["NDIF_REDIS_URL"] = settings.redis_url
-    if env.get("NDIF_RESULTS_DIR"):
-        env["NDIF_RESULTS_DIR"] = str(settings.results_dir.resolve())
-    # Logs go to files; unbuffered output keeps a crash's last words in them.
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def exec_service(settings: config.Settings, service: str, worker_name: Optional[str] = None) -> None:
-    """Replace this process with one service, for a supervisor (Procfile, systemd).
-
-    Same command, environment and directory as under ``up``, but in the
-    foreground of the caller and with no state file: the supervisor owns it.
-    """
-    try:
-        argv = command(settings, service, worker_name)
-    except RedisServerNotFound as exc:
-        raise StackError(str(exc)) from None
-    if service == "redis":
-        redis_dir(settings).mkdir(parents=True, exist_ok=True)
-    if service == "beat":
-        state_path(settings).parent.mkdir(parents=True, exist_ok=True)
-    env = child_env(settings)
-    os.chdir(ROOT)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execvpe(argv[0], argv, env)
-
-
 # -- state file ---------------------------------------------------------------
 
 
@@ -174,106 +84,6 @@ def _write_state(settings: config.Settings, state: dict) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(state, indent=2) + "\n")
     os.replace(tmp, path)  # a reader never sees half a file
-
-
-# -- processes ----------------------------------------------------------------
-
-# Children started by this process, so we reap them (no zombies while `up`
-# runs in the foreground) and can report their exit status.
-_CHILDREN: dict[int, subprocess.Popen] = {}
-
-
-def _proc_stat(pid: int) -> Optional[list[str]]:
-    """The fields of ``/proc/<pid>/stat`` after the command name, or None.
-
-    None where there is no /proc (macOS) or no such process.
-    """
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return raw[raw.rfind(")") + 2:].split()
-
-
-def _start_ticks(pid: int) -> Optional[int]:
-    # Field 22 of stat (index 19 after the command): when the process started.
-    # Together with the pid it identifies a process; a pid alone may be reused.
-    fields = _proc_stat(pid)
-    return int(fields[19]) if fields and len(fields) > 19 else None
-
-
-def _alive(entry: dict) -> bool:
-    """Whether the process an entry of the state file names still runs.
-
-    A zombie is dead (a detached stack's children are reaped by whoever
-    adopted them, which may be never), and a pid now used by an unrelated
-    process is dead too: where /proc exists its start time must match the one
-    recorded, elsewhere it must still lead its own process group.
-    """
-    pid = int(entry.get("pid") or 0)
-    if pid <= 0:
-        return False
-    child = _CHILDREN.get(pid)
-    if child is not None and child.poll() is not None:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # exists, owned by someone else: the identity check decides
-    fields = _proc_stat(pid)
-    if fields is not None:
-        if fields[0] in ("Z", "X"):
-            return False
-        recorded = entry.get("start_ticks")
-        return recorded is None or int(fields[19]) == int(recorded)
-    try:
-        return os.getpgid(pid) == pid
-    except OSError:
-        return False
-
-
-def _group_alive(pgid: int) -> bool:
-    """Whether any live (non-zombie) process is left in a process group."""
-    child = _CHILDREN.get(pgid)
-    if child is not None:
-        child.poll()  # reap our own child so it does not count as a zombie
-    proc = Path("/proc")
-    if proc.is_dir():
-        for entry in proc.iterdir():
-            if not entry.name.isdigit():
-                continue
-            fields = _proc_stat(int(entry.name))
-            if fields and len(fields) > 2 and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
-                return True
-        return False
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _exit_status(entry: dict) -> Optional[int]:
-    child = _CHILDREN.get(int(entry.get("pid") or 0))
-    return child.poll() if child is not None else None
-
-
-# Public names for the supervisor (ndif_celery.supervisor), which restarts
-# the services this module launched.
-process_alive = _alive
-start_ticks = _start_ticks
-
-
-def exit_code(entry: dict) -> Optional[int]:
-    """None while the service an entry names runs; once it ended, its
-    ``Popen.returncode`` (negative: the signal), or 0 when it was not our child."""
-    if int(entry.get("pid") or 0) in _CHILDREN:
-        return _exit_status(entry)
-    return None if _alive(entry) else 0
 
 
 def stopping(settings: config.Settings) -> bool:
@@ -300,7 +110,7 @@ def relaunch(settings: config.Settings, service: str, state: dict) -> dict:
     isolation children) is stopped first: it may hold the port or the GPU the
     new one needs.
     """
-    _stop_one(state[service], 5.0)
+    processes.stop_group(state[service], 5.0)
     try:
         argv = command(settings, service)
     except RedisServerNotFound as exc:
@@ -403,7 +213,7 @@ def log_tail(settings: config.Settings, service: str, lines: int = 40, entry: Op
 
 
 def _failure(settings: config.Settings, service: str, entry: dict, what: str) -> StackError:
-    status = _exit_status(entry)
+    status = processes.exit_status(entry)
     detail = f" with status {status}" if status is not None else ""
     return StackError(
         f"{service} (pid {entry.get('pid')}) {what}{detail}. "
@@ -416,7 +226,7 @@ def _failure(settings: config.Settings, service: str, entry: dict, what: str) ->
 
 def status(settings: config.Settings) -> list[tuple[str, int, bool]]:
     """Each recorded service, its pid, and whether it still runs, in start order."""
-    return [(service, int(entry["pid"]), _alive(entry)) for service, entry in _read_state(settings).items()]
+    return [(service, int(entry["pid"]), processes.alive(entry)) for service, entry in _read_state(settings).items()]
 
 
 def start(settings: config.Settings, services: Optional[Iterable[str]] = None) -> dict:
@@ -487,12 +297,12 @@ def _launch(settings: config.Settings, service: str, argv: list[str], env: dict)
             )
         except OSError as exc:
             raise StackError(f"cannot start {service} ({argv[0]}): {exc}") from None
-    _CHILDREN[child.pid] = child
+    processes.track(child)
     return {
         "pid": child.pid,
         "command": argv,
         "started_at": started.isoformat(),
-        "start_ticks": _start_ticks(child.pid),
+        "start_ticks": processes.start_ticks(child.pid),
         "log": str(path),
         "log_offset": offset,
     }
@@ -504,7 +314,7 @@ def _wait_redis(settings: config.Settings, entry: dict) -> None:
     deadline = time.monotonic() + REDIS_START_TIMEOUT_S
     try:
         while True:
-            if not _alive(entry):
+            if not processes.alive(entry):
                 raise _failure(settings, "redis", entry, "exited while starting")
             try:
                 if client.ping():
@@ -580,7 +390,7 @@ def wait_ready(settings: config.Settings, timeout: float) -> None:
     try:
         while True:
             for service, entry in state.items():
-                if not _alive(entry):
+                if not processes.alive(entry):
                     raise _failure(settings, service, entry, "exited while starting")
             redis_ok = False
             for name, check in checks.items():
@@ -634,45 +444,8 @@ def stop(settings: config.Settings, timeout: float = 10) -> dict:
     marker = _stopping_path(settings)
     try:
         for service in reversed(list(state)):
-            outcome[service] = _stop_one(state[service], timeout)
+            outcome[service] = processes.stop_group(state[service], timeout)
         state_path(settings).unlink(missing_ok=True)
     finally:
         marker.unlink(missing_ok=True)
     return outcome
-
-
-def _stop_one(entry: dict, timeout: float) -> str:
-    pgid = int(entry.get("pid") or 0)
-    if pgid <= 0:
-        return "not running"
-    current, recorded = _start_ticks(pgid), entry.get("start_ticks")
-    if current is not None and recorded is not None and current != int(recorded):
-        # The pid now belongs to an unrelated process, so our group is empty
-        # (the kernel reuses no pid while a process group of that id exists).
-        return "not running"
-    if not _group_alive(pgid):
-        return "not running"
-    if not _signal_group(pgid, signal.SIGTERM):
-        return "not running"
-    if _wait_group_gone(pgid, timeout):
-        return "stopped"
-    _signal_group(pgid, signal.SIGKILL)
-    _wait_group_gone(pgid, 5.0)
-    return "killed"
-
-
-def _signal_group(pgid: int, signum: int) -> bool:
-    try:
-        os.killpg(pgid, signum)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _wait_group_gone(pgid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while _group_alive(pgid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True

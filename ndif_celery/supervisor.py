@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from . import config, stack
+from . import config, processes, stack
 
 # The exit status a service uses to ask for a fresh copy of itself: restarted
 # at once, no backoff. 75 is EX_TEMPFAIL ("try again"), which neither Celery,
@@ -76,7 +76,7 @@ def read(settings: config.Settings) -> dict:
         record = json.loads(state_path(settings).read_text())
     except (OSError, ValueError):
         return {}
-    record["alive"] = stack.process_alive(record)
+    record["alive"] = processes.alive(record)
     return record
 
 
@@ -99,7 +99,7 @@ def stop_supervisor(settings: config.Settings, timeout: float) -> Optional[str]:
         outcome = "stopped"
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while stack.process_alive(record):
+        while processes.alive(record):
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 outcome = "killed"
@@ -141,7 +141,7 @@ class Supervisor:
 
     def write(self) -> None:
         record = {
-            "pid": os.getpid(), "start_ticks": stack.start_ticks(os.getpid()), "started_at": self.started_at,
+            "pid": os.getpid(), "start_ticks": processes.start_ticks(os.getpid()), "started_at": self.started_at,
             "services": {
                 name: {"restarts": s["restarts"], "last_exit": s["last_exit"],
                        "restarting": s["restart_at"] is not None}
@@ -173,7 +173,7 @@ class Supervisor:
     def check(self, name: str) -> None:
         service = self.services[name]
         if service["restart_at"] is None:
-            code = stack.exit_code(self.state[name])
+            code = processes.exit_code(self.state[name])
             if code is None:
                 return
             self.died(name, code)
