@@ -18,6 +18,13 @@ with. Every case is deterministic: two local runs give `same` results.
 
 Written for nnsight 0.8.1 (`with model.trace(..., remote=True)`), modelled on the
 feature list of NDIF's remote conformance tests.
+
+Why one file of ~800 lines: it is a catalogue, ~40 independent cases of 10-20
+lines each under a heading per feature, read one at a time; and the cases'
+helpers reach the farm by value with this module (``_this_module_by_value``).
+Split into several modules, each would have to be registered for pickling by
+value, and a case whose module was not would be pickled by reference and fail
+only remotely.
 """
 
 from __future__ import annotations
