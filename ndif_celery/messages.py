@@ -13,6 +13,11 @@ from __future__ import annotations
 from . import wire
 
 
+# One small function per text, alike in shape on purpose (tools/duplicates
+# sees them as a repeat): each is greppable where it is sent, and its words
+# change in exactly one place.
+
+
 def queued(model_key: str, position: int) -> str:
     """QUEUED: where the job waits (``position`` 1 is next)."""
     return f"Your job is queued for {wire.repo_id(model_key)} (position {position})."

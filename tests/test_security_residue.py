@@ -49,7 +49,11 @@ def _strings_and_bytes():
 
 
 def _writable_memory():
-    """(start, end, name) of this process's writable anonymous mappings."""
+    """(start, end, name) of this process's writable anonymous mappings.
+
+    Read here apart from ``forkserver.scrub_memory``'s alike loop on purpose:
+    this is the independent check of which regions the scrub covers, and a
+    shared helper would hide a wrong choice from both."""
     for line in open("/proc/self/maps"):
         fields = line.split()
         if not fields[1].startswith("rw") or (len(fields) > 5 and fields[5].startswith("/")):

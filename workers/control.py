@@ -16,7 +16,7 @@ import json
 import os
 import select
 import socket
-from typing import Iterator
+from typing import Any, Iterator
 
 
 def messages(sock: socket.socket) -> Iterator[dict]:
@@ -33,6 +33,20 @@ def messages(sock: socket.socket) -> Iterator[dict]:
             yield json.loads(data)
         except ValueError:
             continue
+
+
+def settled(handle: Any, message: dict) -> bool:
+    """The worker's side: a ``ready`` or ``error`` reply settles ``handle``
+    (``handle.ready`` set; ``handle.error`` the reason it can fork nothing);
+    False for any other reply, which the caller handles."""
+    if "ready" in message:
+        handle.ready.set()
+        return True
+    if "error" in message:
+        handle.error = str(message["error"])[:2000]
+        handle.ready.set()
+        return True
+    return False
 
 
 def requests(sock: socket.socket, max_fds: int, children: set) -> Iterator[tuple[dict, list]]:

@@ -210,12 +210,9 @@ class ForkServer:
 
     def _read(self) -> None:
         for message in control.messages(self.sock):
-            if "ready" in message:
-                self.ready.set()
-            elif "error" in message:
-                self.error = str(message["error"])[:2000]
-                self.ready.set()
-            elif "spawned" in message:
+            if control.settled(self, message):
+                continue
+            if "spawned" in message:
                 request = int(message["spawned"])
                 process = ForkedProcess(int(message["pid"]), self._pipes.pop(request, None))
                 with self._replies:

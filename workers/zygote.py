@@ -176,12 +176,9 @@ class Zygote:
 
     def _read(self) -> None:
         for message in control.messages(self.sock):
-            if "ready" in message:
-                self.ready.set()
-            elif "error" in message:
-                self.error = str(message["error"])[:2000]
-                self.ready.set()
-            elif "forked" in message:
+            if control.settled(self, message):
+                continue
+            if "forked" in message:
                 child = ZygoteChild(int(message["pid"]))
                 with self._replies:
                     self._children[child.pid] = child
