@@ -24,7 +24,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from tests.tiny_model import PROMPT, REPO_ID, client_model
+from tests.tiny_model import PROMPT, REPO_ID, client_model, worker_loaded
 from workers import integrity
 
 nnsight.register(__name__)  # flip_every_other_sign() runs inside remote blocks
@@ -40,12 +40,7 @@ def flip_every_other_sign(weight) -> None:
 @pytest.fixture(scope="module")
 def loaded():
     """The tiny GPT-2 as a worker loads it (``from_model_key``, dispatched)."""
-    from nnsight.modeling.mixins.remotable import Remotable
-
-    key = client_model(REPO_ID).to_model_key()
-    model = Remotable.from_model_key(key, dispatch=True)
-    model._module.requires_grad_(False)
-    return key, model
+    return worker_loaded()
 
 
 @pytest.fixture

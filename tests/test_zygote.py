@@ -16,18 +16,13 @@ import pytest
 import torch
 
 from tests.stack_pool import SECRETS
-from tests.tiny_model import PROMPT, REPO_ID, client_model
+from tests.tiny_model import PROMPT, REPO_ID, client_model, worker_loaded
 
 
 @pytest.fixture(scope="module")
 def resident():
     """A model loaded as a worker loads it (``from_model_key``, dispatched)."""
-    from nnsight.modeling.mixins.remotable import Remotable
-
-    key = client_model(REPO_ID).to_model_key()
-    model = Remotable.from_model_key(key, dispatch=True)
-    model._module.requires_grad_(False)
-    return key, model
+    return worker_loaded()
 
 
 def logits(module, ids):

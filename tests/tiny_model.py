@@ -264,3 +264,15 @@ def client_model(repo_id: str = REPO_ID, **kwargs: Any):
     if "tokenizer" not in kwargs:
         kwargs["tokenizer"] = AutoTokenizer.from_pretrained(repo_id)
     return TransformersModel(repo_id, **kwargs)
+
+
+def worker_loaded(repo_id: str = REPO_ID) -> tuple[str, Any]:
+    """``(model key, model)``: the model as a worker loads it (``from_model_key``,
+    dispatched, no gradients), for tests that drive the worker's code directly.
+    Imports nnsight lazily, like ``client_model``, for the reason above."""
+    from nnsight.modeling.mixins.remotable import Remotable
+
+    key = client_model(repo_id).to_model_key()
+    model = Remotable.from_model_key(key, dispatch=True)
+    model._module.requires_grad_(False)
+    return key, model
