@@ -239,7 +239,7 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
         assert not torch.equal(model._module(ids).logits, before), "the child's write was expected to reach the worker"
 
     job = types.SimpleNamespace(id="attack", model_key=key)
-    executors.Isolated(config.load(), models).after(job)
+    executors.Isolated(config.load(), models, watchdog=None).after(job)  # after() arms no deadline
     reloaded = models.get(key)
     assert reloaded is not model, "the model was not reloaded"
     with torch.no_grad():
