@@ -22,7 +22,7 @@ import click
 import redis as redis_py
 
 from . import config, jobs, logs as service_logs, registry, services, stack, supervisor
-from .cli_common import echo_rows, settings  # noqa: F401 - older callers import them from here
+from .cli_common import settings
 
 
 class _Interrupted(Exception):
