@@ -71,7 +71,7 @@ MiB = 1024 * 1024
 COMPUTE_THREADS = 1  # NDIF_TORCH_THREADS of the compute-bound throughput stack: one "device" per worker
 OUT_DIR = ROOT / "bench" / "_out"
 TIME_WORKLOADS = ("small_trace", "every_layer", "generate", "session", "big_result")
-ALL = TIME_WORKLOADS + ("cold_start", "isolation", "throughput")
+ALL = TIME_WORKLOADS + ("cold_start", "isolation", "throughput", "capacity")
 TITLES = {
     "small_trace": "small trace: one forward pass, one hidden state saved",
     "every_layer": "trace saving every layer's output",
@@ -376,6 +376,8 @@ class Bench:
             self.throughput()
             if self.throughput_model() is not None:
                 self.compute_throughput()
+        if "capacity" in self.only:
+            self.capacity()
         self.out["checks"] = self.checks()
         self.out["elapsed_s"] = round(time.monotonic() - started, 1)
         self.save_json()
@@ -969,7 +971,27 @@ class Bench:
         zygote = iso.get("zygote_added_p50_ms")
         add("isolated through the zygote adds <= 25 ms p50 over in-process", None if zygote is None else zygote <= 25,
             "not measured" if zygote is None else f"{zygote:+.1f} ms")
+        for check in w.get("capacity", {}).get("checks", []):  # issue #14's, from bench/capacity.py
+            add(f"capacity: {check['name']}", check["pass"], check["detail"])
         return checks
+
+    def capacity(self) -> None:
+        """``bench/capacity.py`` (N waiting /subscribe sockets on a stack of its
+        own: N = 1,000 / 5,000 / 10,000, 200 with --smoke), run as a process of
+        its own (it raises its open-files limit and holds thousands of sockets);
+        its table is printed here and its targets join this run's."""
+        out = self.json_path.with_name(self.json_path.stem + "-capacity.json")
+        command = [sys.executable, str(ROOT / "bench" / "capacity.py"), "--out", str(out), "--hf-home", str(self.hf_home)]
+        command += ["--smoke"] if self.args.smoke else []
+        for item in self.args.stack_env:
+            command += ["--stack-env", item]
+        self.emit("\n== capacity: waiting /subscribe sockets held on one web host (bench/capacity.py)")
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        self.emit("\n".join(line for line in proc.stdout.splitlines() if not line.startswith(("JSON:", "\x1b", "\r"))))
+        if proc.returncode != 0 or not out.exists():
+            self.out["workloads"]["capacity"] = {"error": f"exit {proc.returncode}: {proc.stderr[-2000:]}"}
+            return
+        self.out["workloads"]["capacity"] = json.loads(out.read_text())
 
     def throughput_check(self, w: dict, add: Callable) -> None:
         """Two workers >= 1.6 x one worker, on the cells that measure the workers:

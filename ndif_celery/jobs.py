@@ -99,7 +99,7 @@ class Job:
         return cls(**{k: message[k] for k in cls.__dataclass_fields__ if k in message})
 
 
-def connect(url: str, outage_s: float = 0.0, max_connections: int = 0) -> redis.Redis:
+def connect(url: str, outage_s: float = 0.0, max_connections: int = 0, health_check_s: int = 30) -> redis.Redis:
     """A Redis client; with ``outage_s``, one that rides out a Redis restart.
 
     The web and the workers pass ``NDIF_REDIS_OUTAGE_S``: a command that finds
@@ -110,7 +110,7 @@ def connect(url: str, outage_s: float = 0.0, max_connections: int = 0) -> redis.
     """
     retries = int(outage_s / _RETRY_CAP_S) + 4 if outage_s > 0 else 0
     options = dict(
-        health_check_interval=30, socket_keepalive=True, socket_connect_timeout=5,
+        health_check_interval=health_check_s, socket_keepalive=True, socket_connect_timeout=5,
         retry=Retry(ExponentialBackoff(cap=_RETRY_CAP_S, base=0.05), retries),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
     )

@@ -336,3 +336,12 @@ def test_workers_share_the_hf_cache_volume_at_their_hf_home(compose, dockerfile,
         assert hf_home, f"{name}: no HF_HOME"
         mounts = [str(v) for v in services(compose)[name].get("volumes", [])]
         assert f"hf-cache:{hf_home}" in mounts, f"{name}: mount hf-cache at HF_HOME={hf_home}"
+
+
+def test_the_web_service_allows_a_file_descriptor_per_waiting_client(compose):
+    """Each waiting blocking client holds one websocket, one fd, in the web
+    (issue #14): the container's nofile limit covers a web worker's connections."""
+    from ndif_celery import config
+
+    nofile = compose["services"]["web"]["ulimits"]["nofile"]
+    assert int(nofile["soft"]) == int(nofile["hard"]) >= config.load({}).web_connections + 1024

@@ -166,3 +166,12 @@ def test_systemd_analyze_verifies_the_units(tmp_path):
     problems = _ours(lines, broken_dir, ["ndif-celery-worker@.service"])
     assert rc != 0 and any("not executable" in line for line in problems), lines
     assert any("sometimes" in line for line in problems), lines
+
+
+def test_the_web_unit_allows_a_file_descriptor_per_waiting_client():
+    """Each waiting blocking client holds one websocket, one fd, in the web
+    (issue #14): the unit's hard limit covers a web worker's connections."""
+    from ndif_celery import config
+
+    limit = int(one(unit(SYSTEMD / "ndif-celery-web.service"), "Service", "LimitNOFILE"))
+    assert limit >= config.load({}).web_connections + 1024

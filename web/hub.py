@@ -17,6 +17,12 @@ gevent patches), and a waiting socket is a mailbox and an event, a few KiB.
   unsubscribe through a list it drains between reads, many channels per
   command. redis-py re-subscribes every channel itself when it reconnects
   after a Redis restart.
+* **A connection of its own, never unsubscribed to zero, no health-check
+  PING.** The pub/sub has its own client (``health_check_s=0``) and a
+  permanent anchor channel: redis-py's health check races with an
+  unsubscribe from the last channel (redis-py #1720) and a reply misread
+  there reconnects the pub/sub, and a frame published in that gap is lost
+  (an inline result with it). TCP keepalive still watches the connection.
 * **Resync in bulk.** A quiet socket's job may end while its frame is lost (a
   status published while Redis restarted). Every ``RESYNC_S`` the hub reads the
   stored statuses of every open session's jobs in pipelines (not a round trip
@@ -45,6 +51,8 @@ DISPATCH_POLL_S = 0.02
 # How often open sessions are checked for a job that ended unheard, and their
 # per-key socket leases renewed (well within limits.SOCKET_LEASE_S).
 RESYNC_S = 5.0
+# Subscribed for the hub's whole life, so the pub/sub never drops to no channel.
+ANCHOR = "ndif:web:hub"
 # Sessions per pipeline in the resync pass.
 _CHUNK = 500
 
@@ -70,8 +78,10 @@ class Mailbox:
 
 
 class Hub:
-    def __init__(self, client: redis.Redis, subscribe_timeout_s: float = 30.0):
+    def __init__(self, client: redis.Redis, pubsub_client: Optional[redis.Redis] = None,
+                 subscribe_timeout_s: float = 30.0):
         self.client = client
+        self.pubsub_client = pubsub_client or client
         self.subscribe_timeout_s = subscribe_timeout_s
         self.boxes: dict[bytes, Mailbox] = {}
         self._pending: list[tuple[str, bytes]] = []
@@ -114,7 +124,8 @@ class Hub:
 
     def _dispatch(self) -> None:
         if self._pubsub is None:
-            self._pubsub = self.client.pubsub(ignore_subscribe_messages=False)
+            self._pubsub = self.pubsub_client.pubsub(ignore_subscribe_messages=False)
+            self._pubsub.subscribe(ANCHOR)
         pubsub = self._pubsub
         while True:
             with self._lock:
@@ -125,14 +136,21 @@ class Hub:
                 pubsub.subscribe(*subscribe)
             if unsubscribe:
                 pubsub.unsubscribe(*unsubscribe)
-            if not pubsub.subscribed:
-                time.sleep(DISPATCH_POLL_S)
+            # Wait for something to read, then read whole replies. Not
+            # get_message(timeout=t): redis-py reads the rest of a reply with
+            # the same timeout, so a reply split across TCP segments (bursts
+            # under load) times out half-read, and the retry reconnects the
+            # pub/sub, losing what was published meanwhile. get_message(None)
+            # blocks until the reply is complete.
+            conn = pubsub.connection
+            if conn is None or not conn.can_read(timeout=DISPATCH_POLL_S):
                 continue
-            # Drain what is there, then go back to the requests.
-            message = pubsub.get_message(timeout=DISPATCH_POLL_S)
-            while message is not None:
-                self._route(message)
-                message = pubsub.get_message(timeout=0)
+            while True:
+                message = pubsub.get_message(timeout=None)
+                if message is not None:
+                    self._route(message)
+                if not conn.can_read(timeout=0):
+                    break
 
     def _route(self, message: dict) -> None:
         box = self.boxes.get(message["channel"])
