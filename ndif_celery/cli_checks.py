@@ -4,7 +4,8 @@ Apart from :mod:`ndif_celery.cli_host` because :mod:`ndif_celery.doctor`
 imports sqlalchemy, the result stores (minio) and huggingface_hub to check
 them: in ``cli_host`` every ``up``/``down``/``status`` (and every stack the
 tests start) paid ~0.3 s for imports only these two commands use. Registered
-on the group, lazily, in :mod:`ndif_celery.cli`.
+on the group, lazily, in :mod:`ndif_celery.cli`; the doctor module itself is
+imported only when ``doctor`` runs, so ``ndif-celery --help`` stays cheap.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 import click
 
-from . import doctor as checks, host_versions
+from . import host_versions
 
 
 @click.command()
@@ -30,6 +31,10 @@ def version(as_json: bool) -> None:
 def doctor() -> None:
     """Check this host: one line per check (OK, WARN, FAIL, SKIP) and the fix
     for each problem. Exits 1 if any check fails."""
+    # Imported here, not at the top: `ndif-celery --help` lists this command and
+    # would otherwise pay ~0.3 s for doctor's sqlalchemy, minio and hub imports.
+    from . import doctor as checks
+
     results = checks.run()
     click.echo(checks.render(results))
     if checks.failed(results):
