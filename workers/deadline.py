@@ -44,6 +44,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -152,10 +153,25 @@ class Watchdog:
         try:
             yield watch
         finally:
-            with self._cond:
-                if self._watch is watch:
-                    self._watch = None
-                self._cond.notify()
+            self._unwatch(watch)
+
+    def _unwatch(self, watch: Watch) -> None:
+        """Disarm ``watch``, even if an interruption lands meanwhile: one raised
+        just before the block ended may land here, and must not leave the job
+        armed (its worker would be replaced for a job that unwound). Raised
+        again once disarmed: ``job.run`` answers it (or drops it, answered)."""
+        landed = None
+        while True:
+            try:
+                with self._cond:
+                    if self._watch is watch:
+                        self._watch = None
+                    self._cond.notify()
+                break
+            except (self.timed_out_error, self.cancelled_error) as error:
+                landed = error
+        if landed is not None:
+            raise landed
 
     def kill(self, job_id: str) -> bool:
         """``ndif-celery kill``: the job's ERROR now, then the interruption and
@@ -234,8 +250,15 @@ class Watchdog:
                 self._interrupt(watch)
             else:
                 self.on_stuck(watch.job_id, f"{self.grace_s:g} s after its "
-                              f"{'cancel' if watch.fired is self.cancelled_error else 'deadline'}")
+                              f"{'cancel' if watch.fired is self.cancelled_error else 'deadline'}; its thread "
+                              f"is at:\n{where(watch.thread)}")
                 return  # on_stuck does not return; in tests it may
+
+
+def where(thread: int, frames: int = 12) -> str:
+    """The innermost ``frames`` of ``thread``'s stack, for the log."""
+    frame = sys._current_frames().get(thread)
+    return "".join(traceback.format_stack(frame)[-frames:]) if frame is not None else "(the thread has ended)"
 
 
 def replace_worker(worker, job_id: str, why: str, exit: Callable[[int], None] = os._exit) -> None:
