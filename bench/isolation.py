@@ -4,8 +4,9 @@ interleaved, next to the local run and the null server.
 
     .venv/bin/python bench/isolation.py [--requests 40]
 
-A thin wrapper: the measurement lives in ``bench/run.py`` (workload
-``isolation``), which ``make bench`` runs with everything else.
+A thin wrapper: the measurement lives in ``bench/sections/isolation.py``
+(workload ``isolation`` of ``bench/run.py``), which ``make bench`` runs with
+everything else.
 """
 
 from __future__ import annotations

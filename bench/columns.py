@@ -1,0 +1,146 @@
+"""What one table column is made of: its samples (``Column``), the remote
+client's ``meta`` per call, and the null server (the protocol floor).
+
+These are the pieces every section measures with, whatever it measures; apart
+from the sections so that a section module reads as what it runs, not as how a
+sample is taken. nnsight and httpx are imported inside the functions:
+``bench/run.py`` sets ``HF_HOME`` and the offline flags before anything
+imports transformers (they read them once).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from bench import measure  # no torch at import
+from bench.plan import ROOT
+
+# -- the remote client's meta, per thread ----------------------------------------
+
+_last = threading.local()
+
+
+def hook_meta() -> None:
+    """Keep each remote call's ``meta`` (queue_ms, run_ms, worker, ...) per thread."""
+    from nnsight.intervention.backends.remote import RemoteBackend
+
+    if getattr(RemoteBackend, "_bench_meta_hook", False):
+        return
+    original = RemoteBackend.__call__
+
+    def call(self, tracer=None):
+        try:
+            return original(self, tracer)
+        finally:
+            _last.meta = self.meta
+
+    RemoteBackend.__call__ = call
+    RemoteBackend._bench_meta_hook = True
+
+
+def last_meta() -> dict:
+    """The ``meta`` of this thread's last remote call ({} if it had none)."""
+    return getattr(_last, "meta", None) or {}
+
+
+def forget_meta() -> None:
+    """Before a call: a call that fails before the client has a meta must not report the previous one's."""
+    _last.meta = None
+
+
+# -- the null server ---------------------------------------------------------------
+
+
+class NullServer:
+    """``bench/null_server.py`` in a process of its own, and the answer it gives every job."""
+
+    def __init__(self) -> None:
+        from tests.servers import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: Optional[subprocess.Popen] = None
+
+    def start(self) -> "NullServer":
+        import httpx
+
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "bench" / "null_server.py"), "--port", str(self.port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(self.url + "/ping", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"null server did not start: {self.proc.stderr.read().decode() if self.proc.stderr else ''}")
+            time.sleep(0.05)
+
+    def prepare(self, saved: dict, compress: bool, max_inline: int) -> dict:
+        """Encode ``saved`` exactly as our worker does and make it every job's answer."""
+        import httpx
+
+        from workers import results
+
+        data = results.encode(saved, compress)
+        if len(data) <= max_inline:
+            mode, body = "inline", results.completed_frame("0" * 32, "Your job has been completed.", data, {})
+        else:
+            mode, body = "url", bytes(data)
+        answer = httpx.put(self.url + "/_null/result", content=body, timeout=120,
+                           headers={"X-Null-Mode": mode, "X-Null-Compress": "1" if compress else "0"})
+        answer.raise_for_status()
+        return {"mode": mode, "result_bytes": len(data)}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+# -- a column ----------------------------------------------------------------------
+
+
+@dataclass
+class Column:
+    """What one column of one workload measured."""
+
+    samples: list = field(default_factory=list)
+    server: dict = field(default_factory=dict)  # meta field -> samples (ours only)
+    checked: int = 0
+    wrong: int = 0
+    first_wrong: Optional[str] = None
+    errors: list = field(default_factory=list)
+    meta: dict = field(default_factory=dict)  # the last remote meta
+
+    def record_meta(self, meta: dict) -> None:
+        self.meta = meta or self.meta
+        for key in ("queue_ms", "deserialize_ms", "run_ms", "isolated_ms", "upload_ms"):
+            if isinstance(meta.get(key), (int, float)):
+                self.server.setdefault(key, []).append(float(meta[key]))
+
+    def summary(self, check: bool = True) -> dict:
+        out = measure.stats(self.samples)
+        out["server_p50_ms"] = {k: round(measure.percentile(v, 0.5), 3) for k, v in self.server.items() if v}
+        out["correct"] = (self.wrong == 0 and self.checked > 0) if check else None
+        out["checked"] = self.checked
+        if self.first_wrong:
+            out["first_difference"] = self.first_wrong
+        if self.errors:
+            out["errors"] = self.errors[:5]
+        return out
+

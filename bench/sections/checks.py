@@ -1,0 +1,131 @@
+"""The issue's targets, read from the run's JSON: one PASS/FAIL/SKIP each,
+and the one line saying whether every remote column got the local values.
+
+Apart from the sections that measure because a target reads several tables
+(the small trace against the null and local columns, the big result against
+its floor and memory, throughput on whichever cells measure the workers) and
+is tested on made-up JSON (tests/test_bench_smoke.py) without running any.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from bench.plan import MiB
+
+
+class TargetChecks:
+    """Mixin of ``bench.core.Bench``: ``checks()`` and ``values_line()``."""
+
+    def checks(self) -> list[dict]:
+        w = self.out["workloads"]
+        checks = []
+
+        def add(name: str, ok: Optional[bool], detail: str) -> None:
+            checks.append({"name": name, "pass": ok, "verdict": "SKIP" if ok is None else ("PASS" if ok else "FAIL"),
+                           "detail": detail})
+
+        small = w.get("small_trace", {}).get("columns", {})
+        try:
+            o, n, loc = small["ours"]["p50_ms"], small["null"]["p50_ms"], small["local"]["p50_ms"]
+            add("small trace p50: ours <= null + local + 10 ms", o <= n + loc + 10,
+                f"ours {o:.1f} ms vs null {n:.1f} + local {loc:.1f} + 10 = {n + loc + 10:.1f} ms")
+        except (KeyError, TypeError):
+            add("small trace p50: ours <= null + local + 10 ms", None, "not measured")
+
+        big = w.get("big_result", {})
+        try:
+            o, floor = big["columns"]["ours"]["p50_ms"], big["floor"]["total"]["p50_ms"]
+            add(f"{self.plan.big_bytes // MiB} MiB result p50: ours <= 2 x serialization floor", o <= 2 * floor,
+                f"ours {o:.0f} ms vs 2 x {floor:.0f} = {2 * floor:.0f} ms (floor: make+save+zstd+write+read+unzstd+load)")
+        except (KeyError, TypeError):
+            add("big result p50: ours <= 2 x serialization floor", None, "not measured")
+        try:
+            memory, limit = big["memory"], 2.5 * self.plan.big_bytes
+            parts, ok = [], True
+            for service in ("web", "worker"):
+                grow = memory[service]["peak_increase_bytes"]
+                ok = ok and grow < limit
+                parts.append(f"{service} +{grow / MiB:.0f} MiB (peak {memory[service]['peak_rss_bytes'] / MiB:.0f} MiB)")
+            add(f"{self.plan.big_bytes // MiB} MiB result: peak RSS increase of web and worker < 2.5 x result",
+                ok if memory.get("peak_reset") else None,
+                ", ".join(parts) + f" vs {limit / MiB:.0f} MiB" + ("" if memory.get("peak_reset") else " (peak reset failed)"))
+        except (KeyError, TypeError):
+            add("big result: peak RSS of web and worker < 2.5 x result", None, "not measured")
+
+        cold = w.get("cold_start", {}).get("columns", {})
+        try:
+            o, bare = cold["ours"]["p50_ms"], cold["local"]["p50_ms"]
+            add("cold start p50: ours <= 1.3 x bare from_pretrained + 1 s", o <= 1.3 * bare + 1000,
+                f"ours {o:.0f} ms vs 1.3 x {bare:.0f} + 1000 = {1.3 * bare + 1000:.0f} ms")
+        except (KeyError, TypeError):
+            add("cold start p50: ours <= 1.3 x bare from_pretrained + 1 s", None, "not measured")
+
+        self.throughput_check(w, add)
+
+        iso = w.get("isolation", {})
+        added = iso.get("isolated_added_p50_ms")
+        add("isolated adds <= 25 ms p50 over in-process", None if added is None else added <= 25,
+            "not measured" if added is None else f"{added:+.1f} ms")
+        zygote = iso.get("zygote_added_p50_ms")
+        add("isolated through the zygote adds <= 25 ms p50 over in-process", None if zygote is None else zygote <= 25,
+            "not measured" if zygote is None else f"{zygote:+.1f} ms")
+        for check in w.get("capacity", {}).get("checks", []):  # issue #14's, from bench/capacity.py
+            add(f"capacity: {check['name']}", check["pass"], check["detail"])
+        return checks
+
+    def throughput_check(self, w: dict, add: Callable) -> None:
+        """Two workers >= 1.6 x one worker, on the cells that measure the workers:
+        the compute-bound model's where they ran, else the main model's on a
+        GPU. On a CPU without compute-bound cells: SKIP (the tiny model's cells
+        are bound by the client, whatever the workers do)."""
+        entry, plan = w.get("throughput_compute"), self.plan.compute_throughput
+        if entry is None and w.get("throughput", {}).get("role") == "checked":
+            entry, plan = w["throughput"], self.plan.throughput
+        most = max((c for c, _ in plan), default=16)
+        if entry is None:
+            most = max((c for c, _ in self.plan.throughput), default=16)
+            name = f"throughput, {most} clients: two workers >= 1.6 x one worker"
+            main = w.get("throughput", {}).get("cells", {})
+            if main.get(f"{most}c_1w") and main.get(f"{most}c_2w"):
+                one, two = main[f"{most}c_1w"]["ours"]["rps"], main[f"{most}c_2w"]["ours"]["rps"]
+                add(name, None, f"not checked: no compute-bound cells in this run (the full CPU run has them); "
+                                f"the {self.model_info.name} model's client-bound cells, informational: "
+                                f"{two:.1f} req/s with two workers vs {one:.1f} with one")
+            else:
+                add(name, None, "not measured")
+            return
+        setting = (f"{entry['model']}, NDIF_TORCH_THREADS={entry['torch_threads']}" if "torch_threads" in entry
+                   else f"{entry['model']}, {self.args.device}")
+        name = f"throughput, {most} clients ({setting}): two workers >= 1.6 x one worker"
+        cells = entry.get("cells", {})
+        try:
+            one, two = cells[f"{most}c_1w"]["ours"], cells[f"{most}c_2w"]["ours"]
+            correct = one["correct"] and two["correct"]
+            add(name, two["rps"] >= 1.6 * one["rps"] and correct,
+                f"{two['rps']:.2f} req/s vs 1.6 x {one['rps']:.2f} = {1.6 * one['rps']:.2f} req/s "
+                f"(ratio {two['rps'] / one['rps']:.2f}; {entry['repo_id']}; values "
+                f"{'all equal to the local run' if correct else 'WRONG or missing'})")
+        except (KeyError, TypeError, ZeroDivisionError):
+            add(name, None, "not measured")
+
+    def values_line(self) -> str:
+        """One line: did every remote column get exactly the local values?"""
+        groups = []
+        for name, entry in self.out["workloads"].items():
+            if "columns" in entry:
+                groups.append((name, entry["columns"]))
+            for label, cell in entry.get("cells", {}).items():
+                groups.append((f"{name}/{label}", {c: cell[c] for c in ("null", "ours")}))
+        bad, checked = [], 0
+        for label, columns in groups:
+            for col, summary in columns.items():
+                if summary.get("correct") is None:
+                    continue
+                checked += 1
+                if not summary["correct"]:
+                    bad.append(f"{label}/{col}")
+        if bad:
+            return f"WRONG or missing values in {', '.join(bad)} ({checked} columns checked)"
+        return f"every remote column returned exactly the local values ({checked} columns checked)"
+
