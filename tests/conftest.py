@@ -160,6 +160,31 @@ def stack_for_variant(variant, stack_pool):
     return stack_pool.get(variant.stack)
 
 
+# --- an embedded Redis for the fast tier's in-process tests ------------------------
+
+
+@pytest.fixture(scope="module")
+def embedded_settings(tmp_path_factory, request):
+    """Settings of a real embedded redis-server of this module's own
+    (``tests.servers.embedded_redis``): the fast tier's in-process tests (the
+    intake, the watchdogs) drive the real code against a real Redis."""
+    from tests.servers import embedded_redis
+
+    with embedded_redis(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])) as settings:
+        yield settings
+
+
+@pytest.fixture
+def redis_client(embedded_settings):
+    """A client of the module's embedded Redis, emptied before each test."""
+    import redis
+
+    client = redis.Redis.from_url(embedded_settings.redis_url)
+    client.flushall()
+    yield client
+    client.close()
+
+
 @pytest.fixture(scope="session")
 def local_results(model, tmp_path_factory):
     """``results(case)``: what a conformance case gives run locally, computed once."""

@@ -16,18 +16,15 @@ import io
 import json
 
 import pytest
-import redis
 
 from ndif_celery import jobs, ledger, metrics, queues, registry, statuses, wire
 from ndif_celery.celery_app import queue_for
-from tests.servers import embedded_redis
 from tests.tiny_model import REPO_ID, client_model
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory):
-    with embedded_redis(tmp_path_factory.mktemp("intake")) as settings:
-        yield settings
+def settings(embedded_settings):
+    return embedded_settings
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +35,8 @@ def web(settings):
 
 
 @pytest.fixture
-def client(settings):
-    client = redis.Redis.from_url(settings.redis_url)
-    client.flushall()
-    yield client
-    client.close()
+def client(redis_client):
+    return redis_client
 
 
 MODEL_KEY = client_model(REPO_ID).to_model_key()

@@ -12,28 +12,22 @@ import json
 import time
 
 import pytest
-import redis
 
 from ndif_celery import jobs, messages, queues, registry, wire
 from ndif_celery.celery_app import make_app, queue_for
 from ndif_celery.watchdog import Watchdog, unserved_key
-from tests.servers import embedded_redis
 
 MODEL_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "watchdog/tiny"}'
 
 
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory):
-    with embedded_redis(tmp_path_factory.mktemp("watchdog")) as settings:
-        yield settings
+def settings(embedded_settings):
+    return embedded_settings
 
 
 @pytest.fixture
-def client(settings):
-    client = redis.Redis.from_url(settings.redis_url)
-    client.flushall()
-    yield client
-    client.close()
+def client(redis_client):
+    return redis_client
 
 
 @pytest.fixture
