@@ -133,12 +133,12 @@ def test_a_trusted_block_that_unwinds_keeps_its_worker(stack, model):
     assert _worker_pid(stack) == pid, "a job that unwound made its worker replace itself"
 
 
-def test_an_operator_kill_of_a_trusted_job_stuck_in_c(stack, model):
-    _right(model)
-    pid = _worker_pid(stack)
+def _kill_stuck(stack, model, block) -> None:
+    """Submit a job stuck in ``block``, ``ndif-celery kill`` it once RUNNING:
+    the client's ERROR says the operator cancelled it, within 5 s of the command."""
     with model.trace(PROMPT, remote=True, blocking=False) as tracer:
         out = model.transformer.h[0].output.save()  # noqa: F841
-        sleep_in_c()
+        block()
     backend = tracer.backend
     wait_status(stack.url, backend.job_id, "RUNNING")
     started = time.monotonic()
@@ -150,6 +150,12 @@ def test_an_operator_kill_of_a_trusted_job_stuck_in_c(stack, model):
     took = time.monotonic() - started
     print(f"kill: the command {cli_s:.2f} s, the ERROR {took:.2f} s after it started (load {os.getloadavg()[0]:.1f})")
     assert took < 5, f"the kill took {took:.1f} s to answer"
+
+
+def test_an_operator_kill_of_a_trusted_job_stuck_in_c(stack, model):
+    _right(model)
+    pid = _worker_pid(stack)
+    _kill_stuck(stack, model, sleep_in_c)
     _right(model)
     _replaced(stack, pid)
 
@@ -165,15 +171,5 @@ def test_an_isolated_block_stuck_in_c_gets_its_error_at_the_limit(isolated, mode
 
 def test_an_operator_kill_of_an_isolated_job_stuck_in_c(isolated, model):
     _right(model)
-    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
-        out = model.transformer.h[0].output.save()  # noqa: F841
-        read_a_silent_pipe()
-    backend = tracer.backend
-    wait_status(isolated.url, backend.job_id, "RUNNING")
-    started = time.monotonic()
-    result = isolated.cli("kill", backend.job_id)
-    assert "cancelling on" in result.stdout, result.stdout + result.stderr
-    with pytest.raises(RemoteError, match="cancelled by the operator"):
-        poll(backend, timeout_s=30)
-    assert time.monotonic() - started < 5
+    _kill_stuck(isolated, model, read_a_silent_pipe)
     assert _right(model)["isolated"] is True
