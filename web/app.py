@@ -45,8 +45,8 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.register_blueprint(results.bp)
     app.register_blueprint(dashboard.bp)  # /metrics, /dashboard, and every request counted
     subscribe.sock.init_app(app)
-    app.before_request(subscribe.refuse_unknown_keys)
-    app.teardown_request(subscribe.release_socket)
+    app.before_request(subscribe.open_socket)
+    app.teardown_request(subscribe.close_socket)
 
     app.register_error_handler(Refused, refused)
 

@@ -60,8 +60,10 @@ _CHUNK = 500
 class Mailbox:
     """What a waiting socket costs here: its frames and a way to wake it.
 
-    ``wake`` is the socket's own event (simple-websocket sets it when the
-    client closes or sends), so one wait wakes the handler for either."""
+    ``wake`` becomes the socket's own event once it is upgraded
+    (simple-websocket sets it when the client closes or sends), so one wait
+    wakes the handler for either; the subscription is made before the upgrade,
+    with an event of its own (``web/subscribe.py``)."""
 
     __slots__ = ("frames", "wake", "subscribed", "lease", "ended")
 
@@ -130,27 +132,51 @@ class Hub:
         while True:
             with self._lock:
                 pending, self._pending = self._pending, []
-            subscribe = [channel for kind, channel in pending if kind == "s"]
-            unsubscribe = [channel for kind, channel in pending if kind == "u"]
-            if subscribe:
-                pubsub.subscribe(*subscribe)
-            if unsubscribe:
-                pubsub.unsubscribe(*unsubscribe)
-            # Wait for something to read, then read whole replies. Not
-            # get_message(timeout=t): redis-py reads the rest of a reply with
-            # the same timeout, so a reply split across TCP segments (bursts
-            # under load) times out half-read, and the retry reconnects the
-            # pub/sub, losing what was published meanwhile. get_message(None)
-            # blocks until the reply is complete.
-            conn = pubsub.connection
-            if conn is None or not conn.can_read(timeout=DISPATCH_POLL_S):
-                continue
-            while True:
-                message = pubsub.get_message(timeout=None)
-                if message is not None:
-                    self._route(message)
-                if not conn.can_read(timeout=0):
-                    break
+            try:
+                self._pass(pubsub, pending)
+            except (redis.ConnectionError, redis.TimeoutError):
+                self._lost(pubsub, pending)
+                raise
+
+    def _lost(self, pubsub, pending: list) -> None:
+        """The pub/sub connection failed (Redis restarted, or closed it).
+
+        Drop the socket, so the next pass reconnects: redis-py's ``can_read``
+        raises ``ConnectionError`` on a socket the server closed *without*
+        dropping it, and every later poll read the same dead socket, so no new
+        subscription was ever confirmed again (a blocking client's handshake
+        then failed after the subscribe timeout). The reconnect re-subscribes
+        every channel redis-py knows (its ``on_connect``); the requests of this
+        pass go back on the list, since a SUBSCRIBE that failed is not among
+        them (subscribing twice is harmless)."""
+        if pubsub.connection is not None:
+            pubsub.connection.disconnect()
+        with self._lock:
+            self._pending[:0] = pending
+
+    def _pass(self, pubsub, pending: list) -> None:
+        """One turn: (un)subscribe what sockets asked for, then read what came."""
+        subscribe = [channel for kind, channel in pending if kind == "s"]
+        unsubscribe = [channel for kind, channel in pending if kind == "u"]
+        if subscribe:
+            pubsub.subscribe(*subscribe)
+        if unsubscribe:
+            pubsub.unsubscribe(*unsubscribe)
+        # Wait for something to read, then read whole replies. Not
+        # get_message(timeout=t): redis-py reads the rest of a reply with
+        # the same timeout, so a reply split across TCP segments (bursts
+        # under load) times out half-read, and the retry reconnects the
+        # pub/sub, losing what was published meanwhile. get_message(None)
+        # blocks until the reply is complete.
+        conn = pubsub.connection
+        if conn is None or not conn.can_read(timeout=DISPATCH_POLL_S):
+            return
+        while True:
+            message = pubsub.get_message(timeout=None)
+            if message is not None:
+                self._route(message)
+            if not conn.can_read(timeout=0):
+                break
 
     def _route(self, message: dict) -> None:
         box = self.boxes.get(message["channel"])

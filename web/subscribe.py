@@ -2,7 +2,8 @@
 
 The socket subscribes to its Redis channel *before* it hands out the session
 id, because pub/sub has no replay: nothing the worker publishes afterwards can
-be missed. The subscription is on the web process's one shared pub/sub
+be missed. All its Redis work is done before the websocket upgrade, where a
+failure can still be answered over HTTP. The subscription is on the web process's one shared pub/sub
 connection (``web/hub.py``), which routes each frame to the socket's mailbox;
 a waiting socket holds no thread and no Redis connection of its own (under
 gunicorn's gevent worker, the default: ``web/gunicorn_conf.py``). Frames are
@@ -12,16 +13,19 @@ binary. The socket closes after a terminal status.
 
 from __future__ import annotations
 
+import logging
+import threading
 import uuid
 
 from flask import current_app, g, request
-from flask_sock import Sock
+from flask_sock import ConnectionClosed, Sock
 
 from ndif_celery import jobs, limits, wire
 
 from .hub import Hub
 from .identity import identify
 
+log = logging.getLogger("ndif_celery.web.subscribe")
 sock = Sock()
 # The longest a socket sleeps without looking at its connection (a client that
 # closes wakes it at once; this only bounds a missed wake-up).
@@ -40,22 +44,38 @@ def hub() -> Hub:
     return found
 
 
-def refuse_unknown_keys():
-    """Before the websocket upgrade: with auth on, only a valid key may subscribe,
-    and only while it holds fewer than ``NDIF_MAX_WEBSOCKETS_PER_KEY`` sockets
-    (a refusal raises ``errors.Refused`` here, before the upgrade, so the
-    handshake fails with the app's one JSON refusal, as ``POST /request`` does;
-    the nnsight client shows it in its ``Handshake status 429 ...`` error)."""
-    if request.path == "/subscribe":
-        identity = identify()
-        session_id = uuid.uuid4().hex
-        if limits.claim_socket(current_app.config["NDIF_REDIS"], identity, session_id, current_app.config["NDIF_SETTINGS"]):
-            g.ndif_socket = session_id
-        g.ndif_identity, g.ndif_session_id = identity, session_id
+def open_socket():
+    """Before the websocket upgrade: everything that needs Redis.
+
+    With auth on, only a valid key may subscribe, and only while it holds fewer
+    than ``NDIF_MAX_WEBSOCKETS_PER_KEY`` sockets; then the session is recorded
+    as the key's and its channel subscribed (confirmed by Redis). A refusal
+    raises ``errors.Refused``, an unreachable Redis ``redis.ConnectionError``,
+    here, so the handshake fails with the app's one JSON answer, as ``POST
+    /request`` does (the nnsight client shows it in its ``Handshake status
+    ...`` error). After the upgrade no HTTP answer can be given: an error there
+    would write a 500 into the open socket, which the client reads as a broken
+    frame ("rsv is not implemented").
+    """
+    if request.path != "/subscribe":
+        return
+    client, settings = current_app.config["NDIF_REDIS"], current_app.config["NDIF_SETTINGS"]
+    identity = identify()
+    session_id = uuid.uuid4().hex
+    g.ndif_identity, g.ndif_session_id = identity, session_id
+    lease = None
+    if limits.claim_socket(client, identity, session_id, settings):
+        g.ndif_socket = session_id
+        lease = (identity, session_id)
+    # Only the key that opened the socket may submit jobs that report to it.
+    client.set(jobs.session_owner_key(session_id), identity.owner, ex=settings.job_ttl_s)
+    g.ndif_box = hub().open(session_id, threading.Event(), lease)
 
 
-def release_socket(_error=None) -> None:
-    """After the socket closed (or its handshake failed): free the key's slot."""
+def close_socket(_error=None) -> None:
+    """After the socket closed (or its handshake failed): leave the hub, free the key's slot."""
+    if g.pop("ndif_box", None) is not None:
+        hub().close(g.ndif_session_id)
     session_id = g.pop("ndif_socket", None)
     if session_id is not None:
         limits.release_socket(current_app.config["NDIF_REDIS"], g.ndif_identity, session_id)
@@ -63,17 +83,14 @@ def release_socket(_error=None) -> None:
 
 @sock.route("/subscribe")
 def subscribe(ws) -> None:
-    identity, session_id = g.ndif_identity, g.ndif_session_id
-    lease = (identity, session_id) if "ndif_socket" in g else None
-    client = current_app.config["NDIF_REDIS"]
-    # Only the key that opened the socket may submit jobs that report to it.
-    client.set(jobs.session_owner_key(session_id), identity.owner, ex=current_app.config["NDIF_SETTINGS"].job_ttl_s)
-    the_hub = hub()
-    # simple-websocket sets ws.event when the client closes (or sends): the hub
-    # sets the same event when a frame arrives, so one wait serves both.
-    box = the_hub.open(session_id, ws.event, lease)
+    box = g.ndif_box
+    # simple-websocket sets ws.event when the client closes (or sends): the
+    # mailbox wakes the same event when a frame arrives, so one wait serves
+    # both. Set once, for a frame that came before the upgrade.
+    box.wake = ws.event
+    ws.event.set()
     try:
-        ws.send('{"session_id": "%s"}' % session_id)
+        ws.send('{"session_id": "%s"}' % g.ndif_session_id)
         while ws.connected:
             ws.event.wait(IDLE_WAIT_S)
             ws.event.clear()
@@ -85,5 +102,8 @@ def subscribe(ws) -> None:
             if box.ended is not None:  # ended while its frame was lost (see hub.ended_unheard)
                 ws.send(box.ended.decode())
                 return
-    finally:
-        the_hub.close(session_id)
+    except ConnectionClosed:
+        raise
+    except Exception:  # noqa: BLE001 - never let it become an HTTP answer inside the socket
+        log.exception("subscribe: session %s failed", g.ndif_session_id)
+        ws.close(reason=1011, message="internal server error")
