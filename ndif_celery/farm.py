@@ -14,7 +14,7 @@ from typing import Optional
 
 import redis
 
-from . import jobs, model_policy, queues, registry, statuses, wire
+from . import jobs, messages, model_policy, queues, registry, statuses, wire
 from .celery_app import EVICT_MODEL, worker_queue
 
 DEFAULT_CLASS = "nnsight.modeling.transformers.TransformersModel"
@@ -75,32 +75,45 @@ def wait_evicted(client: redis.Redis, model_key: str, timeout: float) -> None:
         time.sleep(0.2)
 
 
-CANCELLED = "Request cancelled by operator."
 # How long `ndif-celery kill` waits for workers' answers (the running worker's comes in milliseconds).
 KILL_REPLY_S = 2.0
 
 
 def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
-    """End a job: take it out of its queue, or interrupt it where it runs."""
+    """End a job: take it out of its queue, or interrupt it where it runs.
+
+    A running job's worker answers the kill itself (``workers.deadline``). A
+    worker that reports running it but does not reply is held by the job's
+    code (a C call that keeps the GIL): the ERROR is sent from here, claimed
+    like any final status, and the worker's own backstop restarts it at the
+    job's deadline."""
     for queue in queues.model_queues(client):
         job = queues.remove(client, queue, job_id)
         if job is not None:
-            statuses.StatusChannel(client, job, ttl_s).send(wire.ERROR, CANCELLED, kind="cancelled")
+            statuses.StatusChannel(client, job, ttl_s).send(wire.ERROR, messages.CANCELLED, kind="cancelled")
             return "removed from the queue"
     # Ask the worker that reports running it (its heartbeat's current_job), and
     # return on its answer: a broadcast waits out its whole reply timeout.
     runners = [name for name, info in registry.all_workers(client).items() if info.get("current_job") == job_id]
-    if runners:
-        replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, destination=runners,
-                                               reply=True, timeout=KILL_REPLY_S, limit=len(runners))
-    else:
-        replies = []
-    if not any(answer.get("ok") == "cancelling" for reply in replies or [] for answer in reply.values()):
-        # Not reported yet (the job just started): every worker, for the whole reply timeout.
-        replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, reply=True,
-                                               timeout=KILL_REPLY_S)
+    destination = runners or None  # not reported yet (the job just started): every worker
+    replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, destination=destination,
+                                           reply=True, timeout=KILL_REPLY_S, limit=len(runners) or None)
     for reply in replies or []:
         for worker, answer in reply.items():
             if answer.get("ok") == "cancelling":
                 return f"cancelling on {worker}"
+    if runners and _answer_for(client, job_id, ttl_s, messages.cancelled_unanswered(runners[0])):
+        return f"ended: worker {runners[0]} did not reply; it restarts at the job's deadline"
     raise FarmError(f"no job {job_id} is waiting or running")
+
+
+def _answer_for(client: redis.Redis, job_id: str, ttl_s: int, description: str) -> bool:
+    """Send a running job's cancel ERROR on its silent worker's behalf; False if it already ended."""
+    raw = client.get(jobs.message_key(job_id))
+    if raw is None or jobs.finished(client, job_id):
+        return False
+    channel = statuses.StatusChannel(client, jobs.Job.from_message(json.loads(raw)), ttl_s)
+    if not channel.claim_final(f"kill@{time.time():.3f}"):
+        return False
+    channel.send(wire.ERROR, description, kind="cancelled")
+    return True

@@ -11,11 +11,15 @@ statuses through ``ndif_celery.statuses.StatusChannel``):
                               for ``GET /response/<id>`` (non-blocking jobs, lost clients)
 - ``ndif:job:<id>:owner``    who submitted it (``key:<id>`` or ``anonymous``)
 - ``ndif:job:<id>:message``  its Celery message body, to run it again if its worker dies
+- ``ndif:job:<id>:final``    who sent its final status (set NX: exactly one author across
+                              processes, the worker, the beat's watchdog or ``ndif-celery kill``)
 - channel ``ndif:session:<session_id>``  every status of a blocking job, forwarded
                               verbatim to its websocket (``...:owner``: who opened it;
                               ``...:jobs``: the jobs submitted to it)
 
 - zset ``ndif:jobs:ended``     job id -> when it ended, for the cleanup (``ndif_celery.cleanup``)
+- zset ``ndif:jobs:deadlines`` job id -> its execution deadline (epoch seconds) while it runs,
+                              so the beat answers a job whose worker cannot (``ndif_celery.watchdog``)
 - list ``ndif:ledger``         summaries of ended jobs for the ledger database (``ndif_celery.ledger``);
                               the final status also counts the job in ``ndif:metrics:*`` (``ndif_celery.metrics``)
 
@@ -36,6 +40,7 @@ from redis.retry import Retry
 from . import wire
 
 ENDED = "ndif:jobs:ended"
+DEADLINES = "ndif:jobs:deadlines"
 
 # One small function per Redis key, alike on purpose (tools/duplicates sees
 # them as a repeat): each name is greppable where it is used, and a key's
@@ -73,6 +78,10 @@ def message_key(job_id: str) -> str:
 
 def lost_key(job_id: str) -> str:
     return f"ndif:job:{job_id}:lost"
+
+
+def final_key(job_id: str) -> str:
+    return f"ndif:job:{job_id}:final"
 
 
 @dataclass
@@ -128,7 +137,7 @@ _RETRY_CAP_S = 0.5
 
 def job_keys(job_id: str) -> tuple[str, ...]:
     """Every Redis key of one job (the cleanup deletes them together)."""
-    return (payload_key(job_id), status_key(job_id), owner_key(job_id), message_key(job_id))
+    return (payload_key(job_id), status_key(job_id), owner_key(job_id), message_key(job_id), final_key(job_id))
 
 
 def latest_status(client: redis.Redis, job_id: str) -> Optional[bytes]:

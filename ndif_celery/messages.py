@@ -28,6 +28,22 @@ def timed_out(timeout_s: float) -> str:
     return f"Your job exceeded the execution timeout of {timeout_s:g}s."
 
 
+def timed_out_unanswered(timeout_s: float) -> str:
+    """ERROR ``kind="timeout"`` sent by the beat: the job's worker did not answer its deadline."""
+    return (timed_out(timeout_s) + " Its worker did not answer (the code held the interpreter in a C call); "
+            "the worker is restarted.")
+
+
+#: ERROR ``kind="cancelled"``: ``ndif-celery kill`` (queued or running).
+CANCELLED = "Your job was cancelled by the operator."
+
+
+def cancelled_unanswered(worker: str) -> str:
+    """ERROR ``kind="cancelled"`` sent by ``ndif-celery kill`` itself: the running worker did not reply."""
+    return (CANCELLED + f" Its worker ({worker}) did not reply (the code held the interpreter in a C call); "
+            "it is restarted at the job's deadline.")
+
+
 def worker_lost_again(worker: str) -> str:
     """QUEUED: the worker running the job died; the watchdog sent it again (attempt 2)."""
     return f"The worker running your job ({worker}) was lost; your job is queued to run again."

@@ -42,6 +42,20 @@ class StatusChannel:
         self.ttl_s = ttl_s
         self.logs = bounds.LogLimiter(log_lines_per_s, log_bytes_per_job)
 
+    def claim_final(self, token: str) -> bool:
+        """Whether ``token``'s author may send the job's final status: the first
+        to ask, across processes (SET NX), or the one that already holds it.
+
+        A job's final status has up to three authors in three processes: the
+        worker (the job's thread, or its deadline watchdog), the beat's
+        watchdog (a job past its deadline whose worker cannot answer: user code
+        holding the GIL) and ``ndif-celery kill`` (a worker that does not reply).
+        The first claim wins; the others drop what they had."""
+        key = jobs.final_key(self.job.id)
+        if self.redis.set(key, token, nx=True, ex=self.ttl_s):
+            return True
+        return self.redis.get(key) == token.encode()
+
     def send(
         self,
         status: str,

@@ -16,7 +16,14 @@ Every :data:`INTERVAL_S` the leader
    ``registry.ORPHANS`` when it registers: ``registry.take_over``);
 3. tells the jobs waiting for a model that no live worker holds (none alive,
    or none placed it for :data:`UNSERVED_GRACE_S`) that nobody serves it right
-   now, once per change (``ndif:job:<id>:unserved``), not every tick.
+   now, once per change (``ndif:job:<id>:unserved``), not every tick;
+4. first of all, answers the jobs still running :data:`OVERDUE_S` past their
+   deadline (``jobs.DEADLINES``, written by the worker's deadline watch) with
+   the timeout ERROR: their worker did not, because the job's code holds the
+   GIL in a C call and no thread of that process runs
+   (``workers.deadline``: its backstop restarts the process). The ERROR is
+   claimed like any final status (``StatusChannel.claim_final``), so a worker
+   that answers at the same moment sends nothing twice.
 
 A rescue is exactly once per job: ``jobs.lost_key`` is set NX before anything
 is sent (by whichever watchdog, for whichever reason, gets there first). The
@@ -43,6 +50,8 @@ LEASE_MS = 10_000
 INTERVAL_S = 2.0
 # Live workers exist but none holds (or is loading) the model this long: say so.
 UNSERVED_GRACE_S = 15.0
+# A running job this long past its deadline was not answered by its worker: answer it here.
+OVERDUE_S = 1.0
 
 
 def unserved_key(job_id: str) -> str:
@@ -84,9 +93,27 @@ class Watchdog(threading.Thread):
 
     def tick(self, now: Optional[float] = None) -> None:
         now = time.time() if now is None else now
+        self.answer_overdue(now)
         self.bury_dead_workers(now)
         self.rescue_orphans()
         self.tell_unserved(now)
+
+    # -- jobs whose worker cannot answer -----------------------------------------
+
+    def answer_overdue(self, now: float) -> None:
+        """The timeout ERROR for every job running :data:`OVERDUE_S` past its deadline."""
+        for raw in self.redis.zrangebyscore(jobs.DEADLINES, 0, now - OVERDUE_S):
+            job_id = raw.decode()
+            self.redis.zrem(jobs.DEADLINES, job_id)
+            message = self.redis.get(jobs.message_key(job_id))
+            if message is None or jobs.finished(self.redis, job_id):
+                continue
+            channel = statuses.StatusChannel(self.redis, jobs.Job.from_message(json.loads(message)),
+                                             self.settings.job_ttl_s)
+            if channel.claim_final(self.me):
+                channel.send(wire.ERROR, messages.timed_out_unanswered(self.settings.execution_timeout_s),
+                             kind="timeout")
+                log.warning("job %s: past its deadline and not answered by its worker; its ERROR sent", job_id)
 
     # -- jobs whose worker is gone ---------------------------------------------
 
@@ -121,9 +148,11 @@ class Watchdog(threading.Thread):
         job = jobs.Job.from_message(json.loads(raw))
         channel = statuses.StatusChannel(self.redis, job, self.settings.job_ttl_s)
         if job.attempt >= 2:
-            channel.send(wire.ERROR, messages.worker_lost_twice(worker), kind="worker_lost")
+            if channel.claim_final(self.me):
+                channel.send(wire.ERROR, messages.worker_lost_twice(worker), kind="worker_lost")
             return True
         job.attempt += 1
+        self.redis.zrem(jobs.DEADLINES, job.id)  # attempt 1's: attempt 2 records its own when it runs
         self.redis.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), keepttl=True)
         send_job(self.app, job)
         channel.send(wire.QUEUED, messages.worker_lost_again(worker))

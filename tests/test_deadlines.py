@@ -47,7 +47,12 @@ def read_a_silent_pipe():
     os.read(read, 1)
 
 
-BLOCKS = {"time.sleep": sleep_in_python, "libc sleep": sleep_in_c, "pipe read": read_a_silent_pipe}
+def spin_holding_the_gil():
+    sum(range(10**15))  # one C call: no other thread of the process runs until it returns (days)
+
+
+BLOCKS = {"time.sleep": sleep_in_python, "libc sleep": sleep_in_c, "pipe read": read_a_silent_pipe,
+          "C loop holding the GIL": spin_holding_the_gil}
 
 
 @pytest.fixture(scope="module")
@@ -93,12 +98,20 @@ def _worker_pid(stack) -> int:
     return info["pid"]
 
 
-def _replaced(stack, old_pid: int, job_hint: str = "") -> None:
-    """The worker replaced itself: a new pid, its log line, the supervisor's reason, the metric."""
+def _replaced(stack, old_pid: int, block=None) -> None:
+    """The worker replaced itself: a new pid, its log line, the supervisor's reason, the metric.
+
+    A block that holds the GIL leaves no Python to do that: the process's
+    C-level backstop (``deadline.backstop``) dumps its threads' stacks to the
+    log and exits with status 1, and the supervisor restarts it."""
     log = (stack.logs_dir / "worker.log").read_text(errors="replace")
-    assert "replacing this worker: job" in log and "did not unwind" in log, log[-3000:]
     assert _worker_pid(stack) != old_pid
     status = stack.cli("status", check=True).stdout
+    if block is spin_holding_the_gil:
+        assert "Timeout (" in log and "spin_holding_the_gil" in log, log[-3000:]
+        assert "exited with status 1" in status, status
+        return
+    assert "replacing this worker: job" in log and "did not unwind" in log, log[-3000:]
     assert "replaced itself" in status, status
     metrics = httpx.get(f"{stack.url}/metrics", timeout=10).text
     assert "ndif_worker_replacements_total{worker=" in metrics, metrics[-2000:]
@@ -113,7 +126,7 @@ def test_a_trusted_block_stuck_in_c_gets_its_error_at_the_limit(stack, model, na
     assert took < TIMEOUT_S + 5, f"{name}: the ERROR took {took:.1f} s"
     meta = _right(model)  # waits for the fresh worker and its model
     assert meta["isolated"] is False
-    _replaced(stack, pid)
+    _replaced(stack, pid, BLOCKS[name])
 
 
 def test_a_trusted_block_that_unwinds_keeps_its_worker(stack, model):
@@ -133,7 +146,7 @@ def test_a_trusted_block_that_unwinds_keeps_its_worker(stack, model):
     assert _worker_pid(stack) == pid, "a job that unwound made its worker replace itself"
 
 
-def _kill_stuck(stack, model, block) -> None:
+def _kill_stuck(stack, model, block, said: str = "cancelling on") -> None:
     """Submit a job stuck in ``block``, ``ndif-celery kill`` it once RUNNING:
     the client's ERROR says the operator cancelled it, within 5 s of the command."""
     with model.trace(PROMPT, remote=True, blocking=False) as tracer:
@@ -144,7 +157,7 @@ def _kill_stuck(stack, model, block) -> None:
     started = time.monotonic()
     result = stack.cli("kill", backend.job_id)
     cli_s = time.monotonic() - started
-    assert "cancelling on" in result.stdout, result.stdout + result.stderr
+    assert said in result.stdout, result.stdout + result.stderr
     with pytest.raises(RemoteError, match="cancelled by the operator"):
         poll(backend, timeout_s=30)
     took = time.monotonic() - started
@@ -158,6 +171,16 @@ def test_an_operator_kill_of_a_trusted_job_stuck_in_c(stack, model):
     _kill_stuck(stack, model, sleep_in_c)
     _right(model)
     _replaced(stack, pid)
+
+
+def test_an_operator_kill_of_a_trusted_job_holding_the_gil(stack, model):
+    """Its worker cannot even reply: ``kill`` answers the client itself, and the
+    worker's backstop restarts it at the job's deadline (grace and margin after)."""
+    _right(model)
+    pid = _worker_pid(stack)
+    _kill_stuck(stack, model, spin_holding_the_gil, said="did not reply")
+    _right(model)
+    _replaced(stack, pid, spin_holding_the_gil)
 
 
 @pytest.mark.parametrize("name", list(BLOCKS))

@@ -172,7 +172,7 @@ def test_cli_status_queue_and_kill(farm):
 
     # A queued job leaves the queue; the one behind it is told its new position.
     assert "removed from the queue" in _cli(stack, "kill", queued[0].job_id).stdout
-    with pytest.raises(RemoteError, match="Request cancelled by operator."):
+    with pytest.raises(RemoteError, match="cancelled by the operator"):
         poll(queued[0])
     wait_status(stack.url, queued[1].job_id, "QUEUED", contains="(position 1)")
 

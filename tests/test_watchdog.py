@@ -15,6 +15,7 @@ import pytest
 
 from ndif_celery import jobs, messages, queues, registry, wire
 from ndif_celery.celery_app import make_app, queue_for
+from ndif_celery import watchdog as watchdog_module
 from ndif_celery.watchdog import Watchdog, unserved_key
 
 MODEL_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "watchdog/tiny"}'
@@ -130,3 +131,37 @@ def test_two_watchdogs_one_leads(client, settings):
     assert first.lead(), "the leader keeps its lease"
     client.delete("ndif:watchdog:leader")  # the leader died and its lease ran out
     assert second.lead() and not first.lead()
+
+
+def test_a_job_past_its_deadline_that_its_worker_did_not_answer_gets_the_timeout_error(client, watchdog, settings):
+    """User code holding the GIL starves its worker's own deadline thread: the
+    beat answers, once, and a worker that answers late sends nothing."""
+    from workers import deadline
+
+    job = _job(client, "c" * 32)
+    worker_side = deadline.Channel(client, job, 60)
+    client.zadd(jobs.DEADLINES, {job.id: time.time() + 60})
+    watchdog.tick()  # not yet due
+    assert _latest(client, job.id)["status"] == wire.RUNNING
+
+    client.zadd(jobs.DEADLINES, {job.id: time.time() - watchdog_module.OVERDUE_S - 0.1})
+    watchdog.tick()
+    latest = _latest(client, job.id)
+    assert latest["status"] == wire.ERROR
+    assert latest["description"] == messages.timed_out_unanswered(settings.execution_timeout_s)
+    assert client.zscore(jobs.DEADLINES, job.id) is None
+    # The worker wakes up and answers: dropped, in Redis as in the process.
+    worker_side.send(wire.COMPLETED, "done")
+    assert _latest(client, job.id)["status"] == wire.ERROR
+    assert worker_side.answered_by == deadline.ELSEWHERE
+
+
+def test_a_job_its_worker_answered_is_not_answered_again(client, watchdog):
+    from workers import deadline
+
+    job = _job(client, "d" * 32)
+    deadline.Channel(client, job, 60).send(wire.COMPLETED, "done")
+    client.zadd(jobs.DEADLINES, {job.id: time.time() - 10})  # its worker died before clearing it
+    watchdog.tick()
+    assert _latest(client, job.id)["status"] == wire.COMPLETED
+    assert client.zscore(jobs.DEADLINES, job.id) is None

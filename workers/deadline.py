@@ -33,22 +33,41 @@ Both executors arm a watch (``executors``): the trusted one at the limit
 (this is its deadline), the isolated one at the limit plus
 :data:`ISOLATED_MARGIN_S`, a backstop behind the isolation policy's own
 deadline, which kills the child and normally answers first.
+
+User code that *holds the GIL* in C (``sum(range(10**15))``, a catastrophic
+regex) starves every thread of this process, the watchdog included: no
+Python runs until that call returns. Two things need no Python here:
+
+* the watch records its deadline in Redis (``jobs.DEADLINES``), and the beat's
+  watchdog (``ndif_celery.watchdog``) answers a job still running
+  :data:`~ndif_celery.watchdog.OVERDUE_S` past it with the timeout ERROR;
+* a trusted job arms :func:`backstop`, ``faulthandler``'s C-level timer, at
+  the deadline plus the grace plus :data:`BACKSTOP_MARGIN_S`: if the process
+  is still there (the replacement above could not run), it dumps every
+  thread's stack to the worker's log ("Timeout (...)!") and exits with
+  status 1, and the supervisor starts a fresh process.
+
+Exactly one final status across processes too: every author claims it in
+Redis first (``StatusChannel.claim_final``), so a worker that answers late
+drops its answer there as it does here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import os
 import sys
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from ndif_celery import messages, metrics as farm_metrics, statuses, wire
+from ndif_celery import jobs, messages, metrics as farm_metrics, statuses, wire
 from ndif_celery.supervisor import REPLACE_EXIT_CODE
 
 from . import metrics
@@ -61,10 +80,13 @@ RETRY_S = 0.5
 ISOLATED_MARGIN_S = 2.0
 #: What the worker may spend letting go of its children and its registry entry before it exits.
 CLEANUP_S = 3.0
+#: The process's last resort comes this long after the grace (the replacement's cleanup fits before it).
+BACKSTOP_MARGIN_S = CLEANUP_S + 2.0
 #: The ERROR of a job the operator killed while it ran.
-CANCELLED = "Your job was cancelled by the operator."
+CANCELLED = messages.CANCELLED
 
-JOB, DEADLINE = "job", "deadline"  # the two authors of a final status
+JOB, DEADLINE = "job", "deadline"  # the two authors of a final status in this process
+ELSEWHERE = "elsewhere"  # the beat's watchdog or `ndif-celery kill` claimed it first
 
 
 class Channel(statuses.StatusChannel):
@@ -75,12 +97,13 @@ class Channel(statuses.StatusChannel):
         super().__init__(*args, **kwargs)
         self._answer_lock = threading.Lock()
         self.answered_by: Optional[str] = None
+        self.token = uuid.uuid4().hex  # this worker's claim on the final status in Redis
 
     def claim(self, by: str) -> bool:
         """True if ``by`` may send the final status (it is first, or already sent it)."""
         with self._answer_lock:
             if self.answered_by is None:
-                self.answered_by = by
+                self.answered_by = by if self.claim_final(self.token) else ELSEWHERE
             return self.answered_by == by
 
     def send(self, status: str, description: str = "", data=None, meta: Optional[dict] = None, kind: str = "",
@@ -146,6 +169,8 @@ class Watchdog:
     def watch(self, job_id: str, channel: statuses.StatusChannel, meta: dict, seconds: float):
         """Watch the calling thread's job for ``seconds`` (its deadline), until the block exits."""
         watch = Watch(job_id, channel, meta, threading.get_ident(), time.monotonic() + seconds)
+        # For the beat, in case this process cannot answer (user code holding the GIL).
+        channel.redis.zadd(jobs.DEADLINES, {job_id: time.time() + seconds})
         with self._cond:
             self._ensure_thread()
             self._watch = watch
@@ -170,6 +195,10 @@ class Watchdog:
                 break
             except (self.timed_out_error, self.cancelled_error) as error:
                 landed = error
+        try:
+            watch.channel.redis.zrem(jobs.DEADLINES, watch.job_id)
+        except Exception:  # noqa: BLE001 - the beat finds the job answered, and drops the entry itself
+            log.warning("job %s: could not clear its deadline", watch.job_id, exc_info=True)
         if landed is not None:
             raise landed
 
@@ -253,6 +282,19 @@ class Watchdog:
                               f"{'cancel' if watch.fired is self.cancelled_error else 'deadline'}; its thread "
                               f"is at:\n{where(watch.thread)}")
                 return  # on_stuck does not return; in tests it may
+
+
+@contextlib.contextmanager
+def backstop(seconds: float):
+    """The trusted path's last resort: exit this process after ``seconds``
+    unless the block ends first, even if no Python can run (``faulthandler``'s
+    timer is a C thread that needs no GIL). It writes every thread's stack to
+    the worker's stderr (its log) before it exits with status 1."""
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def where(thread: int, frames: int = 12) -> str:

@@ -70,7 +70,8 @@ class InProcess:
 
     def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
         started = time.perf_counter()
-        with self.watchdog.watch(job.id, channel, meta, self.timeout_s):
+        last_resort = self.timeout_s + self.watchdog.grace_s + deadline.BACKSTOP_MARGIN_S
+        with self.watchdog.watch(job.id, channel, meta, self.timeout_s), deadline.backstop(last_resort):
             meta["isolated"] = False
             with execute.request_scope(model):
                 try:
