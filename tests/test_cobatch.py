@@ -9,15 +9,25 @@ side is the tiny GPT-2 as a worker loads it. Each scenario runs its requests
 alone (``run_alone``: today's trusted path) and together (``run_batch``), and
 compares the results.
 
-Measured tolerance (this CPU, torch 2.13, the 12-layer tiny GPT-2, fp32):
-requests of one token length merged are bit-identical to alone
-(``torch.equal``); merging different lengths (left padding, the sequence
-window, the width padded off the model's dimensions) differed by at most
-~5e-7 on hidden states and logits here; the tests allow ``TOLERANCE`` = 1e-5
-(absolute, on values of order 1).
+Measured tolerance (this 2-core CPU, torch 2.13, the 12-layer tiny GPT-2, fp32;
+``COBATCH_MEASURE=1 pytest -s`` prints every comparison):
+
+* one token length, traces: bit-identical to alone (``torch.equal``);
+* different lengths merged (left padding, the sequence window, the width padded
+  off the model's dimensions): at most 1.8e-7 (hidden states, logits,
+  ``.source`` values, caches; some scenarios 0.0);
+* a shared generate: the prompt's forward and the generated ids are
+  bit-identical; its one-token decode steps differ by at most 1.5e-8, because
+  plain torch on this CPU computes a one-token row differently in a batch of
+  1 and of 2 (``test_one_token_rows_differ_with_batch_size_in_plain_torch``).
+
+The tests allow ``TOLERANCE`` = 1e-5 absolute (values of order 1e-2..1), the
+bound the feasibility study measured on larger models (1.3e-6) with room.
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -56,7 +66,7 @@ def edit_everything(model, prompt):
     # Zeroes every layer's output it can reach, then reads the logits.
     with model.trace(prompt, remote=True):
         for layer in model.transformer.h:
-            layer.output[0][:] = 0
+            layer.output[:] = 0
         out = model.lm_head.output.save()
 
 
@@ -97,9 +107,10 @@ def skips(model, prompt):
 
 def backward(model, prompt):
     with model.trace(prompt, remote=True):
-        hidden = model.transformer.h[1].output[0]
+        hidden = model.transformer.h[1].output
         hidden.requires_grad_(True)
-        with model.lm_head.output[:, -1].sum().backward():
+        loss = model.output.logits[:, -1].logsumexp(dim=-1).sum()
+        with loss.backward():
             grad = hidden.grad.save()
 
 
@@ -107,13 +118,17 @@ def generate(model, prompt, n=3, **kwargs):
     with model.generate(prompt, max_new_tokens=n, remote=True, **kwargs) as tracer:
         steps = nnsight.save(list())
         for step in tracer.iter[:n]:
-            steps.append(model.transformer.h[2].output[0][:, -1])
+            steps.append(model.transformer.h[2].output[:, -1])
         ids = tracer.result.save()
 
 
 def source_op(model, prompt):
     with model.trace(prompt, remote=True):
-        attn = model.transformer.h[0].attn.source.attention_interface_0.output[0].save()
+        mlp = model.transformer.h[0].mlp.source
+        fc_out = mlp.self_c_fc_0.output.save()
+        mlp.self_act_0.output[:] = 0
+        attn = model.transformer.h[1].attn.source.attention_interface_1.output[0].save()
+        out = model.lm_head.output.save()
 
 
 def cached(model, prompt):
@@ -143,9 +158,9 @@ def weight_write(model, prompt):
 def session(model, prompt_a, prompt_b):
     with model.session(remote=True):
         with model.trace(prompt_a):
-            h = model.transformer.h[1].output[0][:, -1]
+            h = model.transformer.h[1].output[:, -1]
         with model.trace(prompt_b):
-            model.transformer.h[1].output[0][:, -1] = h
+            model.transformer.h[1].output[:, -1] = h
             out = model.lm_head.output.save()
 
 
@@ -252,6 +267,8 @@ def worst_difference(a: dict, b: dict) -> float:
             assert isinstance(y, torch.Tensor) and x.shape == y.shape and x.dtype == y.dtype, key
             if x.numel():
                 worst = max(worst, (x.double() - y.double()).abs().max().item())
+                if os.environ.get("COBATCH_MEASURE"):
+                    print(f"MEASURE {key} {tuple(x.shape)} {worst:.3e}")
         else:
             assert x == y, key
     return worst
@@ -274,3 +291,179 @@ def test_equal_lengths_share_one_forward_and_are_bit_identical(client, server):
     for s, m in zip(solo, merged):
         assert m.ok and m.meta == {"cobatch": 3}
         assert_bit_identical(s.saved, m.saved)
+
+
+def test_different_lengths_share_one_forward_within_the_tolerance(client, server):
+    requests = [capture(read, client, SHORT), capture(logits, client, MID), capture(read, client, LONG),
+                capture(two_invokes, client, SHORT, LONG)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    worst = 0.0
+    for s, m in zip(solo, merged):
+        assert m.ok and m.meta == {"cobatch": 4}, m.meta
+        worst = max(worst, worst_difference(s.saved, m.saved))
+    assert worst <= TOLERANCE
+    print(f"different lengths, worst |merged - alone| = {worst:.2e}")
+
+
+def test_saved_values_carry_no_other_users_rows(client, server):
+    requests = [capture(read, client, SHORT), capture(read, client, LONG)]
+    merged = together(server, requests)
+    assert [m.meta for m in merged] == [{"cobatch": 2}] * 2
+    for m in merged:
+        hidden = m.saved["hidden"]
+        # torch.save writes a view's whole storage: it must be this user's rows only.
+        assert hidden.untyped_storage().nbytes() == hidden.numel() * hidden.element_size()
+
+
+def test_edits_stay_in_their_own_rows(client, server):
+    model, _ = server
+    requests = [capture(edit_everything, client, MID), capture(logits, client, SHORT),
+                capture(read, client, LONG), capture(logits, client, MID)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    assert all(m.ok and m.meta == {"cobatch": 4} for m in merged)
+    for s, m in zip(solo, merged):
+        assert worst_difference(s.saved, m.saved) <= TOLERANCE
+    # The edit took effect for its user (same prompt, unedited logits differ a lot) ...
+    assert (merged[0].saved["out"] - merged[3].saved["out"]).abs().max() > 1e-2
+    # ... and only there: the unedited users' values are what they are alone.
+    assert worst_difference(solo[3].saved, merged[3].saved) <= TOLERANCE
+
+
+def test_one_users_error_or_stop_ends_only_theirs(client, server):
+    requests = [capture(error, client, SAME_A), capture(stops, client, SAME_B),
+                capture(read, client, SAME_A), capture(logits, client, SAME_B)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    assert not merged[0].ok and not solo[0].ok
+    assert str(merged[0].error) == str(solo[0].error) and "IndexError" in str(merged[0].error)
+    assert merged[0].meta["cobatch"] == 1 and "failed in a shared forward" in merged[0].meta["cobatch_solo"]
+    for s, m in zip(solo[1:], merged[1:]):
+        assert m.ok and m.meta == {"cobatch": 4}
+        assert_bit_identical(s.saved, m.saved)
+
+
+def test_what_cannot_share_runs_alone_and_says_why(client, server):
+    requests = [capture(skips, client, SAME_A), capture(backward, client, SAME_B),
+                capture(generate, client, SAME_A, 3, do_sample=True),
+                capture(shared_positions, client, SAME_A), capture(read, client, SAME_B),
+                capture(read, client, SAME_A)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    reasons = [m.meta.get("cobatch_solo", "") for m in merged]
+    assert ".skip()" in reasons[0]
+    assert "backward" in reasons[1]
+    assert "do_sample" in reasons[2]
+    assert "shared by the whole batch" in reasons[3]
+    assert merged[4].meta == merged[5].meta == {"cobatch": 3}
+    for i, (s, m) in enumerate(zip(solo, merged)):
+        assert m.ok, (i, m.error)
+        if i != 2:  # sampling: a fresh random draw each run
+            assert_bit_identical(s.saved, m.saved)
+
+
+def test_a_weight_written_mid_forward_is_restored_and_everyone_runs_alone(client, server):
+    model, _ = server
+    before = {k: v.clone() for k, v in model._module.state_dict().items()}
+    requests = [capture(weight_write, client, SAME_A), capture(read, client, SAME_B), capture(logits, client, SAME_A)]
+    solo = alone(server, requests)
+    merged = run_batch(model, requests, restore=server[1])
+    for s, m in zip(solo, merged):
+        assert m.ok and "weight was written" in m.meta["cobatch_solo"]
+        assert_bit_identical(s.saved, m.saved)
+    server[1]()
+    assert all(torch.equal(before[k], v) for k, v in model._module.state_dict().items())
+
+
+def test_generation_with_iter_shares_a_generate(client, server):
+    requests = [capture(generate, client, SAME_A, 3), capture(generate, client, SAME_B, 3),
+                capture(generate, client, SAME_B, 5), capture(generate, client, SHORT, 3)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    assert merged[0].meta == merged[1].meta == {"cobatch": 2}
+    # Different max_new_tokens, different prompt length: nothing to share with.
+    assert merged[2].meta["cobatch_solo"] == merged[3].meta["cobatch_solo"] == "no other request in this batch could share its forward"
+    for s, m in zip(solo, merged):
+        assert len(m.saved["steps"]) == len(s.saved["steps"]) > 1
+        assert torch.equal(s.saved["ids"], m.saved["ids"])
+        assert torch.equal(s.saved["steps"][0], m.saved["steps"][0])  # the prompt's forward
+        assert worst_difference(s.saved, m.saved) <= TOLERANCE  # the one-token decode steps
+
+
+def test_one_token_rows_differ_with_batch_size_in_plain_torch(server):
+    """Why a shared generate's decode steps are equal to alone within the tolerance
+    rather than bit for bit: plain torch on this CPU already computes a
+    one-token row differently in a batch of 1 (a matrix-vector kernel) and of 2."""
+    mlp = server[0]._module.transformer.h[0].mlp
+    one = torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(0))
+    two = torch.cat([one, torch.randn(1, 1, 64, generator=torch.Generator().manual_seed(1))])
+    with torch.no_grad():
+        alone_row, batch_row = mlp(one)[0], mlp(two)[0]
+    assert (alone_row - batch_row).abs().max() <= TOLERANCE
+    if torch.equal(alone_row, batch_row):
+        pytest.skip("this machine's kernels are batch-size independent here")
+
+
+def test_source_ops_cache_and_kv_cache_objects(client, server):
+    requests = [capture(source_op, client, SHORT), capture(cached, client, MID),
+                capture(kv, client, LONG), capture(read, client, SHORT)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    for s, m in zip(solo, merged):
+        assert m.ok and m.meta == {"cobatch": 4}, (m.meta, m.error)
+        assert worst_difference(s.saved, m.saved) <= TOLERANCE
+    # The KV cache object holds this user's row only (batch 1), not the batch's 4.
+    assert merged[2].saved["kv"].layers[0].keys.shape[0] == 1
+
+
+def test_sessions_share_one_forward_per_trace(client, server):
+    requests = [capture(session, client, SHORT, MID), capture(session, client, LONG, SHORT)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    for s, m in zip(solo, merged):
+        assert m.ok and m.meta == {"cobatch": 2}, (m.meta, m.error)
+        assert worst_difference(s.saved, m.saved) <= TOLERANCE
+
+
+def test_each_user_gets_their_own_log_lines(client, server, lengths):
+    requests = [capture(prints, client, SAME_A), capture(prints, client, SHORT)]
+    solo_logs, merged_logs = [[], []], [[], []]
+    for i, request in enumerate(requests):
+        request.log = solo_logs[i].append
+    alone(server, requests)
+    for i, request in enumerate(requests):
+        request.log = merged_logs[i].append
+    merged = together(server, requests)
+    assert [m.meta for m in merged] == [{"cobatch": 2}] * 2
+    assert merged_logs == solo_logs
+    assert solo_logs[0] == [f"mine {SAME_A} (1, {lengths[SAME_A]}, 64)"]
+    assert solo_logs[1] == [f"mine {SHORT} (1, {lengths[SHORT]}, 64)"]
+
+
+def test_settings_off_and_unequal_lengths_off(client, server):
+    requests = [capture(read, client, SAME_A), capture(logits, client, SAME_B), capture(read, client, SHORT)]
+    off = together(server, requests, max_batch=1)
+    assert all(m.meta == {"cobatch": 1, "cobatch_solo": "co-batching is off (NDIF_COBATCH_MAX=1)"} for m in off)
+    no_pad = together(server, requests, pad=False)
+    assert no_pad[0].meta == no_pad[1].meta == {"cobatch": 2}
+    assert no_pad[2].meta["cobatch"] == 1
+    solo = alone(server, requests)
+    for s, m in zip(solo, no_pad):
+        assert_bit_identical(s.saved, m.saved)
+
+
+def test_untrusted_requests_are_refused(client, server):
+    request = capture(read, client, SAME_A)
+    request.trusted = False
+    with pytest.raises(ValueError, match="untrusted"):
+        run_batch(server[0], [request, capture(read, client, SAME_B)])
+
+
+def test_the_merged_width_avoids_the_models_dimensions(server):
+    from workers.cobatch import batcher
+
+    dims = batcher.model_dims(server[0])
+    assert {64, 16, 4, 512, 128, 256} <= dims  # hidden, head width, heads, vocab, positions, MLP
+    assert batcher.safe_width(16, dims, 128) not in dims and batcher.safe_width(16, dims, 128) > 16
+    assert batcher.safe_width(127, {127, 128}, 128) == 0  # none fits: bucket by length
