@@ -238,6 +238,9 @@ VARIABLES: tuple = (
         shown="`gpu<ids>@<host>`, or `cpu@<host>`"),
     # 0 = torch's default (every core); see docs/performance.md.
     Var("NDIF_TORCH_THREADS", "torch_threads", 0, _int, "intra-op threads of a worker's torch"),
+    # Co-batching trusted requests of one model into one forward (workers.cobatch, issue #15).
+    Var("NDIF_COBATCH_MAX", "cobatch_max", 16, _int, "most rows (prompts) one co-batched forward holds (1: off)"),
+    Var("NDIF_COBATCH_PAD", "cobatch_pad", True, _bool, "co-batch requests of different token lengths (left-padded)"),
     # 0 = measure: the GPUs' memory, or half the host's RAM on a CPU worker.
     Var("NDIF_WORKER_MEMORY_GIB", "worker_memory_bytes", 0, _gib, "the worker's memory budget for models",
         shown="unset: measured"),
