@@ -99,6 +99,23 @@ def stops(model, prompt):
         tracer.stop()
 
 
+def out_of_order(model, prompt):
+    # Found only after the forward: layer 2 read before layer 1.
+    with model.trace(prompt, remote=True):
+        late = model.transformer.h[2].output.save()
+        early = model.transformer.h[1].output.save()
+
+
+def stop_one_of_two(model, prompt_a, prompt_b):
+    # Alone, the stop ends the forward before the other invoke's read.
+    with model.trace(remote=True) as tracer:
+        with tracer.invoke(prompt_a):
+            a = model.transformer.h[0].output.save()
+            tracer.stop()
+        with tracer.invoke(prompt_b):
+            b = model.transformer.h[2].output.save()
+
+
 def skips(model, prompt):
     with model.trace(prompt, remote=True):
         model.transformer.h[1].skip(model.transformer.h[0].output)
@@ -342,6 +359,22 @@ def test_one_users_error_or_stop_ends_only_theirs(client, server):
     for s, m in zip(solo[1:], merged[1:]):
         assert m.ok and m.meta == {"cobatch": 4}
         assert_bit_identical(s.saved, m.saved)
+
+
+def test_errors_found_after_the_forward_are_the_users_own(client, server):
+    requests = [capture(out_of_order, client, SHORT), capture(stop_one_of_two, client, MID, LONG),
+                capture(read, client, LONG), capture(session, client, SHORT, MID)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    for i in (0, 1):
+        assert not merged[i].ok and str(merged[i].error) == str(solo[i].error)
+        assert "OutOfOrderError" in str(merged[i].error)
+    assert "failed in a shared forward" in merged[0].meta["cobatch_solo"]
+    assert "stopped (tracer.stop()) one of several invokes" in merged[1].meta["cobatch_solo"]
+    # The others shared the first forward (the session its 2nd trace alone, still in the batch).
+    assert merged[2].meta == merged[3].meta == {"cobatch": 4}
+    for s, m in zip(solo[2:], merged[2:]):
+        assert worst_difference(s.saved, m.saved) <= TOLERANCE
 
 
 def test_what_cannot_share_runs_alone_and_says_why(client, server):

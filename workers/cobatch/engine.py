@@ -92,7 +92,8 @@ def run_batch(model: Any, requests: list[Request], max_batch: int = 16, pad: boo
     alone). ``pad``: merge requests of different token lengths (left-padded).
     ``restore()``: called when a weight was found written; returns the model to
     go on with (the worker's ``ResidentModels`` reload, say). Without it, a
-    written weight raises ``RuntimeError`` once every request has its outcome.
+    written weight raises ``RuntimeError`` (a server fault: the model is not
+    what was loaded).
     """
     if any(not r.trusted for r in requests):
         raise ValueError("untrusted requests are never co-batched: run them in their jailed child")
@@ -126,6 +127,8 @@ class _Batch:
                     if not parked or self.poisoned:
                         break
                     for group in self._groups(parked):
+                        if self.poisoned:  # the model was restored: the rest run alone
+                            break
                         self._share(group)
                 outcomes = [self._collect(s) if s.finished and not s.solo else None for s in states]
             finally:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -225,7 +224,3 @@ class BufferedLog:
         for line in self.lines:
             log(line)
         self.lines = []
-
-
-def real_stderr() -> Any:
-    return sys.__stderr__ if sys.__stderr__ is not None else io.StringIO()
