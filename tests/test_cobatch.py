@@ -424,6 +424,26 @@ def test_generation_with_iter_shares_a_generate(client, server):
         assert worst_difference(s.saved, m.saved) <= TOLERANCE  # the one-token decode steps
 
 
+def test_a_generation_that_ends_early_alone_runs_alone(client, server):
+    plain = alone(server, [capture(generate, client, SAME_A, 3), capture(generate, client, SAME_B, 3)])
+    new_a = plain[0].saved["ids"][0, -3:].tolist()
+    new_b = plain[1].saved["ids"][0, -3:].tolist()
+    if new_a[0] in new_b:
+        pytest.skip("the tiny model continues both prompts with the same token")
+    # A's first new token is its end of sequence: alone it stops there; B goes on.
+    requests = [capture(generate, client, SAME_A, 3, eos_token_id=new_a[0]),
+                capture(generate, client, SAME_B, 3, eos_token_id=new_a[0])]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    assert "end-of-sequence" in merged[0].meta["cobatch_solo"]
+    assert merged[1].meta == {"cobatch": 2}
+    # Alone, A's loop outran its generation: fewer steps, and what follows the loop did not run.
+    assert len(solo[0].saved["steps"]) < len(solo[1].saved["steps"]) and "ids" not in solo[0].saved
+    for s, m in zip(solo, merged):
+        assert worst_difference(s.saved, m.saved) <= TOLERANCE
+    assert torch.equal(solo[1].saved["ids"], merged[1].saved["ids"])
+
+
 def test_one_token_rows_differ_with_batch_size_in_plain_torch(server):
     """Why a shared generate's decode steps are equal to alone within the tolerance
     rather than bit for bit: plain torch on this CPU already computes a
