@@ -520,3 +520,30 @@ def test_the_merged_width_avoids_the_models_dimensions(server):
     assert {64, 16, 4, 512, 128, 256} <= dims  # hidden, head width, heads, vocab, positions, MLP
     assert batcher.safe_width(16, dims, 128) not in dims and batcher.safe_width(16, dims, 128) > 16
     assert batcher.safe_width(127, {127, 128}, 128) == 0  # none fits: bucket by length
+
+
+def test_a_width_equal_to_a_model_dimension_is_padded_past_it(client, server, monkeypatch):
+    from workers.cobatch import batcher
+
+    dims = batcher.model_dims(server[0])
+    words = "The quick brown fox jumps over the lazy dog again and again in the city of Paris".split()
+    prompts = [" ".join(words[:n]) for n in range(2, len(words) + 1)]
+    colliding = next((p for p in prompts if len(client.tokenizer(p)["input_ids"]) in dims), None)
+    if colliding is None:
+        pytest.skip("no prompt here is as long as a model dimension")
+    widths = []
+    assemble = batcher.CoBatcherMixin.assemble
+
+    def spy(self, fn):
+        out = assemble(self, fn)
+        widths.append(out[1]["input_ids"].shape[1])
+        return out
+
+    monkeypatch.setattr(batcher.CoBatcherMixin, "assemble", spy)
+    requests = [capture(read, client, colliding), capture(logits, client, SHORT)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    assert widths and widths[0] > len(client.tokenizer(colliding)["input_ids"]) and widths[0] not in dims
+    for s, m in zip(solo, merged):
+        assert m.meta == {"cobatch": 2}
+        assert worst_difference(s.saved, m.saved) <= TOLERANCE
