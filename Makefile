@@ -31,8 +31,13 @@ $(STAMP): setup.cfg setup.py | $(BIN)/python
 run: install
 	$(BIN)/ndif-celery up
 
+# The end-to-end tests mostly wait (on stacks, deadlines, clients): TEST_WORKERS
+# pytest processes (pytest-xdist) share them out a module at a time, so a
+# module's own stack starts once (tests/conftest.py orders the longest first).
+TEST_WORKERS ?= 3
+
 test: install
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # The end-to-end tier (real stacks, marked e2e by tests/conftest.py) is left out.
 test-fast: install
