@@ -92,9 +92,9 @@ def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
         if job is not None:
             statuses.StatusChannel(client, job, ttl_s).send(wire.ERROR, messages.CANCELLED, kind="cancelled")
             return "removed from the queue"
-    # Ask the worker that reports running it (its heartbeat's current_job), and
-    # return on its answer: a broadcast waits out its whole reply timeout.
-    runners = [name for name, info in registry.all_workers(client).items() if info.get("current_job") == job_id]
+    # Ask the worker that reports running it (its heartbeat's current_job, or its
+    # co-batch), and return on its answer: a broadcast waits out its whole reply timeout.
+    runners = [name for name, info in registry.all_workers(client).items() if job_id in registry.running_jobs(info)]
     destination = runners or None  # not reported yet (the job just started): every worker
     replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, destination=destination,
                                            reply=True, timeout=KILL_REPLY_S, limit=len(runners) or None)

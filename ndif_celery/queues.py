@@ -80,6 +80,42 @@ def remove(client: redis.Redis, queue: str, job_id: str) -> Optional[jobs.Job]:
     return None
 
 
+# Take waiting messages and record them as a worker's, in one step (see `take`).
+# KEYS[1]: the workers hash; KEYS[2..]: each message's list. ARGV[1]: the
+# worker's name; ARGV[2]: its entry as JSON up to the open `"batch": [`; then
+# each message and its job id, quoted as JSON.
+_TAKE = """
+local taken = {}
+for i = 2, #KEYS do
+  if redis.call('LREM', KEYS[i], 1, ARGV[2 * i - 1]) == 1 then
+    table.insert(taken, ARGV[2 * i])
+  end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2] .. table.concat(taken, ',') .. ']}')
+return taken
+"""
+
+
+def take(client: redis.Redis, entries: list[Waiting], worker: str, info: dict) -> list[jobs.Job]:
+    """Take ``entries`` out of their queue for ``worker`` (a co-batch) and, in the
+    same atomic step, write the worker's registry entry ``info`` with the jobs
+    taken as its ``batch``; the jobs taken, in order (others got there first).
+
+    Whoever removes a message owns it: its Celery message never reaches a
+    worker. Why one step: between a removal and the registry write, a worker
+    that died would hold a job nobody knows of; recorded in the same Lua script,
+    the watchdog finds every job of a dead worker (``registry.running_jobs``).
+    ``info`` is written as ``registry.register_worker`` writes it."""
+    info = {key: value for key, value in info.items() if key != "batch"}
+    head = json.dumps(dict(info, last_seen=time.time()))[:-1] + (', "batch": [' if info else '"batch": [')
+    keys = [registry.WORKERS] + [entry.list_name for entry in entries]
+    args = [worker, head]
+    for entry in entries:
+        args += [entry.raw, json.dumps(entry.job.id)]
+    taken = {json.loads(raw) for raw in client.eval(_TAKE, len(keys), *keys, *args)}
+    return [entry.job for entry in entries if entry.job.id in taken]
+
+
 def drain(client: redis.Redis, queue: str) -> list[jobs.Job]:
     """Take every waiting job out of ``queue`` (to fail them all with one reason)."""
     taken = []

@@ -9,8 +9,8 @@ one of them looks, the other takes over within :data:`LEASE_MS` if it dies.
 
 Every :data:`INTERVAL_S` the leader
 
-1. buries the workers silent for ``registry.STALE_S`` and rescues the job each
-   one was running;
+1. buries the workers silent for ``registry.STALE_S`` and rescues the jobs each
+   one was running (``registry.running_jobs``: a co-batch's every job);
 2. rescues the jobs of workers that restarted under the same name before they
    went stale (the new process hands its predecessor's job over in
    ``registry.ORPHANS`` when it registers: ``registry.take_over``);
@@ -119,14 +119,14 @@ class Watchdog(threading.Thread):
 
     def bury_dead_workers(self, now: float) -> None:
         """A worker silent for ``STALE_S`` is dead: forget it and its models,
-        and rescue the job it was running."""
+        and rescue the jobs it was running (every job of a co-batch)."""
         for name, info in registry.all_workers(self.redis).items():
             silent = now - info.get("last_seen", 0)
             if silent <= registry.STALE_S:
                 continue
             log.warning("worker %s is gone (silent for %.0f s)", name, silent)
-            if info.get("current_job"):
-                self.rescue(info["current_job"], name)
+            for job_id in registry.running_jobs(info):
+                self.rescue(job_id, name)
             registry.unregister_worker(self.redis, name)
 
     def rescue_orphans(self) -> None:

@@ -134,7 +134,9 @@ class Channel(statuses.StatusChannel):
 
 @dataclass
 class Watch:
-    """The job being watched: one at a time per worker (one pool thread)."""
+    """The job being watched: one at a time per worker (one pool thread), or
+    one co-batch (``workers.batch``): its lead and ``others``, one thread, one
+    deadline, every job answered at it."""
 
     job_id: str
     channel: statuses.StatusChannel
@@ -145,6 +147,12 @@ class Watch:
     stuck_at: float = 0.0  # monotonic: not unwound by then, the worker is replaced
     retry_at: float = 0.0
     started: float = field(default_factory=time.monotonic)
+    others: tuple = ()  # a co-batch's other jobs: (job id, channel, meta) each
+    cancelled: set = field(default_factory=set)  # jobs of a co-batch killed (and answered) alone
+
+    def members(self) -> list[tuple]:
+        """(job id, channel, meta) of every job still to be answered here."""
+        return [m for m in ((self.job_id, self.channel, self.meta), *self.others) if m[0] not in self.cancelled]
 
 
 class Watchdog:
@@ -166,11 +174,13 @@ class Watchdog:
         self._thread: Optional[threading.Thread] = None
 
     @contextlib.contextmanager
-    def watch(self, job_id: str, channel: statuses.StatusChannel, meta: dict, seconds: float):
-        """Watch the calling thread's job for ``seconds`` (its deadline), until the block exits."""
-        watch = Watch(job_id, channel, meta, threading.get_ident(), time.monotonic() + seconds)
+    def watch(self, job_id: str, channel: statuses.StatusChannel, meta: dict, seconds: float, others: tuple = ()):
+        """Watch the calling thread's job for ``seconds`` (its deadline), until
+        the block exits; with ``others`` ((job id, channel, meta) each), a
+        co-batch led by ``job_id``, under the same deadline."""
+        watch = Watch(job_id, channel, meta, threading.get_ident(), time.monotonic() + seconds, others=tuple(others))
         # For the beat, in case this process cannot answer (user code holding the GIL).
-        channel.redis.zadd(jobs.DEADLINES, {job_id: time.time() + seconds})
+        channel.redis.zadd(jobs.DEADLINES, {m[0]: time.time() + seconds for m in watch.members()})
         with self._cond:
             self._ensure_thread()
             self._watch = watch
@@ -196,7 +206,7 @@ class Watchdog:
             except (self.timed_out_error, self.cancelled_error) as error:
                 landed = error
         try:
-            watch.channel.redis.zrem(jobs.DEADLINES, watch.job_id)
+            watch.channel.redis.zrem(jobs.DEADLINES, watch.job_id, *(m[0] for m in watch.others))
         except Exception:  # noqa: BLE001 - the beat finds the job answered, and drops the entry itself
             log.warning("job %s: could not clear its deadline", watch.job_id, exc_info=True)
         if landed is not None:
@@ -205,34 +215,38 @@ class Watchdog:
     def kill(self, job_id: str) -> bool:
         """``ndif-celery kill``: the job's ERROR now, then the interruption and
         the grace period, as at a deadline. False when this worker does not
-        watch that job (it is not in its executor)."""
+        watch that job (it is not in its executor). One job of a co-batch whose
+        other jobs still run is answered alone and not interrupted (the thread
+        runs the others too); its result is dropped by its channel."""
         with self._cond:
             watch = self._watch
-            if watch is None or watch.job_id != job_id:
+            members = [] if watch is None or watch.fired else watch.members()
+            member = next((m for m in members if m[0] == job_id), None)
+            if member is None:
                 return False
-        self.fire(watch, self.cancelled_error)
+            alone = len(members) == 1
+            if not alone:
+                watch.cancelled.add(job_id)
+        if alone:
+            self.fire(watch, self.cancelled_error)
+        else:
+            self._answer(member, CANCELLED, "cancelled", watch.started)
         return True
 
     def fire(self, watch: Watch, error: type) -> None:
-        """Answer the job with its ERROR (unless its thread answered first),
-        then interrupt its thread and start the grace period."""
+        """Answer the job (every job of a co-batch) with its ERROR (unless its
+        thread answered first), then interrupt its thread and start the grace period."""
         with self._cond:
             if watch.fired is not None or self._watch is not watch:
                 return  # fired already, or the job has left its executor
             watch.fired = error
             watch.stuck_at = time.monotonic() + self.grace_s
+            members = watch.members()
         cancelled = error is self.cancelled_error
         text = CANCELLED if cancelled else messages.timed_out(self.timeout_s)
         kind = "cancelled" if cancelled else "timeout"
-        try:
-            answered = watch.channel.answer(wire.ERROR, text, watch.meta, kind)
-        except Exception:  # noqa: BLE001 - the broker away: the job's own thread may still answer
-            log.exception("job %s: could not publish its %s ERROR", watch.job_id, kind)
-            answered = False
-        if answered:
-            log.warning("job %s: %s after %.1f s; its ERROR sent, interrupting it", watch.job_id,
-                        "cancelled by the operator" if cancelled else "past its deadline",
-                        time.monotonic() - watch.started)
+        for member in members:
+            self._answer(member, text, kind, watch.started)
         self._interrupt(watch)
         with self._cond:
             self._cond.notify()
@@ -240,6 +254,18 @@ class Watchdog:
             metrics.deadline_fired(kind)
         except Exception:  # noqa: BLE001 - metrics never fail a job
             log.warning("worker metrics failed", exc_info=True)
+
+    def _answer(self, member: tuple, text: str, kind: str, started: float) -> None:
+        job_id, channel, meta = member
+        try:
+            answered = channel.answer(wire.ERROR, text, meta, kind)
+        except Exception:  # noqa: BLE001 - the broker away: the job's own thread may still answer
+            log.exception("job %s: could not publish its %s ERROR", job_id, kind)
+            answered = False
+        if answered:
+            log.warning("job %s: %s after %.1f s; its ERROR sent", job_id,
+                        "cancelled by the operator" if kind == "cancelled" else "past its deadline",
+                        time.monotonic() - started)
 
     def _interrupt(self, watch: Watch) -> None:
         with self._cond:

@@ -37,7 +37,7 @@ from huggingface_hub import constants as hf_constants
 
 from ndif_celery import config, jobs, statuses
 
-from . import deadline, execute, forkserver, isolate, jail, results
+from . import cobatch, deadline, execute, forkserver, isolate, jail, results
 from .resident import ResidentModels
 from .zygote import ZygoteError
 
@@ -61,27 +61,60 @@ def ms_since(start: float) -> float:
 
 
 class InProcess:
-    """Trusted: run in this process, against the resident model itself."""
+    """Trusted: run in this process, against the resident model itself; one job
+    (:meth:`run`) or a co-batch of them (:meth:`run_together`), through the
+    co-batching engine's one trusted path (``cobatch.run_alone``, ``run_batch``)."""
 
     def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.Watchdog) -> None:
         self.timeout_s = settings.execution_timeout_s
+        self.cobatch_max, self.cobatch_pad = settings.cobatch_max, settings.cobatch_pad
         self.models = models
         self.watchdog = watchdog  # the worker's: answers at the deadline, interrupts, replaces if stuck
 
     def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
-        started = time.perf_counter()
-        last_resort = self.timeout_s + self.watchdog.grace_s + deadline.BACKSTOP_MARGIN_S
-        with self.watchdog.watch(job.id, channel, meta, self.timeout_s), deadline.backstop(last_resort):
+        with self.watchdog.watch(job.id, channel, meta, self.timeout_s), deadline.backstop(self._last_resort()):
             meta["isolated"] = False
-            with execute.request_scope(model):
+            outcome = cobatch.run_alone(model, cobatch.Request(job.id, blob, job.compress, job.env, channel.log), "")
+            if outcome.deserialize_ms is not None:
+                meta["deserialize_ms"] = outcome.deserialize_ms
+            if outcome.error is not None:
+                raise outcome.error
+            return results.encode(outcome.saved, job.compress)
+
+    def run_together(self, model, runs: list[tuple]) -> list:
+        """A co-batch: ``runs`` is (job, blob, channel, meta) per job, every one
+        trusted and of one model. One watch covers them all (one deadline, the
+        job limit: at it every job of the batch gets its timeout ERROR); each
+        job's result bytes, or the exception that is its answer, in order."""
+        (lead, _, lead_channel, lead_meta), *others = runs
+        others = [(job.id, channel, meta) for job, _, channel, meta in others]
+        with self.watchdog.watch(lead.id, lead_channel, lead_meta, self.timeout_s, others), \
+                deadline.backstop(self._last_resort()):
+            requests = [cobatch.Request(job.id, blob, job.compress, job.env, channel.log)
+                        for job, blob, channel, _ in runs]
+            outcomes = cobatch.run_batch(model, requests, self.cobatch_max, self.cobatch_pad,
+                                         restore=lambda: self._restored(lead.model_key))
+            answers: list = []
+            for (job, _, _, meta), outcome in zip(runs, outcomes):
+                meta["isolated"] = False
+                meta.update(outcome.meta)
+                if outcome.error is not None:
+                    answers.append(outcome.error)
+                    continue
                 try:
-                    tracer = execute.deserialize(model, blob, job.compress, job.env)
-                    meta["deserialize_ms"] = ms_since(started)
-                    saved = execute.run(tracer, channel.log)
-                except Exception as error:  # noqa: BLE001 - user code may raise anything
-                    # Formatted inside the scope: linecache still holds the user's source.
-                    raise execute.RequestError(execute.format_user_error(error)) from None
-            return results.encode(saved, job.compress)
+                    answers.append(results.encode(outcome.saved, job.compress))
+                except Exception as error:  # noqa: BLE001 - one job's result, one job's answer
+                    answers.append(error)
+            return answers
+
+    def _last_resort(self) -> float:
+        return self.timeout_s + self.watchdog.grace_s + deadline.BACKSTOP_MARGIN_S
+
+    def _restored(self, model_key: str):
+        """A co-batch found a weight written: the model reloaded, to go on with."""
+        restored = self.models.restore_if_changed(model_key)
+        log.warning("a co-batch on %s changed %d weight tensors; model reloaded", model_key, len(restored))
+        return self.models.get(model_key)
 
     def after(self, job: jobs.Job) -> None:
         """After the answer is sent, before the next job: the plain check

@@ -2,7 +2,7 @@
 
 ::
 
-    start ──► execute ──► deliver                      COMPLETED
+    start ──► execute ──► deliver                      COMPLETED   (execute + deliver: perform)
                  │            │
                  └────────────┴──► fail                ERROR, the one place an
                                                        exception becomes what the client reads
@@ -22,7 +22,12 @@
   store as a URL.
 - :func:`fail` maps every way a job can end badly (cancel, timeout, the
   user's error, the store away, a server fault) to its ERROR.
-- :func:`finish` runs whatever happened.
+- :func:`finish` runs whatever happened; :func:`close` is its part per job.
+
+A trusted job may lead a co-batch (``workers.batch``): its ``perform`` gathers
+its model's waiting trusted jobs, starts and announces each with these same
+steps, runs them together, and answers each with :func:`deliver` or
+:func:`fail` and :func:`close`; the lead's :func:`finish` comes last.
 
 Nothing a job does may take the worker down or leak into the next job.
 """
@@ -32,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ndif_celery import cleanup, jobs, messages, registry, statuses, wire
 from ndif_celery.celery_app import send_job
@@ -60,17 +65,26 @@ class Life:
     outcome: str = wire.ERROR  # until the result is delivered
 
 
-def run(worker, job: jobs.Job) -> None:
-    """A job's whole life on ``worker`` (a ``workers.worker.WorkerState``)."""
+def perform(worker, life: Life) -> None:
+    """The job's work once it runs: :func:`execute`, then :func:`deliver`."""
+    data = execute(worker, life)
+    deliver(worker, life, data)
+    life.outcome = wire.COMPLETED
+
+
+def run(worker, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -> None:
+    """A job's whole life on ``worker`` (a ``workers.worker.WorkerState``).
+
+    ``perform``: its work once RUNNING; ``workers.batch.perform`` instead for a
+    job that may lead a co-batch (it answers the other jobs of the batch
+    itself, and raises what is this job's answer, as :func:`perform` does)."""
     try:
         life = start(worker, job)
         if life is None:
             return
         try:
             announce(worker, life)
-            data = execute(worker, life)
-            deliver(worker, life, data)
-            life.outcome = wire.COMPLETED
+            perform(worker, life)
         except (JobCancelled, JobTimedOut, Exception) as error:  # noqa: BLE001 - every end is answered
             fail(worker, life, error)
         finally:
@@ -128,12 +142,17 @@ def announce(worker, life: Life) -> None:
 
 def execute(worker, life: Life) -> bytes:
     """Run the block through the job's executor; its result bytes, within the result limit."""
-    job, meta = life.job, life.meta
     run_started = time.perf_counter()
-    data = life.executor.run(life.model, job, life.blob, life.channel, meta)
-    meta["run_ms"] = ms_since(run_started)
+    data = life.executor.run(life.model, life.job, life.blob, life.channel, life.meta)
+    return within_limit(worker, life, data, ms_since(run_started))
+
+
+def within_limit(worker, life: Life, data: bytes, run_ms: float) -> bytes:
+    """The run's figures in the job's meta; ``data`` unless it is over the result limit."""
+    meta = life.meta
+    meta["run_ms"] = run_ms
     meta["result_bytes"] = len(data)
-    meta["payload_bytes"] = job.payload_bytes
+    meta["payload_bytes"] = life.job.payload_bytes
     limit = worker.settings.max_result_bytes
     if limit and len(data) > limit:
         raise result_too_big(len(data), limit)
@@ -182,12 +201,17 @@ def fail(worker, life: Life, error: BaseException) -> None:
 
 
 def finish(worker, life: Life) -> None:
-    """However the job ended, after its answer and before the next job."""
-    job = life.job
+    """However the job ended, after its answer and before the next job (after
+    every job of its co-batch): the worker free, the weight checks, then :func:`close`."""
     worker.end()
-    life.executor.after(job)  # the weight checks: nobody waits for them
+    life.executor.after(life.job)  # the weight checks: nobody waits for them
+    close(worker, life)
+
+
+def close(worker, life: Life) -> None:
+    """What every answered job leaves behind: its metrics, and its payload deleted."""
     try:
         metrics.job_ended(life.outcome, time.time() - life.started)
     except Exception:  # noqa: BLE001 - metrics never fail a job
         log.warning("worker metrics failed", exc_info=True)
-    worker.redis.delete(jobs.payload_key(job.id))
+    worker.redis.delete(jobs.payload_key(life.job.id))

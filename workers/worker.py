@@ -33,7 +33,7 @@ from ndif_celery.celery_app import queue_for
 from ndif_celery.environment import local_env
 from ndif_celery.store import open_store
 
-from . import deadline, isolate, job as job_life, memory, metrics
+from . import batch, deadline, isolate, job as job_life, memory, metrics
 from .controller import Controller, fail_waiting
 from .execute import RequestError
 from .executors import InProcess, Isolated, JobCancelled, JobTimedOut
@@ -60,38 +60,62 @@ class WorkerState:
         self.isolated = Isolated(settings, self.models, self.deadlines)
         self.info: dict = {"name": name, "host": socket.gethostname(), "pid": os.getpid()}
         self.current_job: Optional[str] = None
+        self.batch: tuple = ()  # the current job's co-batch: jobs taken out of the queue with it
         self.job_thread: Optional[int] = None
         self.controller: Optional[Controller] = None
         self._job_lock = threading.Lock()
+        self._entry_lock = threading.Lock()  # one writer of this worker's registry entry at a time
         self._ledger_engine = None  # opened by the first cleanup that prunes the ledger
 
     # --- jobs -------------------------------------------------------------------
 
     def run(self, job: jobs.Job) -> None:
-        job_life.run(self, job)
+        """One job, or a co-batch led by it (``workers.batch``: a trusted job
+        with ``NDIF_COBATCH_MAX`` > 1 gathers its model's waiting trusted jobs)."""
+        job_life.run(self, job, perform=batch.perform if batch.may_gather(self, job) else job_life.perform)
 
     def executor_for(self, job: jobs.Job):
         """In this process for a trusted key; a jailed child for an untrusted one."""
         return self.in_process if job.trusted else self.isolated
 
+    def registration(self) -> dict:
+        """This worker's registry entry: what it holds, the job it runs and that job's co-batch."""
+        return dict(self.info, models=self.models.keys(), current_job=self.current_job, batch=list(self.batch))
+
     def begin(self, job_id: str, pipe) -> None:
-        """Report the job as this worker's (for the watchdog) in ``pipe``."""
-        self.current_job, self.job_thread = job_id, threading.get_ident()
-        registry.register_worker(pipe, dict(self.info, models=self.models.keys(), current_job=job_id))
+        """Report the job as this worker's (for the watchdog) in ``pipe``; a job
+        of the running co-batch is already reported."""
+        with self._job_lock:
+            if job_id != self.current_job and job_id not in self.batch:
+                self.current_job, self.job_thread, self.batch = job_id, threading.get_ident(), ()
+            registry.register_worker(pipe, self.registration())
+
+    def take(self, waiting: list) -> list[jobs.Job]:
+        """Take these waiting jobs (``queues.Waiting``) out of their queue as the
+        running job's co-batch: removed and reported as this worker's in one
+        Redis step (``queues.take``), so none is lost if this process dies."""
+        with self._entry_lock:  # the heartbeat writes the same entry
+            with self._job_lock:  # from here on a kill does not interrupt this thread (see cancel)
+                self.batch = tuple(entry.job.id for entry in waiting)
+            taken = queues.take(self.redis, waiting, self.name, self.registration())
+            self.batch = tuple(job.id for job in taken)
+        return taken
 
     def end(self) -> None:
         with self._job_lock:
-            self.current_job, self.job_thread = None, None
+            self.current_job, self.job_thread, self.batch = None, None, ()
 
     def cancel(self, job_id: str, reason: type = JobCancelled) -> bool:
         """``ndif-celery kill``: a job in its executor is answered at once and
         interrupted by the watchdog (``workers.deadline``: replaced if stuck);
-        in any other step, it is interrupted at its next Python instruction."""
+        in any other step, it is interrupted at its next Python instruction,
+        unless a co-batch is being answered (an interruption would land in
+        another user's delivery): then ``ndif-celery kill`` answers it itself."""
         if self.deadlines.kill(job_id):
             return True
         with self._job_lock:
             thread = self.job_thread
-            if self.current_job != job_id or thread is None:
+            if self.current_job != job_id or thread is None or self.batch:
                 return False
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(reason))
             return True
@@ -103,9 +127,8 @@ class WorkerState:
     # --- registration -----------------------------------------------------------
 
     def heartbeat(self) -> None:
-        registry.register_worker(
-            self.redis, dict(self.info, models=self.models.keys(), current_job=self.current_job)
-        )
+        with self._entry_lock:
+            registry.register_worker(self.redis, self.registration())
         for model_key in self.models.keys():
             # Declared dead after a long stall and forgotten? Claim the models again.
             if registry.get_deployment(self.redis, self.name, model_key) is None:

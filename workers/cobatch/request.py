@@ -12,6 +12,7 @@ request that does not share a forward behaves exactly as it does today.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -45,6 +46,7 @@ class Outcome:
     saved: Optional[dict] = None
     error: Optional[execute.RequestError] = None
     meta: dict = field(default_factory=dict)
+    deserialize_ms: Optional[float] = None  # run alone: how long its payload took to read (the ledger's timing)
 
     @property
     def ok(self) -> bool:
@@ -54,9 +56,11 @@ class Outcome:
 def run_alone(model: Any, request: Request, why: str) -> Outcome:
     """The request alone, exactly as the trusted path runs it today."""
     outcome = Outcome(request.job_id, meta={"cobatch": 1, "cobatch_solo": why})
+    started = time.perf_counter()
     with execute.request_scope(model):
         try:
             tracer = execute.deserialize(model, request.blob, request.compress, request.env)
+            outcome.deserialize_ms = round((time.perf_counter() - started) * 1000, 1)
             outcome.saved = execute.run(tracer, request.log)
         except Exception as error:  # noqa: BLE001 - user code may raise anything
             # Formatted inside the scope: linecache still holds the user's source.
