@@ -122,3 +122,52 @@ def test_a_job_that_answers_first_is_not_interrupted(client):
     time.sleep(0.5)
     assert outcome == {"returned": True}
     assert _latest(client, job)["status"] == wire.COMPLETED
+
+
+def _batch_in_thread(watchdog, members, seconds, body):
+    """``body`` inside one watch for a co-batch (``members``: (job, channel) each, the lead first)."""
+    (lead, lead_channel), *others = members
+    outcome = {}
+
+    def target():
+        try:
+            with watchdog.watch(lead.id, lead_channel, {}, seconds, [(j.id, c, {}) for j, c in others]):
+                body()
+            outcome["returned"] = True
+        except BaseException as error:  # noqa: BLE001
+            outcome["raised"] = type(error)
+        for _, channel in members:  # each job's own, late answer
+            channel.send(wire.COMPLETED, "done")
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_a_co_batch_past_its_deadline_gets_every_jobs_error_once(client):
+    watchdog = deadline.Watchdog(0.5, 2.0, (JobTimedOut, JobCancelled), lambda job_id, why: None)
+    members = [_job(client, f"batch{i}") for i in range(3)]
+    thread, outcome = _batch_in_thread(watchdog, members, 0.5, lambda: [time.sleep(0.05) for _ in range(100)])
+    thread.join(5)
+    assert outcome == {"raised": JobTimedOut}
+    for job, _ in members:
+        latest = _latest(client, job)
+        assert latest["status"] == wire.ERROR and "exceeded the execution timeout" in latest["description"], job.id
+        assert client.zscore(jobs.DEADLINES, job.id) is None  # every deadline cleared for the beat
+
+
+def test_a_kill_of_one_job_of_a_co_batch_answers_it_alone(client):
+    watchdog = deadline.Watchdog(30, 2.0, (JobTimedOut, JobCancelled), lambda job_id, why: None)
+    members = [_job(client, f"kill{i}") for i in range(3)]
+    release = threading.Event()
+    thread, outcome = _batch_in_thread(watchdog, members, 30, lambda: release.wait(10))
+    while client.zscore(jobs.DEADLINES, members[2][0].id) is None:
+        time.sleep(0.01)  # armed, every job's deadline recorded
+    assert watchdog.kill(members[1][0].id)
+    assert _latest(client, members[1][0])["description"] == deadline.CANCELLED
+    assert not watchdog.kill(members[1][0].id), "killed twice"
+    release.set()
+    thread.join(5)
+    assert outcome == {"returned": True}, "the batch's thread was interrupted"
+    assert [_latest(client, job)["status"] for job, _ in members] == [wire.COMPLETED, wire.ERROR, wire.COMPLETED]
+    assert _latest(client, members[1][0])["description"] == deadline.CANCELLED  # its late COMPLETED dropped
