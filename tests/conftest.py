@@ -244,8 +244,30 @@ def pytest_runtest_setup(item):
 
 
 def pytest_collection_modifyitems(config, items):
-    e2e = pytest.mark.e2e
     for item in items:
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        if module in E2E_MODULES or E2E_FIXTURES.intersection(item.fixturenames):
-            item.add_marker(e2e)
+        if _module(item) in E2E_MODULES or E2E_FIXTURES.intersection(item.fixturenames):
+            item.add_marker(pytest.mark.e2e)
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: a module's own order is kept
+
+
+def _module(item) -> str:
+    return item.module.__name__.rpartition(".")[2] if item.module else ""
+
+
+# --- order: the longest modules first ----------------------------------------------
+#
+# ``make test`` shares the modules out among pytest-xdist processes (``--dist
+# loadscope``: a module at a time, in collection order). A long module picked
+# last runs alone at the end while the other processes idle, so the longest
+# go first. Ranked by their time in a full run (test_bench_smoke, about 2
+# minutes, first); a module not listed keeps its place after them.
+
+LONGEST_FIRST = (
+    "test_bench_smoke", "test_capacity", "test_conformance_remote", "test_deadlines", "test_auth_defaults",
+    "test_farm", "test_auth", "test_security", "test_many_requests", "test_doctor", "test_security_channels",
+    "test_cli", "test_cobatch_e2e", "test_integrity", "test_reliability", "test_limits", "test_jail_required",
+    "test_supervision", "test_ledger", "test_model_policy", "test_e2e_api", "test_conformance_local",
+    "test_outages", "test_cobatch",
+)
+
