@@ -22,6 +22,9 @@ is checked and stopped (pid reuse, process groups) is
 :mod:`ndif_celery.processes`; restarting a service that died is
 :mod:`ndif_celery.supervisor`. This module keeps the state file, the ports,
 start, readiness and stop.
+
+About 450 lines on purpose: start, readiness and stop share the state file
+and the services' order, and read best as one sequence.
 """
 
 from __future__ import annotations

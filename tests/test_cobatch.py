@@ -23,6 +23,10 @@ Measured tolerance (this 2-core CPU, torch 2.13, the 12-layer tiny GPT-2, fp32;
 
 The tests allow ``TOLERANCE`` = 1e-5 absolute (values of order 1e-2..1), the
 bound the feasibility study measured on larger models (1.3e-6) with room.
+
+Why one file of ~550 lines: a catalogue of independent scenarios (one per
+hazard or feature), each read on its own, sharing the capture and compare
+helpers at the top; split, the helpers would travel.
 """
 
 from __future__ import annotations
