@@ -102,9 +102,17 @@ def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
         for worker, answer in reply.items():
             if answer.get("ok") == "cancelling":
                 return f"cancelling on {worker}"
-    if runners and _answer_for(client, job_id, ttl_s, messages.cancelled_unanswered(runners[0])):
-        return f"ended: worker {runners[0]} did not reply; it restarts at the job's deadline"
+    # Nobody replied. A job still RUNNING has a worker held by its code (or one
+    # the beat already buried for its silence): answer for it.
+    worker = runners[0] if runners else "its worker"
+    if _running(client, job_id) and _answer_for(client, job_id, ttl_s, messages.cancelled_unanswered(worker)):
+        return f"ended: {worker} did not reply; it restarts at the job's deadline"
     raise FarmError(f"no job {job_id} is waiting or running")
+
+
+def _running(client: redis.Redis, job_id: str) -> bool:
+    latest = jobs.latest_status(client, job_id)
+    return latest is not None and wire.frame_status(latest) == wire.RUNNING
 
 
 def _answer_for(client: redis.Redis, job_id: str, ttl_s: int, description: str) -> bool:

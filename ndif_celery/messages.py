@@ -40,7 +40,7 @@ CANCELLED = "Your job was cancelled by the operator."
 
 def cancelled_unanswered(worker: str) -> str:
     """ERROR ``kind="cancelled"`` sent by ``ndif-celery kill`` itself: the running worker did not reply."""
-    return (CANCELLED + f" Its worker ({worker}) did not reply (the code held the interpreter in a C call); "
+    return (CANCELLED + f" The worker running it ({worker}) did not reply (the code held the interpreter in a C call); "
             "it is restarted at the job's deadline.")
 
 

@@ -21,6 +21,9 @@ def stack(tmp_path_factory, hf_home):
     env = {
         "NDIF_WORKER_NAME": "gpu0@replicas", "NDIF_WORKER_GPUS": "0", "NDIF_WORKER_MEMORY_GIB": "1",
         "NDIF_REPLICA_WAIT_S": "1", "NDIF_AUTOSCALE_BACKOFF_S": "1", "NDIF_REPLICA_IDLE_S": "4",
+        # One job at a time, so the slow jobs wait in the queue: co-batching would
+        # take all eight into one batch, and no queue pressure would be left.
+        "NDIF_COBATCH_MAX": "1",
     }
     with client_on_stack(tmp_path_factory.mktemp("replicas"), hf_home, env, [("gpu1@replicas", "1", 1)]) as stack:
         yield stack
