@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import redis
 
 from ndif_celery import jobs, limits
+from ndif_celery.notices import Notices
 
 log = logging.getLogger("ndif_celery.web.hub")
 
@@ -237,14 +238,16 @@ def _session_of(channel: bytes) -> str:
 
 
 def _forever(target: Callable[[], None], name: str) -> Callable[[], None]:
-    """Keep a hub loop alive through Redis outages longer than the client's retries."""
+    """Keep a hub loop alive through Redis outages longer than the client's retries
+    (the same error, met every half second while Redis is away, logged once per change)."""
+    notices = Notices(log)
 
     def run() -> None:
         while True:
             try:
                 target()
-            except Exception:  # noqa: BLE001 - logged; the loop must not die
-                log.warning("%s: retrying after an error", name, exc_info=True)
+            except Exception as error:  # noqa: BLE001 - logged; the loop must not die
+                notices.warn(name, f"{name}: retrying after {type(error).__name__}: {error}", exc_info=True)
                 time.sleep(0.5)
 
     return run

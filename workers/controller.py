@@ -31,6 +31,7 @@ from typing import Optional
 
 from ndif_celery import config, ledger, messages, model_policy, queues, registry, statuses, wire
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
+from ndif_celery.notices import Notices
 
 from . import placement, sizing
 
@@ -51,6 +52,8 @@ class Controller(threading.Thread):
         self.wishes: dict[str, dict] = {}
         self.stopping = threading.Event()
         self.ledger = ledger.Drainer(settings.database_url)
+        # The same trouble meets every tick (a model no worker can take): logged once per change.
+        self.notices = Notices(log)
 
     def run(self) -> None:
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -129,7 +132,7 @@ class Controller(threading.Thread):
                 raise model_policy.PolicyError(
                     f"Model {key.repo_id!r} is not deployed on this farm, and untrusted keys cannot deploy new models.")
         except model_policy.PolicyError as error:
-            self.cannot(queue, f"Could not deploy: {error.detail}")
+            self.cannot(queue, f"Could not deploy: {error.detail}", model_key)
             return True
         return False
 
@@ -161,15 +164,16 @@ class Controller(threading.Thread):
         try:
             model_policy.Policy.from_settings(self.settings).loadable(model_key)  # before sizing reads any config
         except model_policy.PolicyError as error:
-            return self.cannot(fail_queue, f"Could not deploy: {error.detail}")
+            return self.cannot(fail_queue, f"Could not deploy: {error.detail}", model_key)
         try:
             weights = sizing.weight_bytes(model_key, dtype, self.redis)
             size = sizing.padded(weights, self.settings.padding_factor, self.settings.padding_bytes)
             chosen = placement.place(model_key, size, farm.views(self.wishes), evict=evict)
         except sizing.SizingError as error:
-            return self.cannot(fail_queue, str(error))
+            return self.cannot(fail_queue, str(error), model_key)
         except placement.NoRoom as error:
-            return self.cannot(fail_queue, f"Could not deploy {repo}: {error}.")
+            return self.cannot(fail_queue, f"Could not deploy {repo}: {error}.", model_key)
+        self.notices.cleared(model_key, f"{repo} can be placed again")
         log.info("placing %s (%d bytes) on %s, evicting %s", repo, size, chosen.worker, chosen.evict or "nothing")
         registry.set_deployment(
             self.redis, chosen.worker, model_key, registry.DEPLOYING,
@@ -185,8 +189,10 @@ class Controller(threading.Thread):
         )
         return True
 
-    def cannot(self, fail_queue: Optional[str], reason: str) -> bool:
-        log.warning("%s", reason)
+    def cannot(self, fail_queue: Optional[str], reason: str, model_key: str) -> bool:
+        """A model that cannot be placed: say why (once per change, ``notices``), and
+        fail ``fail_queue``'s jobs with the reason (a first deploy nothing can hold)."""
+        self.notices.warn(model_key, reason)
         if fail_queue is not None:
             fail_waiting(self.redis, fail_queue, reason, self.settings.job_ttl_s)
         return False
