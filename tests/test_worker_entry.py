@@ -101,3 +101,24 @@ def test_every_bad_end_gives_its_error(error, kind, text):
     [(status, description, sent_kind)] = channel.sent
     assert (status, sent_kind) == ("ERROR", kind)
     assert text in description
+
+
+def test_a_workers_entry_stops_naming_its_job_as_soon_as_the_job_ends(embedded_settings, redis_client):
+    """Not at the next heartbeat (``registry.HEARTBEAT_S``): ``/status``, the
+    watchdog and ``ndif-celery kill`` read the entry, and for up to a heartbeat
+    it named a job that had ended (issue #16)."""
+    from ndif_celery import registry
+    from ndif_celery.celery_app import make_app
+    from workers.worker import WorkerState
+
+    worker = WorkerState("w@entry", embedded_settings, make_app(embedded_settings))
+
+    def entry() -> dict:
+        return json.loads(redis_client.hget(registry.WORKERS, "w@entry"))
+
+    pipe = redis_client.pipeline()
+    worker.begin("a" * 32, pipe)
+    pipe.execute()
+    assert entry()["current_job"] == "a" * 32
+    worker.end()
+    assert entry()["current_job"] is None and entry()["batch"] == []

@@ -102,8 +102,17 @@ class WorkerState:
         return taken
 
     def end(self) -> None:
+        """The job (and its co-batch) is answered: this worker runs nothing, and
+        says so in its registry entry now, not at the next heartbeat (``/status``,
+        the watchdog and ``ndif-celery kill`` read it; for up to a heartbeat it
+        named a job that had ended)."""
         with self._job_lock:
             self.current_job, self.job_thread, self.batch = None, None, ()
+        try:
+            with self._entry_lock:
+                registry.register_worker(self.redis, self.registration())
+        except Exception:  # noqa: BLE001 - the next heartbeat writes it; the job is answered
+            log.warning("could not clear this worker's current job in its registry entry", exc_info=True)
 
     def cancel(self, job_id: str, reason: type = JobCancelled) -> bool:
         """``ndif-celery kill``: a job in its executor is answered at once and
