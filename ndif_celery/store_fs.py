@@ -146,3 +146,56 @@ class FilesystemStore:
             raise StoreUnavailable(
                 f"result directory {self.root} is not writable: {exc}"
             ) from exc
+
+
+#: The marker file naming a result directory (dot-named: never a result key, never cleaned up).
+MARKER = ".ndif-store-id"
+#: Redis key: the marker of the directory the farm's first process found (web or worker).
+SHARED_KEY = "ndif:store:fs-id"
+#: How long the farm remembers it after the last process checked in (a moved directory is accepted then).
+SHARED_TTL_S = 24 * 3600
+
+
+class NotShared(RuntimeError):
+    """This host's result directory is not the one the farm's other hosts use."""
+
+
+def check_shared(store: FilesystemStore, client, host: str) -> str:
+    """Refuse a filesystem store that the web and worker hosts do not share.
+
+    Why: a worker writes a result into *its* ``NDIF_RESULTS_DIR`` and the web
+    serves downloads from *its own*; on two hosts without a shared mount the
+    client's URL finds nothing (404), long after the job said COMPLETED. Every
+    web and worker process, as it starts, reads the directory's marker (made
+    once, with a random id: O_EXCL, so processes starting together agree) and
+    compares it with the one the farm recorded in Redis first. Another id means
+    another directory: refused, with what to do instead. Returns the id.
+    """
+    store.root.mkdir(parents=True, exist_ok=True)
+    marker = store.root / MARKER
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        pass
+    else:
+        with os.fdopen(fd, "w") as out:
+            out.write(os.urandom(16).hex())
+    mine = ""
+    for _ in range(50):  # a process that just created it may not have written it yet
+        mine = marker.read_text().strip()
+        if mine:
+            break
+        time.sleep(0.01)
+    if not mine:
+        raise NotShared(f"the result directory's marker {marker} is empty; remove it and start again")
+    client.set(SHARED_KEY, mine, nx=True, ex=SHARED_TTL_S)
+    farm = (client.get(SHARED_KEY) or b"").decode()
+    if farm and farm != mine:
+        raise NotShared(
+            f"NDIF_RESULTS_DIR {store.root} on {host} is not the result directory the farm's other hosts use "
+            f"(its marker {MARKER} says {mine[:8]}..., the farm's says {farm[:8]}...). A filesystem result store "
+            "must be one directory every web and worker host shares (one host, or a shared mount); across hosts "
+            "use MinIO or another S3 store (NDIF_OBJECT_STORE_URL). If the directory was moved on purpose, "
+            f"delete the Redis key {SHARED_KEY} and start again.")
+    client.expire(SHARED_KEY, SHARED_TTL_S)
+    return mine

@@ -7,6 +7,7 @@ code. Everything it knows about a job comes from Redis (see
 
 from __future__ import annotations
 
+import socket
 from typing import Optional
 
 import redis
@@ -17,7 +18,8 @@ from ndif_celery import config, jobs
 from ndif_celery.auth import Authenticator
 from ndif_celery.celery_app import make_app
 from ndif_celery.errors import Refused
-from ndif_celery.store import open_store
+from ndif_celery.store import FilesystemStore, open_store
+from ndif_celery.store_fs import check_shared
 
 from . import dashboard, results, routes, subscribe
 
@@ -35,7 +37,13 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.config["NDIF_SETTINGS"] = settings
     app.config["NDIF_REDIS"] = jobs.connect(settings.redis_url, settings.redis_outage_s, settings.web_redis_connections)
     app.config["NDIF_CELERY"] = make_app(settings)
-    app.config["NDIF_STORE"] = open_store(settings)
+    app.config["NDIF_STORE"] = store = open_store(settings)
+    if isinstance(store, FilesystemStore):
+        # Downloads are served from this host's directory: it must be the workers' (store_fs.check_shared).
+        try:
+            check_shared(store, app.config["NDIF_REDIS"], socket.gethostname())
+        except (redis.ConnectionError, redis.TimeoutError) as error:
+            app.logger.warning("could not check that the result directory is the workers' (Redis away): %s", error)
     app.config["NDIF_AUTH"] = Authenticator(settings)
     app.json.sort_keys = False
     # Refuse absurd uploads before reading them; the exact check is on the blob.

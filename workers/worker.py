@@ -31,7 +31,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from ndif_celery import cleanup, config, db, jobs, ledger, queues, registry, statuses, wire
 from ndif_celery.celery_app import queue_for
 from ndif_celery.environment import local_env
-from ndif_celery.store import open_store
+from ndif_celery.store import FilesystemStore, open_store
+from ndif_celery.store_fs import NotShared, check_shared
 
 from . import batch, deadline, isolate, job as job_life, memory, metrics
 from .controller import Controller, fail_waiting
@@ -226,6 +227,7 @@ class WorkerState:
     def ready(self) -> None:
         """Import the heavy stack, register, start the heartbeat and the controller."""
         settings = self.settings
+        self.check_store()
         import nnsight.modeling.transformers  # noqa: F401 - now, not during the first job
 
         if settings.torch_threads:
@@ -250,6 +252,20 @@ class WorkerState:
         self.controller.start()
         registry.wake_controller(self.redis, "worker ready")
         log.info("worker %s ready (%d bytes for models)", self.name, self.info["memory_bytes"])
+
+    def check_store(self) -> None:
+        """A filesystem store this host does not share with the web hosts: its
+        results could never be downloaded, so this worker refuses to serve
+        (``store_fs.check_shared``) and exits with EX_CONFIG; its log says why."""
+        if not isinstance(self.store, FilesystemStore):
+            return
+        try:
+            check_shared(self.store, self.redis, socket.gethostname())
+        except NotShared as error:
+            log.critical("refusing to serve: %s", error)
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os._exit(78)  # EX_CONFIG
 
     def shutdown(self) -> None:
         isolate.discard()
