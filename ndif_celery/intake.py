@@ -129,6 +129,7 @@ def park(client: redis.Redis, job: jobs.Job, blob: bytes, queue: str, position: 
         pipe.sadd(jobs.session_jobs_key(job.session_id), job.id)
         pipe.expire(jobs.session_jobs_key(job.session_id), settings.job_ttl_s)
     limits.track(pipe, job)
+    pipe.zadd(jobs.OPEN, {job.id: job.received_at})  # until its final status (the beat's reconciler)
     pipe.sadd(registry.QUEUES, queue)
     pipe.hset(registry.QUEUE_MODELS, queue, job.model_key)
     statuses.StatusChannel(client, job, settings.job_ttl_s).send(

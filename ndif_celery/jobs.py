@@ -18,6 +18,8 @@ statuses through ``ndif_celery.statuses.StatusChannel``):
                               ``...:jobs``: the jobs submitted to it)
 
 - zset ``ndif:jobs:ended``     job id -> when it ended, for the cleanup (``ndif_celery.cleanup``)
+- zset ``ndif:jobs:open``     job id -> when it was accepted, until its final status: what the
+                              beat's reconciler checks is queued, running or ended (``ndif_celery.watchdog``)
 - zset ``ndif:jobs:deadlines`` job id -> its execution deadline (epoch seconds) while it runs,
                               so the beat answers a job whose worker cannot (``ndif_celery.watchdog``)
 - list ``ndif:ledger``         summaries of ended jobs for the ledger database (``ndif_celery.ledger``);
@@ -41,6 +43,7 @@ from . import wire
 
 ENDED = "ndif:jobs:ended"
 DEADLINES = "ndif:jobs:deadlines"
+OPEN = "ndif:jobs:open"
 
 # One small function per Redis key, alike on purpose (tools/duplicates sees
 # them as a repeat): each name is greppable where it is used, and a key's

@@ -49,6 +49,10 @@ def worker_lost_again(worker: str) -> str:
     return f"The worker running your job ({worker}) was lost; your job is queued to run again."
 
 
+#: Who "the worker" was for a job lost between the broker and a worker (``watchdog.find_lost``).
+LOST_IN_DELIVERY = "one that never started it: the broker's delivery was lost"
+
+
 def worker_lost_twice(worker: str) -> str:
     """ERROR ``kind="worker_lost"``: its second worker died too; it is not run a third time."""
     return (f"The worker was lost while running your job ({worker}, twice); "

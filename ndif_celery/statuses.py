@@ -129,6 +129,7 @@ def _release(pipe, job: jobs.Job, ttl_s: int) -> None:
     when the job ended (for the cleanup), and keep its owner as long as its status."""
     limits.release(pipe, job)
     pipe.zadd(jobs.ENDED, {job.id: time.time()})
+    pipe.zrem(jobs.OPEN, job.id)
     pipe.expire(jobs.owner_key(job.id), ttl_s)
 
 

@@ -17,7 +17,15 @@ Every :data:`INTERVAL_S` the leader
 3. tells the jobs waiting for a model that no live worker holds (none alive,
    or none placed it for :data:`UNSERVED_GRACE_S`) that nobody serves it right
    now, once per change (``ndif:job:<id>:unserved``), not every tick;
-4. first of all, answers the jobs still running :data:`OVERDUE_S` past their
+4. re-sends the jobs accepted but neither queued, nor running on a live
+   worker, nor ended, for :data:`LOST_AFTER_S` (``jobs.OPEN``): the broker
+   handed the message to a worker connection that was already dead (a host's
+   link cut while its worker idled), and its own redelivery waits for the
+   visibility timeout (hours). Watched rather than acknowledged differently:
+   Celery's late acknowledgement is what keeps a running job's message safe,
+   and the loss happens inside the broker's delivery, where the farm cannot
+   hook in; the states a job can be in are all readable in Redis;
+5. first of all, answers the jobs still running :data:`OVERDUE_S` past their
    deadline (``jobs.DEADLINES``, written by the worker's deadline watch) with
    the timeout ERROR: their worker did not, because the job's code holds the
    GIL in a C call and no thread of that process runs
@@ -52,6 +60,8 @@ INTERVAL_S = 2.0
 UNSERVED_GRACE_S = 15.0
 # A running job this long past its deadline was not answered by its worker: answer it here.
 OVERDUE_S = 1.0
+# An accepted job seen neither queued, nor running, nor ended this long is lost: sent again.
+LOST_AFTER_S = 10.0
 
 
 def unserved_key(job_id: str) -> str:
@@ -69,6 +79,7 @@ class Watchdog(threading.Thread):
         self.app = app or make_app(settings)
         self.me = name or f"watchdog-{id(self):x}@{time.time():.0f}"
         self.unserved_since: dict[str, float] = {}
+        self.unseen_since: dict[str, float] = {}  # open jobs found nowhere, since when
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -96,6 +107,7 @@ class Watchdog(threading.Thread):
         self.answer_overdue(now)
         self.bury_dead_workers(now)
         self.rescue_orphans()
+        self.find_lost(now)
         self.tell_unserved(now)
 
     # -- jobs whose worker cannot answer -----------------------------------------
@@ -159,6 +171,35 @@ class Watchdog(threading.Thread):
         registry.wake_controller(self.redis, "rescued")
         log.warning("job %s lost with worker %s: sent again (attempt 2)", job.id, worker)
         return True
+
+    def find_lost(self, now: float) -> None:
+        """Jobs accepted :data:`LOST_AFTER_S` ago or more that are nowhere: not in a
+        queue, not reported by a live worker (its job or co-batch), not ended.
+        Found nowhere on every look for :data:`LOST_AFTER_S`, a job is rescued
+        (a message a worker took a moment ago is not reported yet, but is by the
+        next look)."""
+        candidates = [raw.decode() for raw in self.redis.zrangebyscore(jobs.OPEN, 0, now - LOST_AFTER_S)]
+        if not candidates:
+            self.unseen_since.clear()
+            return
+        queued = {entry.job.id for queue in queues.model_queues(self.redis)
+                  for entry in queues.waiting(self.redis, queue)}
+        running = {job_id for info in registry.live_workers(self.redis, now).values()
+                   for job_id in registry.running_jobs(info)}
+        unseen = {}
+        for job_id in candidates:
+            if job_id in queued or job_id in running:
+                continue
+            if jobs.finished(self.redis, job_id) or not self.redis.exists(jobs.message_key(job_id)):
+                self.redis.zrem(jobs.OPEN, job_id)  # ended (or expired) without a word here
+                continue
+            unseen[job_id] = since = self.unseen_since.get(job_id, now)
+            if now - since >= LOST_AFTER_S:
+                log.warning("job %s was accepted but is neither queued, nor running, nor ended: lost "
+                            "between the broker and a worker", job_id)
+                if self.rescue(job_id, messages.LOST_IN_DELIVERY):
+                    unseen.pop(job_id)
+        self.unseen_since = unseen
 
     # -- queues nobody serves ----------------------------------------------------
 

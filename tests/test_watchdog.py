@@ -165,3 +165,43 @@ def test_a_job_its_worker_answered_is_not_answered_again(client, watchdog):
     watchdog.tick()
     assert _latest(client, job.id)["status"] == wire.COMPLETED
     assert client.zscore(jobs.DEADLINES, job.id) is None
+
+
+def test_an_accepted_job_found_nowhere_is_sent_again_and_the_others_are_left_alone(client, watchdog):
+    """Issue #16: the broker handed a job to a worker connection that was
+    already dead; no worker recorded it, and the broker's redelivery waits for
+    the visibility timeout. Found nowhere for LOST_AFTER_S, it is sent again."""
+    from ndif_celery.celery_app import send_job
+
+    now = time.time()
+    accepted = now - watchdog_module.LOST_AFTER_S - 5
+    lost, queued, running, ended = (_job(client, c * 32) for c in "1234")
+    send_job(watchdog.app, queued)
+    client.sadd(registry.QUEUES, queue_for(MODEL_KEY))  # as the intake registers it
+    _worker(client, "w@alive", 7, current_job=running.id)
+    client.set(jobs.status_key(ended.id), wire.response_json(ended.id, wire.COMPLETED, ""))
+    client.zadd(jobs.OPEN, {job.id: accepted for job in (lost, queued, running, ended)})
+
+    watchdog.tick(now)  # first seen nowhere: not yet (a worker may have taken it a moment ago)
+    assert _queued_ids(client) == [queued.id]
+    assert client.zscore(jobs.OPEN, ended.id) is None  # ended: no longer watched
+    watchdog.tick(now + watchdog_module.LOST_AFTER_S / 2)
+    assert _queued_ids(client) == [queued.id]
+    # Its heartbeat, at the look's (simulated) time.
+    _worker(client, "w@alive", 7, current_job=running.id, seen_ago=-watchdog_module.LOST_AFTER_S)
+    watchdog.tick(now + watchdog_module.LOST_AFTER_S + 0.1)
+    assert _queued_ids(client) == [queued.id, lost.id]
+    assert queues.waiting(client, queue_for(MODEL_KEY))[1].job.attempt == 2
+    assert "queued to run again" in _latest(client, lost.id)["description"]
+    assert _latest(client, running.id)["status"] == wire.RUNNING  # reported by a live worker: left alone
+
+
+def test_a_job_lost_in_delivery_twice_ends_with_an_error(client, watchdog):
+    now = time.time()
+    job = _job(client, "5" * 32, attempt=2)
+    client.zadd(jobs.OPEN, {job.id: now - 60})
+    watchdog.tick(now)
+    watchdog.tick(now + watchdog_module.LOST_AFTER_S)
+    latest = _latest(client, job.id)
+    assert latest["status"] == wire.ERROR and messages.LOST_IN_DELIVERY in latest["description"]
+    assert client.zscore(jobs.OPEN, job.id) is None
