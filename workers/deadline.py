@@ -179,13 +179,14 @@ class Watchdog:
         the block exits; with ``others`` ((job id, channel, meta) each), a
         co-batch led by ``job_id``, under the same deadline."""
         watch = Watch(job_id, channel, meta, threading.get_ident(), time.monotonic() + seconds, others=tuple(others))
-        # For the beat, in case this process cannot answer (user code holding the GIL).
-        channel.redis.zadd(jobs.DEADLINES, {m[0]: time.time() + seconds for m in watch.members()})
         with self._cond:
             self._ensure_thread()
             self._watch = watch
             self._cond.notify()
         try:
+            # For the beat, in case this process cannot answer (user code holding the GIL);
+            # after the watch is set, so a job the beat can see is one a kill here finds.
+            channel.redis.zadd(jobs.DEADLINES, {m[0]: time.time() + seconds for m in watch.members()})
             yield watch
         finally:
             self._unwatch(watch)
