@@ -29,12 +29,13 @@ from bench.models import BenchModel
 from bench.plan import ALL, COMPUTE_THREADS, OUT_DIR, TIME_WORKLOADS, TITLES, MiB, Plan
 from bench.sections.capacity import CapacitySection
 from bench.sections.checks import TargetChecks
+from bench.sections.cobatch import CobatchSection
 from bench.sections.isolation import IsolationSection
 from bench.sections.throughput import ThroughputSection
 from bench.sections.timed import TimedSections
 
 
-class Bench(TimedSections, IsolationSection, ThroughputSection, CapacitySection, TargetChecks):
+class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, CapacitySection, TargetChecks):
     """One bench run: ``Bench(args, plan, model, hf_home).run()``, then ``close()``."""
 
     def __init__(self, args: argparse.Namespace, plan: Plan, model: BenchModel, hf_home: Path) -> None:
@@ -61,7 +62,9 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CapacitySection,
             "host": {"cpus": os.cpu_count(), "hostname": socket.gethostname()},
             "plan": {"reps": plan.reps, "warmup": plan.warmup, "big_bytes": plan.big_bytes,
                      "cold_reps": plan.cold_reps, "isolation_reps": plan.isolation_reps,
-                     "throughput": plan.throughput, "compute_throughput": plan.compute_throughput},
+                     "throughput": plan.throughput, "compute_throughput": plan.compute_throughput,
+                     "cobatch": plan.cobatch, "compute_cobatch": plan.compute_cobatch,
+                     "cobatch_rounds": plan.cobatch_rounds},
             "workloads": {},
             "checks": [],
         }
@@ -71,6 +74,7 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CapacitySection,
         self.iso_stack = None
         self.zygote_stack = None
         self.compute_stack = None
+        self.cobatch_stack = None  # the main model's co-batching-off stack (bench/sections/cobatch.py)
         # Client models that have made their first (slower) request, kept alive so their ids stay theirs.
         self.warmed: dict = {}
         self.homes: list[Path] = []
@@ -168,6 +172,8 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CapacitySection,
         self.null = NullServer().start()
         self.stack = self.new_stack()
         started_stack = time.perf_counter()
+        if "cobatch" in self.only:  # its off stack starts alongside (idle until the cobatch section)
+            self.start_cobatch_off()
         self.stack.start()
         self.first_request()
         self.out["stack_start_s"] = round(time.perf_counter() - started_stack, 3)
@@ -178,16 +184,22 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CapacitySection,
             self.cold_start()
         if "isolation" in self.only:
             self.isolation()
+        # The main model's cells first: the compute-bound sections stop the main stack.
         if "throughput" in self.only:
             self.throughput()
-            if self.throughput_model() is not None:
+        if "cobatch" in self.only:
+            self.cobatch()
+        if self.throughput_model() is not None:
+            if "throughput" in self.only:
                 self.compute_throughput()
+            if "cobatch" in self.only:
+                self.compute_cobatch()
         if "capacity" in self.only:
             self.capacity()
         self.out["checks"] = self.checks()
         self.out["elapsed_s"] = round(time.monotonic() - started, 1)
         self.save_json()
-        self.emit(f"\n== targets (issue #6), commit {self.commit}")
+        self.emit(f"\n== targets (issues #6, #14, #15), commit {self.commit}")
         for check in self.out["checks"]:
             self.emit(f"{check['verdict']:<4}  {check['name']}: {check['detail']}")
         self.emit(f"\nvalues: {self.values_line()}")
@@ -211,7 +223,10 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CapacitySection,
     def close(self) -> None:
         import shutil
 
-        for stack in (self.compute_stack, self.iso_stack, self.zygote_stack, self.stack):
+        starter = getattr(self, "_cobatch_starter", None)
+        if starter is not None:
+            starter.join(timeout=200)
+        for stack in (self.compute_stack, self.cobatch_stack, self.iso_stack, self.zygote_stack, self.stack):
             if stack is not None:
                 with contextlib.suppress(Exception):
                     stack.stop()

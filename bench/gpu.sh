@@ -10,6 +10,8 @@
 # Needs a CUDA build of torch in .venv (the default install is CPU-only):
 #   .venv/bin/pip install --force-reinstall 'torch==2.13.0' --index-url https://download.pytorch.org/whl/cu128
 # The isolated path is left out: GPU workers refuse untrusted jobs (docs/security.md).
+# cobatch (issue #15): 1, 4, 16 clients against one worker, co-batching off vs on, on the 1.1B model
+# (its targets are checked on those cells on a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -32,6 +34,6 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 exec "$PY" bench/run.py --model llama-1b --device cuda \
   --stack-env NDIF_WORKER_GPUS=0 \
   --second-worker-gpus 0 --second-worker-memory-gib 40 \
-  --only small_trace,every_layer,generate,session,big_result,cold_start,throughput \
+  --only small_trace,every_layer,generate,session,big_result,cold_start,throughput,cobatch \
   --out "${BENCH_OUT:-bench/_out/bench-gpu.json}" \
   "$@"

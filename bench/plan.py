@@ -17,7 +17,10 @@ MiB = 1024 * 1024
 COMPUTE_THREADS = 1  # NDIF_TORCH_THREADS of the compute-bound throughput stack: one "device" per worker
 OUT_DIR = ROOT / "bench" / "_out"
 TIME_WORKLOADS = ("small_trace", "every_layer", "generate", "session", "big_result")
-ALL = TIME_WORKLOADS + ("cold_start", "isolation", "throughput", "capacity")
+ALL = TIME_WORKLOADS + ("cold_start", "isolation", "throughput", "cobatch", "capacity")
+# Co-batched values against the local solo run: torch.equal where no padding is involved, else within
+# the engine's stated tolerance (tests/test_cobatch.py's TOLERANCE and docstring; a smoke test keeps them equal).
+COBATCH_TOLERANCE = 1e-5
 TITLES = {
     "small_trace": "small trace: one forward pass, one hidden state saved",
     "every_layer": "trace saving every layer's output",
@@ -28,6 +31,10 @@ TITLES = {
     "throughput": "throughput: small traces from N client threads (each its own client model)",
     "throughput_compute": "throughput on a compute-bound model: small traces from N client threads, "
                           "{torch_threads} torch thread per worker and locally",
+    "cobatch": "co-batching: small traces from N client threads against one worker, NDIF_COBATCH_MAX=1 (off) "
+               "vs the default (on)",
+    "cobatch_compute": "co-batching on a compute-bound model: small traces from N client threads against one "
+                       "worker, off vs on, {torch_threads} torch thread per worker and locally",
     "isolation": "isolation: small trace in a jailed child (NDIF_DEFAULT_TRUSTED=0) vs in the worker",
 }
 
@@ -43,6 +50,9 @@ class Plan:
     isolation_reps: int
     throughput: list  # (clients, requests per client)
     compute_throughput: list  # the same, on the compute-bound model (~250 ms per request)
+    cobatch: list = ((1, 20), (4, 8), (16, 3))  # (clients, requests per client) per stack, co-batching off and on
+    compute_cobatch: list = ((1, 6), (4, 2), (16, 2))  # the same, on the compute-bound model
+    cobatch_rounds: int = 2  # each cell alternates off / on this many times (its requests split between rounds)
     gen_tokens: int = 20
     session_traces: int = 5
 
@@ -58,5 +68,6 @@ SMOKE = Plan(
     warmup=1, big_bytes=16 * MiB, cold_reps=1, isolation_reps=5,
     throughput=[(1, 4), (4, 2), (16, 1)],
     compute_throughput=[(1, 2), (4, 1), (16, 1)],
+    cobatch=((4, 2),), compute_cobatch=((4, 1),), cobatch_rounds=1,
 )
 

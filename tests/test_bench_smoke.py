@@ -84,20 +84,40 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
         assert workloads["throughput"]["role"] == "informational"
     assert "throughput_compute" not in workloads
 
+    # Co-batching (issue #15): a small cell on the tiny model, off (NDIF_COBATCH_MAX=1) vs on, every
+    # value the local one (exact, or within the engine's tolerance), and requests really shared forwards.
+    cobatch = workloads["cobatch"]
+    assert set(cobatch["cells"]) == {f"{clients}c" for clients, _ in data["plan"]["cobatch"]}, cobatch
+    for label, cell in cobatch["cells"].items():
+        for col in ("local", "off", "on"):
+            assert cell[col]["rps"] > 0, f"cobatch {label}/{col}: {cell[col]}"
+            _positive_cell(cell[col], f"cobatch {label}/{col}")
+        for col in ("off", "on"):
+            assert cell[col]["correct"] is True, f"cobatch {label}/{col}: {cell[col]}"
+            assert cell[col]["exact"] + cell[col]["within_tolerance"] == cell[col]["checked"] > 0, cell[col]
+        assert cell["off"]["shared_max"] == 1, cell["off"]  # off: every request alone
+        assert cell["ratios"]["on/off rps"] > 0
+    assert "cobatch_compute" not in workloads
+
     # Every other target is measured and reported as PASS or FAIL (a FAIL does not fail the run).
-    # Seven targets (the isolation target twice: fork and zygote) and the capacity section's five.
+    # Seven targets (the isolation target twice: fork and zygote), co-batching's three and the
+    # capacity section's five.
     names = [check["name"] for check in data["checks"]]
-    assert len([n for n in names if not n.startswith("capacity")]) == 7, names
+    assert len([n for n in names if not n.startswith(("capacity", "cobatch"))]) == 7, names
+    assert len([n for n in names if n.startswith("cobatch")]) == 3, names
     assert len([n for n in names if n.startswith("capacity")]) == 5, names
     for check in data["checks"]:
         if check["name"].startswith("throughput") and data["device"] == "cpu":
             assert check["verdict"] == "SKIP" and "no compute-bound cells" in check["detail"], check
+        elif check["name"].startswith("cobatch") and data["device"] == "cpu":
+            # The smoke plan has neither compute-bound cells nor a 1-client cell.
+            assert check["verdict"] == "SKIP", check
         else:
             assert check["verdict"] in ("PASS", "FAIL"), check
         assert f"{check['verdict']}  {check['name']}" in proc.stdout
-    for name in TIMED + ("isolation", "throughput"):
+    for name in TIMED + ("isolation", "throughput", "cobatch"):
         assert f"== {name}:" in proc.stdout
-    assert proc.stdout.count(f"commit {data['commit']}") >= len(TIMED) + 2
+    assert proc.stdout.count(f"commit {data['commit']}") >= len(TIMED) + 3
     assert "every remote column returned exactly the local values" in proc.stdout, report
 
 
@@ -148,3 +168,45 @@ def test_throughput_target_is_checked_on_the_compute_bound_cells():
     del bench.out["workloads"]["throughput_compute"]
     [check] = [c for c in bench.checks() if c["name"].startswith("throughput")]
     assert check["verdict"] == "SKIP" and "client-bound" in check["detail"], check
+
+
+def test_cobatch_targets_are_checked_on_the_compute_bound_cells():
+    """Issue #15's three targets: on >= 2.0 x off and off >= 0.9 x local on the compute-bound
+    model's most-clients cell, the 1-client cost on the main model's; each can fail, on the rate
+    and on wrong values; the bench's tolerance is the engine's stated one."""
+    import re
+
+    sys.path.insert(0, str(ROOT))
+    from bench import run
+    from bench.plan import COBATCH_TOLERANCE
+
+    stated = re.search(r"^TOLERANCE = (\S+)", (ROOT / "tests" / "test_cobatch.py").read_text(), re.M)
+    assert stated and float(stated.group(1)) == COBATCH_TOLERANCE
+
+    args = run.parse_args(["--only", "cobatch"])
+    args.device = "cpu"
+    bench = run.Bench(args, run.FULL, run.MODELS["tiny"], ROOT / "tests" / "_out" / "hf")
+    most = max(c for c, _ in run.FULL.compute_cobatch)
+
+    def col(rps: float, p50: float = 30.0, correct: bool = True) -> dict:
+        return {"rps": rps, "p50_ms": p50, "correct": correct}
+
+    def verdicts(on: float, off: float, local: float, p50_on: float = 30.0, correct: bool = True) -> list:
+        bench.out["workloads"] = {
+            "cobatch": {"role": "informational", "cells": {"1c": {"on": col(30.0, p50_on), "off": col(30.0),
+                                                                   "local": col(60.0)}}},
+            "cobatch_compute": {"role": "checked", "model": "gpt2-medium", "torch_threads": 1, "cells": {
+                f"{most}c": {"on": col(on, correct=correct), "off": col(off), "local": col(local)}}},
+        }
+        found = [c for c in bench.checks() if c["name"].startswith("cobatch")]
+        assert len(found) == 3 and all("gpt2-medium" in c["name"] for c in found[:2]), found
+        return [c["verdict"] for c in found]
+
+    assert verdicts(2.1, 1.0, 1.0) == ["PASS", "PASS", "PASS"]
+    assert verdicts(1.9, 1.0, 1.0) == ["FAIL", "PASS", "PASS"]
+    assert verdicts(2.1, 1.0, 1.2) == ["PASS", "FAIL", "PASS"]
+    assert verdicts(2.1, 1.0, 1.0, p50_on=32.5) == ["PASS", "PASS", "FAIL"]
+    assert verdicts(2.1, 1.0, 1.0, correct=False)[0] == "FAIL"
+    # Without compute-bound cells on a CPU: SKIP, the tiny model's numbers only as information.
+    del bench.out["workloads"]["cobatch_compute"]
+    assert [c["verdict"] for c in bench.checks() if c["name"].startswith("cobatch")][:2] == ["SKIP", "SKIP"]

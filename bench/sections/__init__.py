@@ -13,6 +13,8 @@ can import them all without a circle.
 - ``isolation``: the in-process path against the isolated ones (fork, zygote);
 - ``throughput``: requests/s from N client threads, one and two workers, on
   the main model and on a compute-bound one;
+- ``cobatch``: co-batching off vs on against one worker, on the main model
+  and on the compute-bound one (issue #15);
 - ``capacity``: ``bench/capacity.py`` run as a process of its own;
 - ``checks``: the issue's targets as PASS/FAIL/SKIP, and the values line.
 """
