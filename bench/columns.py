@@ -133,6 +133,17 @@ class Column:
             if isinstance(meta.get(key), (int, float)):
                 self.server.setdefault(key, []).append(float(meta[key]))
 
+    def absorb(self, other: "Column") -> None:
+        """Add ``other``'s samples, checks, errors and server timings to this
+        column (the client threads of one cell, or the rounds of one column)."""
+        self.samples += other.samples
+        self.checked += other.checked
+        self.wrong += other.wrong
+        self.first_wrong = self.first_wrong or other.first_wrong
+        self.errors += other.errors
+        for key, samples in other.server.items():
+            self.server.setdefault(key, []).extend(samples)
+
     def summary(self, check: bool = True) -> dict:
         out = measure.stats(self.samples)
         out["server_p50_ms"] = {k: round(measure.percentile(v, 0.5), 3) for k, v in self.server.items() if v}
@@ -144,3 +155,16 @@ class Column:
             out["errors"] = self.errors[:5]
         return out
 
+
+def run_clients(client, count: int, barrier: threading.Barrier) -> float:
+    """Start ``count`` client threads (``client(i)``), which wait at ``barrier``
+    (of ``count + 1``) to start together; the wall time from their release to
+    the last one done."""
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - started

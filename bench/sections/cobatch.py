@@ -31,7 +31,7 @@ import time
 from typing import Any, Callable, Optional
 
 from bench import measure
-from bench.columns import Column, last_meta
+from bench.columns import Column, run_clients
 from bench.plan import COBATCH_TOLERANCE, COMPUTE_THREADS
 
 
@@ -87,44 +87,30 @@ class CobatchSection:
         """The compute-bound model's cells, on two stacks of their own (off and on), both with
         ``NDIF_TORCH_THREADS=1``; every other stack is stopped first (free the cores), the local
         column on one torch thread."""
-        import torch
-
-        from bench import models
-        from bench.workloads import Spec, small_trace
+        from bench.workloads import small_trace
 
         info = self.throughput_model()
         threads = COMPUTE_THREADS
         started = time.perf_counter()
-        models.build(info, self.hf_home)
-        for stack_name in ("iso_stack", "zygote_stack", "stack", "compute_stack"):
-            stack = getattr(self, stack_name)
-            if stack is not None:
-                with contextlib.suppress(Exception):
-                    stack.stop()
-                setattr(self, stack_name, None)
-        spec = Spec(gpt2=info.gpt2, gen_tokens=self.plan.gen_tokens, session_traces=self.plan.session_traces,
-                    big_bytes=self.plan.big_bytes)
-        saved_threads = torch.get_num_threads()
-        torch.set_num_threads(threads)
         off = on = None
-        try:
-            local = self.client(info.repo_id, local=True)
-            ref = self.reference("cobatch_compute", small_trace, local, spec=spec)
-            off = self.new_stack(NDIF_TORCH_THREADS=str(threads), NDIF_COBATCH_MAX="1")
-            on = self.new_stack(NDIF_TORCH_THREADS=str(threads))
-            off.start()
-            on.start()
+        with self.compute_model(info) as (spec, _):
+            try:
+                local = self.client(info.repo_id, local=True)
+                ref = self.reference("cobatch_compute", small_trace, local, spec=spec)
+                off = self.new_stack(NDIF_TORCH_THREADS=str(threads), NDIF_COBATCH_MAX="1")
+                on = self.new_stack(NDIF_TORCH_THREADS=str(threads))
+                off.start()
+                on.start()
 
-            def local_rate(fn: Callable, total: int, ref: Any) -> dict:
-                return self.local_rate(fn, total, ref, model=local, spec=spec)
+                def local_rate(fn: Callable, total: int, ref: Any) -> dict:
+                    return self.local_rate(fn, total, ref, model=local, spec=spec)
 
-            cells = self.cobatch_cells(off, on, info, spec, self.plan.compute_cobatch, ref, local_rate)
-        finally:
-            torch.set_num_threads(saved_threads)
-            for stack in (off, on):
-                if stack is not None:
-                    with contextlib.suppress(Exception):
-                        stack.stop()
+                cells = self.cobatch_cells(off, on, info, spec, self.plan.compute_cobatch, ref, local_rate)
+            finally:
+                for stack in (off, on):
+                    if stack is not None:
+                        with contextlib.suppress(Exception):
+                            stack.stop()
         self.record_cobatch(
             "cobatch_compute", cells, self.plan.compute_cobatch, info,
             {"role": "checked", "model": info.name, "repo_id": info.repo_id, "torch_threads": threads,
@@ -204,24 +190,11 @@ class CobatchSection:
                     columns[i].first_wrong = columns[i].first_wrong or (
                         f"{difference} (max abs diff {diff})" if diff is not None else difference)
 
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(models))]
-        for thread in threads:
-            thread.start()
-        barrier.wait()
-        started = time.perf_counter()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - started
+        wall = run_clients(client, len(models), barrier)
         merged = Column()
         values = {"exact": 0, "within_tolerance": 0, "max_abs_diff": 0.0, "shared": []}
         for column, own in zip(columns, found):
-            merged.samples += column.samples
-            merged.checked += column.checked
-            merged.wrong += column.wrong
-            merged.first_wrong = merged.first_wrong or column.first_wrong
-            merged.errors += column.errors
-            for key, samples in column.server.items():
-                merged.server.setdefault(key, []).extend(samples)
+            merged.absorb(column)
             values["exact"] += own["exact"]
             values["within_tolerance"] += own["within_tolerance"]
             values["max_abs_diff"] = max(values["max_abs_diff"], own["max_abs_diff"])
@@ -248,6 +221,8 @@ class CobatchSection:
                                 "requests one after another in-process", model=info.name))
         if note:
             self.emit(f"   {note}")
+        # Rows shaped like the throughput table's, over other columns and ratios:
+        # kept apart so each table's code reads as what it prints.
         rows = []
         for cell in cells.values():
             tag = f"{cell['clients']:>2}c"
@@ -281,14 +256,7 @@ def _merge(parts: list) -> dict:
     values = {"exact": 0, "within_tolerance": 0, "max_abs_diff": 0.0, "shared": []}
     wall = requests = 0.0
     for part in parts:
-        column = part["column"]
-        merged.samples += column.samples
-        merged.checked += column.checked
-        merged.wrong += column.wrong
-        merged.first_wrong = merged.first_wrong or column.first_wrong
-        merged.errors += column.errors
-        for key, samples in column.server.items():
-            merged.server.setdefault(key, []).extend(samples)
+        merged.absorb(part["column"])
         wall += part["wall_s"]
         requests += part["requests"]
         for key in ("exact", "within_tolerance"):

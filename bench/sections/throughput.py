@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Optional
 
 from bench import measure
-from bench.columns import Column, last_meta
+from bench.columns import Column, last_meta, run_clients
 from bench.models import MODELS, BenchModel
 from bench.plan import COMPUTE_THREADS
 
@@ -34,6 +34,36 @@ class ThroughputSection:
         if choice == "auto":
             choice = "gpt2-medium" if self.args.device == "cpu" and not self.args.smoke else "main"
         return None if choice == "main" else MODELS[choice]
+
+    @contextlib.contextmanager
+    def compute_model(self, info: BenchModel):
+        """The compute-bound model's cells (throughput_compute, cobatch_compute) each
+        run on stacks of their own: build the model once, stop every other stack
+        (their idle services must not share the cores), and hold torch at
+        ``COMPUTE_THREADS`` for the local column, as the workers' NDIF_TORCH_THREADS.
+        Yields the workload spec and the seconds the build took."""
+        import torch
+
+        from bench import models
+        from bench.workloads import Spec
+
+        started = time.perf_counter()
+        models.build(info, self.hf_home)
+        built_s = time.perf_counter() - started
+        for stack_name in ("iso_stack", "zygote_stack", "stack", "compute_stack"):
+            stack = getattr(self, stack_name)
+            if stack is not None:
+                with contextlib.suppress(Exception):
+                    stack.stop()
+                setattr(self, stack_name, None)
+        spec = Spec(gpt2=info.gpt2, gen_tokens=self.plan.gen_tokens, session_traces=self.plan.session_traces,
+                    big_bytes=self.plan.big_bytes)
+        saved_threads = torch.get_num_threads()
+        torch.set_num_threads(COMPUTE_THREADS)
+        try:
+            yield spec, built_s
+        finally:
+            torch.set_num_threads(saved_threads)
 
     def throughput(self) -> None:
         """The main model's throughput cells (on a CPU run with the tiny model:
@@ -65,27 +95,12 @@ class ThroughputSection:
         ``NDIF_TORCH_THREADS=1`` (the main stack is stopped first, so its idle
         services do not share the cores); the local column with one torch
         thread too, so the compute and the values match the workers'."""
-        import torch
-
-        from bench import models
-        from bench.workloads import Spec, small_trace
+        from bench.workloads import small_trace
 
         info = self.throughput_model()
         threads = COMPUTE_THREADS
         started = time.perf_counter()
-        models.build(info, self.hf_home)
-        built_s = time.perf_counter() - started
-        for stack_name in ("iso_stack", "zygote_stack", "stack"):  # done with them: free the cores
-            stack = getattr(self, stack_name)
-            if stack is not None:
-                with contextlib.suppress(Exception):
-                    stack.stop()
-                setattr(self, stack_name, None)
-        spec = Spec(gpt2=info.gpt2, gen_tokens=self.plan.gen_tokens, session_traces=self.plan.session_traces,
-                    big_bytes=self.plan.big_bytes)
-        saved_threads = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with self.compute_model(info) as (spec, built_s):
             local = self.client(info.repo_id, local=True)
             ref = self.reference("throughput_compute", small_trace, local, spec=spec)
             self.compute_stack = self.new_stack(NDIF_TORCH_THREADS=str(threads))
@@ -98,8 +113,6 @@ class ThroughputSection:
 
             cells, second = self.throughput_cells(self.compute_stack, local, info, spec,
                                                   self.plan.compute_throughput, ref, local_rate)
-        finally:
-            torch.set_num_threads(saved_threads)
         self.record_throughput(
             "throughput_compute", cells, second, self.plan.compute_throughput, info,
             {"role": "checked", "model": info.name, "repo_id": info.repo_id, "torch_threads": threads,
@@ -181,23 +194,10 @@ class ThroughputSection:
                     with lock:
                         workers[worker] = workers.get(worker, 0) + 1
 
-        threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(len(models))]
-        for thread in threads:
-            thread.start()
-        barrier.wait()
-        started = time.perf_counter()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - started
+        wall = run_clients(client, len(models), barrier)
         merged = Column()
         for column in columns:
-            merged.samples += column.samples
-            merged.checked += column.checked
-            merged.wrong += column.wrong
-            merged.first_wrong = merged.first_wrong or column.first_wrong
-            merged.errors += column.errors
-            for key, values in column.server.items():
-                merged.server.setdefault(key, []).extend(values)
+            merged.absorb(column)
         cell = merged.summary()
         cell.update(requests=len(models) * per_client, wall_s=round(wall, 3),
                     rps=round(len(merged.samples) / wall, 3), served_by=workers)
