@@ -132,6 +132,8 @@ def test_with_auth_only_an_admin_key_opens_it(chromium, fs_stack, tmp_path):
     settings = config.load({
         "NDIF_HOME": str(tmp_path), "NDIF_REDIS_URL": fs_stack.redis_url, "NDIF_AUTH": "1",
         "NDIF_AUTH_CACHE_S": "0", "NDIF_DATABASE_URL": f"sqlite:///{tmp_path / 'keys.db'}",
+        # The farm's result directory: a web host must share it (store_fs.check_shared).
+        "NDIF_RESULTS_DIR": str(config.load(fs_stack.env).results_dir),
     })
     engine = db.engine_for(settings.database_url)
     plain = db.create_key(engine, "user@example.org", ("trusted",))
