@@ -40,8 +40,9 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.config["NDIF_STORE"] = store = open_store(settings)
     if isinstance(store, FilesystemStore):
         # Downloads are served from this host's directory: it must be the workers' (store_fs.check_shared).
+        # A client that does not retry: a web booting while Redis is away must not wait out an outage here.
         try:
-            check_shared(store, app.config["NDIF_REDIS"], socket.gethostname())
+            check_shared(store, jobs.connect(settings.redis_url), socket.gethostname())
         except (redis.ConnectionError, redis.TimeoutError) as error:
             app.logger.warning("could not check that the result directory is the workers' (Redis away): %s", error)
     app.config["NDIF_AUTH"] = Authenticator(settings)
