@@ -105,7 +105,8 @@ def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
     # Nobody replied. A job still RUNNING has a worker held by its code (or one
     # the beat already buried for its silence): answer for it.
     worker = runners[0] if runners else "its worker"
-    if _running(client, job_id) and _answer_for(client, job_id, ttl_s, messages.cancelled_unanswered(worker)):
+    if _running(client, job_id) and statuses.answer_for_worker(
+            client, job_id, ttl_s, f"kill@{time.time():.3f}", messages.cancelled_unanswered(worker), "cancelled"):
         return f"ended: {worker} did not reply; it restarts at the job's deadline"
     raise FarmError(f"no job {job_id} is waiting or running")
 
@@ -115,13 +116,3 @@ def _running(client: redis.Redis, job_id: str) -> bool:
     return latest is not None and wire.frame_status(latest) == wire.RUNNING
 
 
-def _answer_for(client: redis.Redis, job_id: str, ttl_s: int, description: str) -> bool:
-    """Send a running job's cancel ERROR on its silent worker's behalf; False if it already ended."""
-    raw = client.get(jobs.message_key(job_id))
-    if raw is None or jobs.finished(client, job_id):
-        return False
-    channel = statuses.StatusChannel(client, jobs.Job.from_message(json.loads(raw)), ttl_s)
-    if not channel.claim_final(f"kill@{time.time():.3f}"):
-        return False
-    channel.send(wire.ERROR, description, kind="cancelled")
-    return True

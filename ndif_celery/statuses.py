@@ -124,6 +124,23 @@ class StatusChannel:
             pipe.publish(jobs.session_channel(self.job.session_id), wire.response_json(self.job.id, wire.LOG, note))
 
 
+def answer_for_worker(client: redis.Redis, job_id: str, ttl_s: int, token: str, description: str,
+                      kind: str) -> bool:
+    """A running job's ERROR sent from outside its worker, which cannot answer
+    (the beat past its deadline, ``ndif-celery kill`` of a worker that does not
+    reply): claimed like every final status (:meth:`StatusChannel.claim_final`),
+    so never twice. False when the job ended (or expired), or another author
+    claimed it first."""
+    raw = client.get(jobs.message_key(job_id))
+    if raw is None or jobs.finished(client, job_id):
+        return False
+    channel = StatusChannel(client, jobs.Job.from_message(json.loads(raw)), ttl_s)
+    if not channel.claim_final(token):
+        return False
+    channel.send(wire.ERROR, description, kind=kind)
+    return True
+
+
 def _release(pipe, job: jobs.Job, ttl_s: int) -> None:
     """What a terminal status also does: free the key's concurrency slot, note
     when the job ended (for the cleanup), and keep its owner as long as its status."""

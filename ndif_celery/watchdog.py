@@ -117,14 +117,8 @@ class Watchdog(threading.Thread):
         for raw in self.redis.zrangebyscore(jobs.DEADLINES, 0, now - OVERDUE_S):
             job_id = raw.decode()
             self.redis.zrem(jobs.DEADLINES, job_id)
-            message = self.redis.get(jobs.message_key(job_id))
-            if message is None or jobs.finished(self.redis, job_id):
-                continue
-            channel = statuses.StatusChannel(self.redis, jobs.Job.from_message(json.loads(message)),
-                                             self.settings.job_ttl_s)
-            if channel.claim_final(self.me):
-                channel.send(wire.ERROR, messages.timed_out_unanswered(self.settings.execution_timeout_s),
-                             kind="timeout")
+            if statuses.answer_for_worker(self.redis, job_id, self.settings.job_ttl_s, self.me,
+                                          messages.timed_out_unanswered(self.settings.execution_timeout_s), "timeout"):
                 log.warning("job %s: past its deadline and not answered by its worker; its ERROR sent", job_id)
 
     # -- jobs whose worker is gone ---------------------------------------------
