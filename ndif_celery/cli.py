@@ -25,7 +25,7 @@ import importlib
 import click
 
 # Command name -> the module that defines it; any other name is cli_host's.
-_ELSEWHERE = {"deploy": "cli_farm", "evict": "cli_farm", "queue": "cli_farm", "kill": "cli_farm",
+_ELSEWHERE = {"deploy": "cli_farm", "scale": "cli_farm", "evict": "cli_farm", "queue": "cli_farm", "kill": "cli_farm",
               "jobs": "cli_farm", "keys": "cli_keys", "version": "cli_checks", "doctor": "cli_checks"}
 
 

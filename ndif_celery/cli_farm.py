@@ -33,15 +33,26 @@ def connect():
 
 
 @click.command()
-@click.argument("model")
+@click.argument("model", required=False)
+@click.option("-f", "--file", "path", default=None, type=click.Path(dir_okay=False),
+              help="Deploy every entry of this deployments file (YAML or JSON) instead of MODEL.")
+@click.option("--sync", is_flag=True, help="With -f: also evict what an earlier file deployed and this one no longer lists.")
 @click.option("--pin", is_flag=True, help="Never evict it to make room for another model.")
 @click.option("--replicas", default=1, show_default=True, type=int, help="How many workers hold it.")
 @click.option("--dtype", default=None, help="Load the weights as this dtype (e.g. bfloat16).")
 @click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until every replica runs.")
 @click.option("--timeout", default=600.0, show_default=True, type=float)
-def deploy(model: str, pin: bool, replicas: int, dtype: Optional[str], task: str, wait: bool, timeout: float) -> None:
-    """Deploy MODEL (a repo id or a full model key) and keep it deployed."""
+def deploy(model: Optional[str], path: Optional[str], sync: bool, pin: bool, replicas: int, dtype: Optional[str],
+           task: str, wait: bool, timeout: float) -> None:
+    """Deploy MODEL (a repo id or a full model key) and keep it deployed; or,
+    with -f FILE, every entry of a deployments file (docs/farm.md)."""
+    if (model is None) == (path is None):
+        raise click.UsageError("give either MODEL or -f FILE")
+    if sync and path is None:
+        raise click.UsageError("--sync goes with -f FILE")
+    if path is not None:
+        return _deploy_file(path, sync, wait, timeout)
     current, client, _ = connect()
     try:
         key = farm.model_key_for(model, task=task)
@@ -53,6 +64,64 @@ def deploy(model: str, pin: bool, replicas: int, dtype: Optional[str], task: str
             click.echo(f"{model}: running on {', '.join(sorted(d['worker'] for d in running))}")
         else:
             click.echo(f"{model}: deployment requested")
+    except (farm.FarmError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _deploy_file(path: str, sync: bool, wait: bool, timeout: float) -> None:
+    from . import deployments
+
+    current = settings()
+    try:
+        entries = deployments.load_file(path, model_policy.Policy.from_settings(current))
+    except deployments.DeploymentsError as exc:
+        raise click.ClickException(str(exc)) from None
+    for warning in deployments.warnings(entries, current.auth):
+        click.echo(f"warning: {warning}", err=True)
+    _, client, app = connect()
+    applied = deployments.apply(client, entries, sync=sync, celery_app=app)
+    for label, repos in (("added", applied.added), ("changed", applied.changed), ("unchanged", applied.unchanged)):
+        for repo in repos:
+            click.echo(f"{repo}: {label}")
+    for repo, _, workers in applied.evicted:
+        where = f" from {', '.join(sorted(workers))}" if workers else " (pinned by a schedule: when its window ends)"
+        click.echo(f"{repo}: evicted, no longer listed{where}")
+    if not wait:
+        return
+    try:
+        for entry in entries:
+            running = farm.wait_running(client, entry.model_key, entry.replicas, timeout)
+            click.echo(f"{entry.repo}: running on {', '.join(sorted(d['worker'] for d in running))}")
+        for repo, model_key, workers in applied.evicted:
+            if workers:
+                farm.wait_evicted(client, model_key, timeout)
+    except farm.FarmError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@click.argument("model")
+@click.argument("replicas", type=int)
+@click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until REPLICAS workers hold it.")
+@click.option("--timeout", default=600.0, show_default=True, type=float)
+def scale(model: str, replicas: int, task: str, wait: bool, timeout: float) -> None:
+    """Keep MODEL on REPLICAS workers: more are loaded, the extra ones evicted now."""
+    from . import deployments
+
+    current, client, app = connect()
+    try:
+        key = farm.model_key_for(model, task=task)
+        model_policy.Policy.from_settings(current).check_model(model_policy.parse(key))
+        evicted = deployments.scale(client, app, key, replicas)
+        if evicted:
+            click.echo(f"{model}: evicting the replicas on {', '.join(sorted(evicted))}")
+        if wait:
+            running = farm.wait_running(client, key, replicas, timeout)
+            farm.wait_replicas_at_most(client, key, replicas, timeout)
+            click.echo(f"{model}: {replicas} replica(s), on {', '.join(sorted(d['worker'] for d in running))}")
+        else:
+            click.echo(f"{model}: {replicas} replica(s) requested")
     except (farm.FarmError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -143,4 +212,4 @@ def _job_line(row: dict) -> str:
             f"{row['model'][:32]:<32} {outcome:<18} {duration:>9}  {row['error'] or ''}")
 
 
-COMMANDS = [deploy, evict, queue, kill, jobs_command]
+COMMANDS = [deploy, scale, evict, queue, kill, jobs_command]

@@ -57,6 +57,7 @@ def up(detach: bool, timeout: float) -> None:
     do that, until `ndif-celery down`.
     """
     current = settings()
+    _check_deployments(current)
     record = supervisor.read(current)
     if record.get("alive"):
         raise click.ClickException(
@@ -101,6 +102,19 @@ def up(detach: bool, timeout: float) -> None:
     click.echo("stopping")
     _stop(current)
     click.echo("stopped")
+
+
+def _check_deployments(current: config.Settings) -> None:
+    """A bad NDIF_DEPLOYMENTS fails ``up`` before anything starts, naming the entry and field
+    (the controller applies it once a worker is up: ``ndif_celery.deployments``)."""
+    from . import deployments, model_policy
+
+    try:
+        entries = deployments.from_setting(current.deployments, model_policy.Policy.from_settings(current))
+    except deployments.DeploymentsError as exc:
+        raise click.ClickException(f"NDIF_DEPLOYMENTS: {exc}") from None
+    for warning in deployments.warnings(entries, current.auth):
+        click.echo(f"warning: NDIF_DEPLOYMENTS: {warning}", err=True)
 
 
 def _detach() -> int:

@@ -232,6 +232,12 @@ VARIABLES: tuple = (
     Var("NDIF_WORKER_METRICS_PORT", "worker_metrics_port", 9108, _int, "each worker's Prometheus `/metrics` port (0: off)"),
     Var("NDIF_WORKER_METRICS_HOST", "worker_metrics_host", "127.0.0.1", _text, "address the workers' metrics endpoints bind"),
     Var("NDIF_LOG_LEVEL", "log_level", "INFO", _upper, "log level of every process"),
+    # Synthetic health probes and usage (ndif_celery.probes, ndif_celery.usage; docs/monitoring.md).
+    Var("NDIF_PROBE_INTERVAL_S", "probe_interval_s", 0.0, _float, "how often the beat probes each HOT model with a real trace (0: off)"),
+    Var("NDIF_PROBE_TIMEOUT_S", "probe_timeout_s", 60.0, _float, "a probe that has no answer this long fails"),
+    Var("NDIF_PROBE_API_KEY", "probe_api_key", "", _stripped, "the API key the probes send (an admin key, with auth on)"),
+    Var("NDIF_ALERT_WEBHOOK_URL", "alert_webhook_url", "", _stripped, "where the beat POSTs a probe's alert and its resolution"),
+    Var("NDIF_USAGE_TOP_KEYS", "usage_top_keys", 10, _int, "keys with their own `ndif_usage_*` series; the rest are `other`"),
     # The farm: workers, placement, replicas.
     Var("NDIF_WORKER_GPUS", "worker_gpus", "", _text, "GPUs of the worker `ndif-celery up` starts (unset: all visible)"),
     Var("NDIF_WORKER_NAME", "worker_name", "", _text, "name of the worker `ndif-celery up` starts; unique per farm",
@@ -251,6 +257,8 @@ VARIABLES: tuple = (
     Var("NDIF_REPLICA_IDLE_S", "replica_idle_s", 600.0, _float, "remove an extra replica unused for this long"),
     Var("NDIF_AUTOSCALE_BACKOFF_S", "autoscale_backoff_s", 30.0, _float, "wait after adding a replica before adding another"),
     Var("NDIF_CONTROLLER_INTERVAL_S", "controller_interval_s", 0.5, _float, "how often the farm controller looks"),
+    # Declarative deployments (ndif_celery.deployments): applied at start and when a worker joins.
+    Var("NDIF_DEPLOYMENTS", "deployments", "", _stripped, "a deployments file (YAML/JSON) or an inline list the controller keeps deployed"),
     # Users, isolation and limits.
     Var("NDIF_AUTH", "auth", False, _bool, "require an API key on every request"),
     # Which repos may be loaded, and which may run their own code: ndif_celery.model_policy.
@@ -318,7 +326,7 @@ class Settings:
             value
             for value in (
                 self.secret_key, self.object_store_access_key, self.object_store_secret_key,
-                self.redis_url, self.database_url,
+                self.redis_url, self.database_url, self.probe_api_key, self.alert_webhook_url,
             )
             if value
         )

@@ -33,9 +33,12 @@ def model_key_for(model: str, task: str = "text-generation", revision: Optional[
 
 
 def deploy(client: redis.Redis, model_key: str, pinned: bool, replicas: int, dtype: Optional[str]) -> None:
+    """The operator's own wish (``source: cli``): a deployments file's ``--sync``
+    leaves it alone (``ndif_celery.deployments``)."""
     if replicas < 1:
         raise FarmError("--replicas must be at least 1")
-    client.hset(registry.DESIRED, model_key, json.dumps({"pinned": pinned, "replicas": replicas, "dtype": dtype}))
+    client.hset(registry.DESIRED, model_key,
+                json.dumps({"pinned": pinned, "replicas": replicas, "dtype": dtype, "source": "cli"}))
     registry.wake_controller(client, "deploy")
 
 
@@ -51,6 +54,16 @@ def wait_running(client: redis.Redis, model_key: str, replicas: int, timeout: fl
                 f"{len(running)} of {replicas} replicas running after {timeout:.0f} s; "
                 "see `ndif-celery status` and the worker logs"
             )
+        time.sleep(0.2)
+
+
+def wait_replicas_at_most(client: redis.Redis, model_key: str, replicas: int, timeout: float) -> None:
+    """Wait until at most ``replicas`` workers hold the model (a scale down)."""
+    deadline = time.monotonic() + timeout
+    while len(holders(client, model_key)) > replicas:
+        if time.monotonic() > deadline:
+            raise FarmError(f"still on more than {replicas} workers after {timeout:.0f} s "
+                            "(a worker finishes its running job first)")
         time.sleep(0.2)
 
 

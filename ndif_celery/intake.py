@@ -5,7 +5,7 @@ module is the pipeline, one named step each, in the order a request meets
 them (the order is part of the contract: a request wrong in two ways is
 refused for the first, as on NDIF, e.g. a bad envelope before an old client):
 
-    envelope -> version gate -> model policy -> session -> payload
+    envelope -> version gate -> model policy (and a deployment's users) -> session -> payload
              -> limits -> park -> enqueue (QUEUED, Celery message, controller)
 
 Every refusal raises ``errors.Refused`` (or a subclass) before anything is
@@ -23,7 +23,7 @@ import redis
 import zstandard
 from celery import Celery
 
-from . import auth, config, jobs, limits, messages, model_policy, queues, registry, statuses, versions, wire
+from . import auth, config, deployments, jobs, limits, messages, model_policy, queues, registry, statuses, versions, wire
 from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for, send_job
 from .errors import Refused
 
@@ -73,6 +73,8 @@ def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.I
     offered = () if identity.trusted else model_policy.offered_keys(client)
     envelope.model_key, envelope.env = model_policy.Policy.from_settings(settings).admit(
         envelope.model_key, envelope.env, identity.trusted, offered)
+    # A deployment that lists its users (``deploy -f``: ``users``) serves only them.
+    deployments.check_access(client, identity, envelope.model_key)
 
 
 def check_session(client: redis.Redis, identity: auth.Identity, session_id: str) -> None:

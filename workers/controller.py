@@ -7,7 +7,9 @@ over within seconds). The leader, on every tick or when woken:
 1. places models that have jobs waiting and no worker holding them (the first
    request for a model deploys it), or fails every waiting job with the reason
    when nothing can hold the model;
-2. keeps operator deployments (``ndif-celery deploy``) at their replica count;
+2. keeps operator deployments (``ndif-celery deploy``) at their replica count,
+   writes ``NDIF_DEPLOYMENTS`` into them when it starts leading and whenever a
+   worker joins (``ndif_celery.deployments``);
 3. adds a replica when a model's oldest waiting job has waited too long, and
    removes extra replicas that sat idle;
 4. tells waiting clients their new queue position when it changes;
@@ -29,7 +31,7 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from ndif_celery import config, ledger, messages, model_policy, queues, registry, statuses, wire
+from ndif_celery import config, deployments, ledger, messages, model_policy, queues, registry, statuses, wire
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
 from ndif_celery.notices import Notices
 
@@ -54,6 +56,7 @@ class Controller(threading.Thread):
         self.ledger = ledger.Drainer(settings.database_url)
         # The same trouble meets every tick (a model no worker can take): logged once per change.
         self.notices = Notices(log)
+        self.known_workers: set = set()  # (name, pid) of the live workers the last tick saw
 
     def run(self) -> None:
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -91,6 +94,7 @@ class Controller(threading.Thread):
     def tick(self) -> None:
         now = time.time()
         farm = Farm.read(self.redis)
+        self.boot_deployments(farm)
         wishes = self.wishes = registry.desired(self.redis)
         waiting_ids = set()
         for queue in queues.model_queues(self.redis):
@@ -118,6 +122,28 @@ class Controller(threading.Thread):
         registry.publish_status(self.redis)
         self.ledger(self.redis)  # ended jobs into the database, off every job's path
         self.positions = {k: v for k, v in self.positions.items() if k in waiting_ids}
+
+    def boot_deployments(self, farm: "Farm") -> None:
+        """``NDIF_DEPLOYMENTS`` into the wishes, on this controller's first tick as
+        leader (the farm starts) and whenever a live worker is new to it (one
+        joined, or restarted): what the file lists is deployed again, even after
+        an ``evict``. Read afresh each time, so an edited file is applied."""
+        live = {(name, info.get("pid")) for name, info in farm.workers.items()}
+        joined, self.known_workers = live - self.known_workers, live
+        if not joined or not self.settings.deployments:
+            return
+        try:
+            entries = deployments.from_setting(self.settings.deployments,
+                                               model_policy.Policy.from_settings(self.settings))
+        except deployments.DeploymentsError as error:
+            self.notices.warn("NDIF_DEPLOYMENTS", f"NDIF_DEPLOYMENTS not applied: {error}")
+            return
+        self.notices.cleared("NDIF_DEPLOYMENTS", "NDIF_DEPLOYMENTS applies again")
+        applied = deployments.apply(self.redis, entries)
+        if applied.added or applied.changed:
+            log.info("NDIF_DEPLOYMENTS applied (%s joined): added %s, changed %s",
+                     ", ".join(sorted(name for name, _ in joined)), applied.added or "nothing",
+                     applied.changed or "nothing")
 
     def refused(self, model_key: str, entries: list, wishes: dict, queue: str) -> bool:
         """The model policy again before a first deploy (``ndif_celery.model_policy``),
