@@ -1,4 +1,4 @@
-"""The ``ndif-celery`` command: one click group, its commands in four modules.
+"""The ``ndif-celery`` command: one click group, its commands in five modules.
 
 - :mod:`ndif_celery.cli_host`: this host's stack and services (``up``,
   ``down``, ``status``, ``logs``, ``version``, ``doctor``, and ``web``,
@@ -6,7 +6,8 @@
 - :mod:`ndif_celery.cli_checks`: ``version`` and ``doctor`` (apart for their
   imports: sqlalchemy, the result stores, huggingface_hub);
 - :mod:`ndif_celery.cli_farm`: the farm, from any host that reaches its broker
-  (``deploy``, ``evict``, ``queue``, ``kill``, ``jobs``);
+  (``deploy``, ``scale``, ``evict``, ``queue``, ``kill``, ``jobs``);
+- :mod:`ndif_celery.cli_ops`: operations over time (``schedule``, ``usage``, ``probes``);
 - :mod:`ndif_celery.cli_keys`: ``keys create|list|revoke``.
 
 ``python -m ndif_celery.cli`` is the same command (the tests and the stack
@@ -26,7 +27,8 @@ import click
 
 # Command name -> the module that defines it; any other name is cli_host's.
 _ELSEWHERE = {"deploy": "cli_farm", "scale": "cli_farm", "evict": "cli_farm", "queue": "cli_farm", "kill": "cli_farm",
-              "jobs": "cli_farm", "keys": "cli_keys", "version": "cli_checks", "doctor": "cli_checks"}
+              "jobs": "cli_farm", "schedule": "cli_ops", "usage": "cli_ops", "probes": "cli_ops",
+              "keys": "cli_keys", "version": "cli_checks", "doctor": "cli_checks"}
 
 
 def _commands(module: str) -> list:
@@ -38,7 +40,7 @@ class _LazyGroup(click.Group):
     """A click group that imports one command's module when it is invoked."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        for module in ("cli_host", "cli_checks", "cli_farm", "cli_keys"):
+        for module in ("cli_host", "cli_checks", "cli_farm", "cli_ops", "cli_keys"):
             self._load(module)
         return super().list_commands(ctx)
 

@@ -8,6 +8,7 @@ over within seconds). The leader, on every tick or when woken:
    request for a model deploys it), or fails every waiting job with the reason
    when nothing can hold the model;
 2. keeps operator deployments (``ndif-celery deploy``) at their replica count,
+   pins and unpins the models of scheduled windows on time (``ndif_celery.schedules``),
    writes ``NDIF_DEPLOYMENTS`` into them when it starts leading and whenever a
    worker joins (``ndif_celery.deployments``);
 3. adds a replica when a model's oldest waiting job has waited too long, and
@@ -31,7 +32,8 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from ndif_celery import config, deployments, ledger, messages, model_policy, queues, registry, statuses, wire
+from ndif_celery import (config, deployments, ledger, messages, model_policy, queues, registry, schedules, statuses,
+                         wire)
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
 from ndif_celery.notices import Notices
 
@@ -95,6 +97,8 @@ class Controller(threading.Thread):
         now = time.time()
         farm = Farm.read(self.redis)
         self.boot_deployments(farm)
+        for model_key in schedules.reconcile(self.redis, now):  # pins on time, unpins on time
+            self.release(farm, model_key)
         wishes = self.wishes = registry.desired(self.redis)
         waiting_ids = set()
         for queue in queues.model_queues(self.redis):
@@ -222,6 +226,13 @@ class Controller(threading.Thread):
         if fail_queue is not None:
             fail_waiting(self.redis, fail_queue, reason, self.settings.job_ttl_s)
         return False
+
+    def release(self, farm: "Farm", model_key: str) -> None:
+        """A scheduled window closed and no wish keeps the model: evict it everywhere."""
+        for holder in farm.holders(model_key):
+            log.info("the schedule of %s ended; evicting it from %s", model_key, holder["worker"])
+            self.app.send_task(EVICT_MODEL, kwargs={"model_key": model_key}, queue=worker_queue(holder["worker"]))
+            farm.remove(holder["worker"], model_key)
 
     def retire_idle(self, farm: "Farm", wishes: dict, now: float) -> None:
         """Evict replicas beyond the wanted count that nobody used for a while."""
