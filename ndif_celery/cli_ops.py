@@ -67,4 +67,84 @@ def schedule_remove(schedule_id: str) -> None:
     click.echo(f"{entry['id']}: removed ({entry['repo']})")
 
 
-COMMANDS = [schedule]
+@click.command()
+@click.option("--since", default=None, help="Only jobs that ended since: 30m, 1h, 2d, 1w or an ISO date/time.")
+@click.option("--key", "key", default=None, help="Only this key: its id (as in `keys list`), key:<id> or anonymous.")
+@click.option("--email", default=None, help="Only the keys of this email.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def usage(since: Optional[str], key: Optional[str], email: Optional[str], as_json: bool) -> None:
+    """Jobs, errors, GPU-seconds and bytes per key and per model, from the job ledger."""
+    import json
+
+    import redis as redis_py
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from . import db, jobs, ledger, usage as usage_report
+
+    current = settings()
+    owner = None
+    if key is not None:
+        owner = f"key:{key}" if key.isdigit() else key
+        if not (owner == "anonymous" or (owner.startswith("key:") and owner[4:].isdigit())):
+            raise click.ClickException(f"--key must be a key id, key:<id> or anonymous, got {key[:40]!r}")
+    try:
+        since_at = ledger.parse_since(since) if since else None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        engine = db.engine_for(current.database_url)
+        try:
+            ledger.drain(jobs.connect(current.redis_url), engine, wait_s=5)  # current up to now
+        except (redis_py.RedisError, OSError):
+            click.echo(f"note: the broker at {current.redis_url} is not reachable; jobs that ended since the "
+                       "controller last wrote the ledger are not counted", err=True)
+        report = usage_report.report(engine, since=since_at, owner=owner, email=email)
+    except SQLAlchemyError as exc:
+        raise click.ClickException(f"the ledger database cannot be reached (NDIF_DATABASE_URL): "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"since {report['since'] or 'the ledger began'}")
+    header = f"{'jobs':>7} {'errors':>7} {'GPU-s':>10} {'run-s':>10} {'bytes in':>12} {'bytes out':>12}"
+    click.echo(f"\n{'key':<40} {header}")
+    for row in report["keys"]:
+        click.echo(f"{(row['email'] or '-') + ' (' + row['owner'] + ')':<40.40} {_usage_cells(row)}")
+    click.echo(f"\n{'model':<40} {header}")
+    for row in report["models"]:
+        click.echo(f"{row['model']:<40.40} {_usage_cells(row)}")
+    click.echo(f"\n{'total':<40} {_usage_cells(report['total'])}")
+
+
+def _usage_cells(row: dict) -> str:
+    return (f"{row['jobs']:>7} {row['errors']:>7} {row['gpu_seconds']:>10.3f} {row['run_seconds']:>10.3f} "
+            f"{row['bytes_in']:>12} {row['bytes_out']:>12}")
+
+
+@click.command()
+@click.option("--reset", "reset_model", default=None, metavar="MODEL",
+              help="Forget MODEL's reference values (its weights changed on purpose); the next green probe records new ones.")
+@click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def probes(reset_model: Optional[str], task: str, as_json: bool) -> None:
+    """The health probes' last result per model (NDIF_PROBE_INTERVAL_S)."""
+    from . import probes as health
+
+    _, client, _ = connect()
+    if reset_model is not None:
+        try:
+            key = farm.model_key_for(reset_model, task=task)
+        except model_policy.PolicyError as exc:
+            raise click.ClickException(exc.detail) from None
+        click.echo(f"{reset_model}: {health.reset(client, key)} reference(s) forgotten")
+        return
+    echo_rows(health.results(client), as_json, _probe_line, empty="no probe results (is NDIF_PROBE_INTERVAL_S set?)")
+
+
+def _probe_line(row: dict) -> str:
+    latency = f"{row['latency_s']:.3f} s" if row.get("latency_s") is not None else "-"
+    state = "ok" if row.get("ok") else f"FAILING ({row.get('failures')}x): {row.get('error')}"
+    return f"{row['repo'][:40]:<40} {schedules.iso(row['at'])}  {latency:>9}  {state}"
+
+
+COMMANDS = [schedule, usage, probes]

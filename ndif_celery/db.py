@@ -81,6 +81,8 @@ class LedgerEntry(Base):
     upload_ms: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     payload_bytes: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
     result_bytes: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    # GPUs of the worker that ran it (0: a CPU worker), for GPU-seconds (``ndif_celery.usage``).
+    devices: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
 
 
 def _now() -> datetime.datetime:
@@ -98,7 +100,30 @@ def engine_for(url: str) -> Engine:
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, pool_pre_ping=True, future=True)
     Base.metadata.create_all(engine)
+    _add_columns(engine)
     return engine
+
+
+# Columns added to a table after it first shipped: create_all makes missing tables, not columns.
+_ADDED_COLUMNS = {"job_ledger": {"devices": "INTEGER"}}
+
+
+def _add_columns(engine: Engine) -> None:
+    """Add the :data:`_ADDED_COLUMNS` an older database lacks (several processes may race: each re-checks)."""
+    from sqlalchemy import inspect, text
+    from sqlalchemy.exc import DBAPIError
+
+    for table, columns in _ADDED_COLUMNS.items():
+        have = {column["name"] for column in inspect(engine).get_columns(table)}
+        for name, kind in columns.items():
+            if name in have:
+                continue
+            try:
+                with engine.begin() as connection:
+                    connection.execute(text(f"ALTER TABLE {table} ADD COLUMN {name} {kind}"))
+            except DBAPIError:
+                if name not in {column["name"] for column in inspect(engine).get_columns(table)}:
+                    raise
 
 
 def create_key(

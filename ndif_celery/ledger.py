@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 
 import redis
 
-from . import wire
+from . import usage, wire
 
 PENDING = "ndif:ledger"
 LOCK = "ndif:ledger:lock"
@@ -119,7 +119,20 @@ def _row(entry: dict, emails: dict) -> dict:
         **{key: entry.get(key) for key in _TIMINGS},
         "payload_bytes": entry.get("payload_bytes"),
         "result_bytes": entry.get("result_bytes"),
+        "devices": entry.get("devices") if isinstance(entry.get("devices"), int) else None,
     }
+
+
+def _devices(client: redis.Redis, entries: list[dict]) -> None:
+    """Each entry's ``devices``: the GPUs of the worker that ran it, as registered
+    (drained within seconds of the job's end, so its worker is still there)."""
+    from . import registry
+
+    workers = registry.all_workers(client)
+    for entry in entries:
+        info = workers.get(entry.get("worker") or "")
+        if info is not None and "devices" not in entry:
+            entry["devices"] = len(info.get("gpus") or [])
 
 
 def _emails(session, owners: Iterable[str]) -> dict:
@@ -224,8 +237,12 @@ def drain(client: redis.Redis, engine, batch: int = BATCH, wait_s: float = 0.0, 
                 else:
                     entries.append(entry)
             if entries:
+                _devices(client, entries)
                 _insert_or_skip(engine, entries)
-            client.ltrim(PENDING, len(raw), -1)
+            pipe = client.pipeline()
+            usage.count(pipe, entries)  # the per-key series of /metrics, once per job written
+            pipe.ltrim(PENDING, len(raw), -1)
+            pipe.execute()
             written += len(entries)
             if len(raw) < batch:
                 break
@@ -347,7 +364,7 @@ def as_dict(row) -> dict:
         "received_at": _iso(row.received_at), "started_at": _iso(row.started_at),
         "finished_at": _iso(row.finished_at), "duration_s": _seconds(row.received_at, row.finished_at),
         **{key: getattr(row, key) for key in _TIMINGS},
-        "payload_bytes": row.payload_bytes, "result_bytes": row.result_bytes,
+        "payload_bytes": row.payload_bytes, "result_bytes": row.result_bytes, "devices": row.devices,
     }
 
 

@@ -20,7 +20,12 @@ queue, deserialize, run, upload, total), ``ndif_result_bytes_total``,
 ``ndif_deployments{state}``, ``ndif_ledger_pending``,
 ``ndif_worker_replacements_total{worker}`` (workers that replaced themselves
 because a job's code would not unwind from its deadline or a kill; counted
-here, since the process that would count it exits: ``workers.deadline``).
+here, since the process that would count it exits: ``workers.deadline``),
+the health probes' ``ndif_probe_ok{model}``, ``ndif_probe_latency_seconds{model}``,
+``ndif_probe_last_run_timestamp_seconds{model}``, ``ndif_probe_runs_total{model,result}``
+(``ndif_celery.probes``), and usage per key, bounded to the top keys plus
+``other``: ``ndif_usage_{jobs,errors,gpu_seconds,run_seconds,bytes_in,bytes_out}_total{key}``
+(``ndif_celery.usage``).
 
 Each worker serves its own series besides (``workers.metrics``).
 """
@@ -101,8 +106,9 @@ def _split(field: bytes, parts: int) -> Optional[list[str]]:
 class FarmCollector:
     """A prometheus_client collector reading the farm's series from Redis."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(self, client: redis.Redis, top_keys: Optional[int] = None) -> None:
         self.redis = client
+        self.top_keys = top_keys  # None: NDIF_USAGE_TOP_KEYS
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -208,16 +214,67 @@ class FarmCollector:
             family.add_metric([worker.decode(errors="replace")], int(count))
         yield family
 
+        yield from self.probe_families()
+        yield from self.usage_families()
+
+    def probe_families(self):
+        """The health probes' last results (``ndif_celery.probes``), one series per probed model."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from . import probes
+
+        ok = GaugeMetricFamily("ndif_probe_ok", "1 when the last health probe of the model answered correct "
+                               "values, 0 when it failed.", labels=["model"])
+        latency = GaugeMetricFamily("ndif_probe_latency_seconds", "Seconds the last health probe of the model took.",
+                                    labels=["model"])
+        last = GaugeMetricFamily("ndif_probe_last_run_timestamp_seconds",
+                                 "When the model was last probed (Unix time).", labels=["model"])
+        for row in probes.results(self.redis):
+            ok.add_metric([row["repo"]], 1 if row.get("ok") else 0)
+            latency.add_metric([row["repo"]], float(row.get("latency_s") or 0.0))
+            last.add_metric([row["repo"]], float(row.get("at") or 0.0))
+        yield ok
+        yield latency
+        yield last
+        runs = CounterMetricFamily("ndif_probe_runs", "Health probes run, by model and result (ok, failed).",
+                                   labels=["model", "result"])
+        for field, count in sorted(self.redis.hgetall(probes.RUNS).items()):
+            parts = _split(field, 2)
+            if parts:
+                runs.add_metric(parts, int(count))
+        yield runs
+
+    def usage_families(self):
+        """Usage per key (``ndif_celery.usage``): the top NDIF_USAGE_TOP_KEYS, the rest as ``other``."""
+        from prometheus_client.core import CounterMetricFamily
+
+        from . import config, usage
+
+        top = config.load().usage_top_keys if self.top_keys is None else self.top_keys
+        rows = usage.series(self.redis, top)
+        for name, help_text in (
+            ("jobs", "Jobs ended, per key (top NDIF_USAGE_TOP_KEYS, the rest as other)."),
+            ("errors", "Jobs ended with an error, per key."),
+            ("gpu_seconds", "Run time times the worker's GPUs of ended jobs, per key."),
+            ("run_seconds", "Run time (deserialize and execute) of ended jobs, per key."),
+            ("bytes_in", "Request payload bytes of ended jobs, per key."),
+            ("bytes_out", "Result bytes of ended jobs, per key."),
+        ):
+            family = CounterMetricFamily(f"ndif_usage_{name}", help_text, labels=["key"])
+            for owner, values in rows.items():
+                family.add_metric([owner], values[name])
+            yield family
+
 
 def worker_replaced(client: redis.Redis, worker: str) -> None:
     """Count one replacement of ``worker`` (``workers.deadline.replace_worker``)."""
     client.hincrby(REPLACEMENTS, worker, 1)
 
 
-def render(client: redis.Redis) -> bytes:
-    """The farm's series in Prometheus text format."""
+def render(client: redis.Redis, top_keys: Optional[int] = None) -> bytes:
+    """The farm's series in Prometheus text format (``top_keys``: NDIF_USAGE_TOP_KEYS)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FarmCollector(client))
+    registry.register(FarmCollector(client, top_keys))
     return generate_latest(registry)

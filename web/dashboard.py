@@ -22,7 +22,7 @@ import time
 import redis
 from flask import Blueprint, Response, current_app, render_template_string, request
 
-from ndif_celery import db, ledger, metrics, queues, registry
+from ndif_celery import db, ledger, metrics, probes, queues, registry, schedules, usage
 from ndif_celery.auth import AuthError
 
 from .identity import identify
@@ -32,6 +32,7 @@ log = logging.getLogger("ndif_celery.web")
 
 REFRESH_S = 5
 RECENT_JOBS = 50
+USAGE_DAYS = 7
 REALM = 'Basic realm="ndif-celery dashboard", charset="UTF-8"'
 
 
@@ -80,7 +81,7 @@ def count_request(response):
 def prometheus():
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(metrics.render(_redis()), content_type=CONTENT_TYPE_LATEST)
+    return Response(metrics.render(_redis(), _settings().usage_top_keys), content_type=CONTENT_TYPE_LATEST)
 
 
 # --- /dashboard ---------------------------------------------------------------------
@@ -144,6 +145,21 @@ def recent_jobs(client: redis.Redis, limit: int = RECENT_JOBS) -> tuple[list[dic
         note = f"The ledger database cannot be read ({type(error).__name__}); showing jobs still waiting in Redis."
     ordered = sorted(rows.values(), key=lambda row: row.get("finished_at") or "", reverse=True)
     return ordered[:limit], note
+
+
+def usage_table() -> tuple[list[dict], str]:
+    """Usage per key over the last USAGE_DAYS days (``ndif_celery.usage``), and a note when the database could not be read."""
+    since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=USAGE_DAYS)
+    try:
+        report = usage.report(_ledger_engine(), since=since)
+    except Exception as error:  # noqa: BLE001 - the page still shows the rest
+        current_app.config.pop("NDIF_LEDGER_ENGINE", None)
+        return [], f"The ledger database cannot be read ({type(error).__name__})."
+    return [{
+        "user": row.get("email") or row["owner"], "owner": row["owner"], "jobs": row["jobs"], "errors": row["errors"],
+        "gpu_seconds": f"{row['gpu_seconds']:.3f}", "run_seconds": f"{row['run_seconds']:.3f}",
+        "bytes_in": row["bytes_in"], "bytes_out": row["bytes_out"],
+    } for row in report["keys"]], ""
 
 
 def _mib(n) -> str:
@@ -210,6 +226,16 @@ def page_data(client: redis.Redis) -> dict:
             "metrics_port": info.get("metrics_port") or "off",
             "last_seen": _ago(info.get("last_seen")),
         })
+    schedule = [{
+        "id": row["id"], "model": row["repo"], "start": schedules.iso(row["start"]), "end": schedules.iso(row["end"]),
+        "replicas": row["replicas"], "state": row["state"],
+    } for row in schedules.entries(client)]
+    health = [{
+        "model": row["repo"], "ok": row.get("ok"), "state": "ok" if row.get("ok") else "FAILING",
+        "latency": _duration(row.get("latency_s")), "worker": row.get("worker") or "-", "at": _ago(row.get("at")),
+        "error": row.get("error") or "",
+    } for row in probes.results(client)]
+    spent, usage_note = usage_table()
     jobs, note = recent_jobs(client)
     recent = [{
         "finished": _clock(row.get("finished_at")),
@@ -229,6 +255,7 @@ def page_data(client: redis.Redis) -> dict:
         totals[outcome] = totals.get(outcome, 0) + int(count)
     return {
         "deployments": deployments, "queues": waiting, "workers": workers, "jobs": recent, "ledger_note": note,
+        "schedule": schedule, "probes": health, "usage": spent, "usage_note": usage_note, "usage_days": USAGE_DAYS,
         "totals": totals, "flower_url": _settings().flower_url,
         "now": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "refresh_s": REFRESH_S,
@@ -297,6 +324,35 @@ jobs ended: {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0
 <tr><td>{{ w.name }}</td><td>{{ w.host }}</td><td>{{ w.gpus }}</td><td>{{ w.memory }}</td><td>{{ w.current_job }}</td>
 <td class="num">{{ w.metrics_port }}</td><td>{{ w.last_seen }}</td></tr>
 {% else %}<tr><td colspan="7" class="muted">no live workers</td></tr>{% endfor %}
+</table>
+
+<h2>Health probes</h2>
+<table id="probes">
+<tr><th>model</th><th>probe</th><th>latency</th><th>worker</th><th>last probed</th><th>error</th></tr>
+{% for p in probes %}
+<tr><td>{{ p.model }}</td><td class="{{ 'COMPLETED' if p.ok else 'ERROR' }}">{{ p.state }}</td>
+<td class="num">{{ p.latency }}</td><td>{{ p.worker }}</td><td>{{ p.at }}</td><td class="error">{{ p.error }}</td></tr>
+{% else %}<tr><td colspan="6" class="muted">no probe results (NDIF_PROBE_INTERVAL_S is 0, or nothing is deployed)</td></tr>{% endfor %}
+</table>
+
+<h2>Scheduled pins</h2>
+<table id="schedule">
+<tr><th>id</th><th>model</th><th>from (UTC)</th><th>to (UTC)</th><th>replicas</th><th>state</th></tr>
+{% for w in schedule %}
+<tr><td>{{ w.id }}</td><td>{{ w.model }}</td><td>{{ w.start }}</td><td>{{ w.end }}</td><td class="num">{{ w.replicas }}</td>
+<td class="{{ 'RUNNING' if w.state == 'active' else '' }}">{{ w.state }}</td></tr>
+{% else %}<tr><td colspan="6" class="muted">no scheduled pins</td></tr>{% endfor %}
+</table>
+
+<h2>Usage, last {{ usage_days }} days</h2>
+{% if usage_note %}<p class="note">{{ usage_note }}</p>{% endif %}
+<table id="usage">
+<tr><th>user</th><th>key</th><th>jobs</th><th>errors</th><th>GPU-seconds</th><th>run-seconds</th><th>bytes in</th><th>bytes out</th></tr>
+{% for u in usage %}
+<tr><td>{{ u.user }}</td><td>{{ u.owner }}</td><td class="num">{{ u.jobs }}</td><td class="num">{{ u.errors }}</td>
+<td class="num">{{ u.gpu_seconds }}</td><td class="num">{{ u.run_seconds }}</td><td class="num">{{ u.bytes_in }}</td>
+<td class="num">{{ u.bytes_out }}</td></tr>
+{% else %}<tr><td colspan="8" class="muted">no jobs in the ledger yet</td></tr>{% endfor %}
 </table>
 
 <h2>Recent jobs</h2>
