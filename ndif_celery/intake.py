@@ -16,6 +16,7 @@ any other front end can drive it directly.
 
 from __future__ import annotations
 
+import hmac
 import uuid
 from typing import Mapping, Optional
 
@@ -23,7 +24,7 @@ import redis
 import zstandard
 from celery import Celery
 
-from . import auth, config, deployments, jobs, limits, messages, model_policy, queues, registry, statuses, versions, wire
+from . import auth, config, deployments, jobs, limits, messages, model_policy, probes, queues, registry, statuses, versions, wire
 from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for, send_job
 from .errors import Refused
 
@@ -43,6 +44,7 @@ def accept(
     # After the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION.
     versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
     admit_model(client, settings, identity, envelope)
+    check_probe(client, settings, identity, headers, envelope.model_key)
     check_session(client, identity, envelope.session_id)
     blob = check_payload(blob, envelope.compress, settings)
     job = jobs.Job(
@@ -75,6 +77,24 @@ def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.I
         envelope.model_key, envelope.env, identity.trusted, offered)
     # A deployment that lists its users (``deploy -f``: ``users``) serves only them.
     deployments.check_access(client, identity, envelope.model_key)
+
+
+def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
+                headers: Mapping[str, str], model_key: str) -> None:
+    """The health probe (``ndif_celery.probes``, its key ``NDIF_PROBE_API_KEY``) never
+    deploys a model: a probe sent just as the model was evicted would load it again.
+    Refused here when the model is not deployed; its owner is recorded
+    (``probes.OWNER``) for the controller, which fails a probe's job left waiting
+    for a model evicted after it was accepted instead of loading the model again."""
+    if not settings.probe_api_key:
+        return
+    sent = headers.get(auth.HEADER) or ""
+    if not hmac.compare_digest(sent.encode(), settings.probe_api_key.encode()):
+        return
+    if identity.key_id is not None:
+        client.set(probes.OWNER, identity.owner, ex=86400)
+    if model_key not in model_policy.offered_keys(client):
+        raise Refused("The health probe does not deploy models, and this one is not deployed now.", 409)
 
 
 def check_session(client: redis.Redis, identity: auth.Identity, session_id: str) -> None:

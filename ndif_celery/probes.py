@@ -51,6 +51,7 @@ LEADER = "ndif:probes:leader"
 PROBES = "ndif:probes"
 RUNS = "ndif:probes:runs"
 REFERENCES = "ndif:probes:references"
+OWNER = "ndif:probes:owner"  # the probe key's job owner (key:<id>), as the web saw it (intake.check_probe)
 TOLERANCE = 1e-3  # of the reference's largest |value|: co-batching and devices differ by ~1e-6
 STARTUP_S = 180.0  # the runner's first import of torch and nnsight, on a loaded host
 WEBHOOK_TIMEOUT_S = 5.0
@@ -224,7 +225,11 @@ class Prober(threading.Thread):
         recorded = []
         wanted = targets(self.redis)
         for target in wanted:
+            if target not in targets(self.redis):
+                continue  # evicted since the round began (and the web refuses a probe of a model not deployed)
             result = self.runner.probe(target["model_key"], self.settings.probe_timeout_s)
+            if not result.get("ok") and target not in targets(self.redis):
+                continue  # evicted while it was probed: not a failure of the model
             recorded.append(self.record(target, result))
             self.redis.pexpire(LEADER, self.lease_ms)
         keys = {t["model_key"] for t in wanted}

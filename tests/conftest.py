@@ -230,7 +230,7 @@ E2E_FIXTURES = frozenset({
 E2E_MODULES = frozenset({
     "test_auth", "test_bench_smoke", "test_capacity", "test_conformance_remote", "test_dashboard", "test_e2e_api",
     "test_expiry", "test_farm", "test_farm_replicas", "test_jail_required", "test_limits", "test_load",
-    "test_many_requests", "test_outages", "test_reliability", "test_deadlines", "test_multi_host",
+    "test_many_requests", "test_outages", "test_reliability", "test_deadlines", "test_operations", "test_multi_host",
 })
 
 

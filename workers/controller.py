@@ -32,8 +32,8 @@ import time
 from collections import defaultdict
 from typing import Optional
 
-from ndif_celery import (config, deployments, ledger, messages, model_policy, queues, registry, schedules, statuses,
-                         wire)
+from ndif_celery import (config, deployments, ledger, messages, model_policy, probes, queues, registry, schedules,
+                         statuses, wire)
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
 from ndif_celery.notices import Notices
 
@@ -111,7 +111,7 @@ class Controller(threading.Thread):
             wish = wishes.get(model_key, {})
             holders = farm.holders(model_key)
             if not holders:
-                if self.refused(model_key, entries, wishes, queue):
+                if self.refused(model_key, entries, wishes, queue) or self.probes_only(model_key, entries, wishes, queue):
                     continue
                 self.place(farm, model_key, wish, fail_queue=queue)
             elif self.needs_replica(model_key, holders, now - min(e.job.received_at for e in entries), now):
@@ -165,6 +165,16 @@ class Controller(threading.Thread):
             self.cannot(queue, f"Could not deploy: {error.detail}", model_key)
             return True
         return False
+
+    def probes_only(self, model_key: str, entries: list, wishes: dict, queue: str) -> bool:
+        """Only health probes wait for a model nobody holds or wants (it was evicted
+        after they were accepted): end them rather than load it again (``ndif_celery.probes``)."""
+        owner = self.redis.get(probes.OWNER)
+        if owner is None or model_key in wishes or any(e.job.owner != owner.decode() for e in entries):
+            return False
+        fail_waiting(self.redis, queue, "The health probe does not deploy models; this one was evicted.",
+                     self.settings.job_ttl_s)
+        return True
 
     def needs_replica(self, model_key: str, holders: list[dict], head_wait: float, now: float) -> bool:
         return (
