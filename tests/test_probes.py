@@ -170,3 +170,19 @@ def test_reset_forgets_the_reference(redis_client, embedded_settings):
     _serve(redis_client)
     _prober(embedded_settings, redis_client).round()
     assert probes.reset(redis_client, KEY) == 1 and redis_client.hlen(probes.REFERENCES) == 0
+
+
+def test_the_web_refuses_a_probe_of_a_model_not_deployed_and_records_its_owner(redis_client, embedded_settings):
+    from ndif_celery import auth, intake
+    from ndif_celery.errors import Refused
+
+    settings = dataclasses.replace(embedded_settings, probe_api_key="probe-key")
+    probe = auth.Identity(key_id=7, tags=("admin",))
+    with pytest.raises(Refused) as refused:
+        intake.check_probe(redis_client, settings, probe, {auth.HEADER: "probe-key"}, KEY)
+    assert refused.value.status == 409 and "does not deploy models" in refused.value.detail
+    assert redis_client.get(probes.OWNER) == b"key:7"
+    _serve(redis_client)
+    intake.check_probe(redis_client, settings, probe, {auth.HEADER: "probe-key"}, KEY)
+    other = farm.model_key_for("org/elsewhere")
+    intake.check_probe(redis_client, settings, auth.Identity(key_id=8), {auth.HEADER: "someone-else"}, other)
