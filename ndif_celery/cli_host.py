@@ -112,7 +112,7 @@ def _check_deployments(current: config.Settings) -> None:
     try:
         entries = deployments.from_setting(current.deployments, model_policy.Policy.from_settings(current))
     except deployments.DeploymentsError as exc:
-        raise click.ClickException(f"NDIF_DEPLOYMENTS: {exc}") from None
+        raise click.ClickException(str(exc)) from None
     for warning in deployments.warnings(entries, current.auth):
         click.echo(f"warning: NDIF_DEPLOYMENTS: {warning}", err=True)
 

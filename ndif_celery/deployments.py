@@ -86,8 +86,8 @@ class Entry:
 # --- reading and checking ---------------------------------------------------------
 
 
-def load_file(path: "str | Path", policy: Optional[model_policy.Policy] = None) -> list[Entry]:
-    """The checked entries of the file at ``path``."""
+def load_file(path: "str | Path", policy: Optional[model_policy.Policy] = None, where: str = "") -> list[Entry]:
+    """The checked entries of the file at ``path`` (``where`` names it in errors; default: the path)."""
     path = Path(path).expanduser()
     try:
         size = path.stat().st_size
@@ -96,7 +96,7 @@ def load_file(path: "str | Path", policy: Optional[model_policy.Policy] = None) 
         text = path.read_text()
     except OSError as error:
         raise DeploymentsError(f"cannot read the deployments file {path}: {error.strerror or error}") from None
-    return parse(text, str(path), policy)
+    return parse(text, where or str(path), policy)
 
 
 def from_setting(value: str, policy: Optional[model_policy.Policy] = None) -> list[Entry]:
@@ -106,7 +106,7 @@ def from_setting(value: str, policy: Optional[model_policy.Policy] = None) -> li
         return []
     if value[0] in "[{":
         return parse(value, "NDIF_DEPLOYMENTS", policy)
-    return load_file(value, policy)
+    return load_file(value, policy, where=f"NDIF_DEPLOYMENTS={value}")
 
 
 def parse(text: str, where: str = "deployments", policy: Optional[model_policy.Policy] = None) -> list[Entry]:

@@ -183,3 +183,17 @@ def test_scale_down_evicts_the_least_recently_used_replicas_now(redis_client, ap
     assert registry.desired(redis_client)[key]["replicas"] == 3
     with pytest.raises(farm.FarmError, match="from 1 to 64"):
         deployments.scale(redis_client, app, key, 0)
+
+
+def test_up_refuses_a_bad_NDIF_DEPLOYMENTS_before_starting_anything(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NDIF_")}
+    env.update(NDIF_HOME=str(tmp_path / "home"), NDIF_DEPLOYMENTS="[{repo: org/a, replicas: -1}]")
+    result = subprocess.run([sys.executable, "-m", "ndif_celery.cli", "up", "--detach"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Error: NDIF_DEPLOYMENTS: entry 1 (org/a): field `replicas` must be a whole number" in result.stderr
+    assert not (tmp_path / "home" / "run").exists(), "nothing was started"

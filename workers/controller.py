@@ -140,7 +140,7 @@ class Controller(threading.Thread):
             entries = deployments.from_setting(self.settings.deployments,
                                                model_policy.Policy.from_settings(self.settings))
         except deployments.DeploymentsError as error:
-            self.notices.warn("NDIF_DEPLOYMENTS", f"NDIF_DEPLOYMENTS not applied: {error}")
+            self.notices.warn("NDIF_DEPLOYMENTS", f"{error} (not applied)")
             return
         self.notices.cleared("NDIF_DEPLOYMENTS", "NDIF_DEPLOYMENTS applies again")
         applied = deployments.apply(self.redis, entries)
