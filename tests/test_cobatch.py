@@ -12,7 +12,11 @@ compares the results.
 Measured tolerance (this 2-core CPU, torch 2.13, the 12-layer tiny GPT-2, fp32;
 ``COBATCH_MEASURE=1 pytest -s`` prints every comparison):
 
-* one token length, traces: bit-identical to alone (``torch.equal``);
+* one token length, traces: bit-identical to alone (``torch.equal``) where
+  the host's plain torch is batch-invariant (the ``batch_invariant`` fixture
+  checks it; the feasibility study's CPU was). Where it is not (MKL on an
+  AVX-512 AMD EPYC: plain ``model(batch)`` already differs from ``model(one)``
+  by ~1e-8 here), within the tolerance: measured here at most 1.8e-7;
 * different lengths merged (left padding, the sequence window, the width padded
   off the model's dimensions): at most 1.8e-7 (hidden states, logits,
   ``.source`` values, caches; some scenarios 0.0);
@@ -302,16 +306,46 @@ def assert_bit_identical(a: dict, b: dict):
             assert torch.equal(x, dict(leaves(b))[key]), key
 
 
+@pytest.fixture(scope="module")
+def batch_invariant(client, server) -> bool:
+    """Whether this host's plain torch gives a prompt's rows the same bits alone
+    and in a batch of two equal-length prompts (no nnsight, no padding).
+
+    Whether it does is the BLAS's choice, not ours: MKL picks its matrix
+    kernel by the number of rows, and on some CPUs (an AVX-512 AMD EPYC here)
+    the kernels sum in different orders, so even plain ``model(batch)`` differs
+    from ``model(one)`` by ~1e-8 on this model; on others (the CPU the
+    feasibility study ran on) it is bit for bit."""
+    hf = server[0]._module
+    ids = client.tokenizer([SAME_A, SAME_B], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        alone_out = hf(ids[:1]).logits
+        batch_out = hf(ids).logits[:1]
+    assert (alone_out - batch_out).abs().max() <= TOLERANCE
+    return torch.equal(alone_out, batch_out)
+
+
+def assert_as_alone(solo, merged, invariant: bool):
+    """A request's values as alone: bit for bit when it ran alone, or shared a
+    forward on a host whose kernels are batch-invariant (``batch_invariant``);
+    within ``TOLERANCE`` when it shared one on a host whose plain torch already
+    differs between batch sizes."""
+    if merged.meta.get("cobatch", 1) == 1 or invariant:
+        assert_bit_identical(solo.saved, merged.saved)
+    else:
+        assert worst_difference(solo.saved, merged.saved) <= TOLERANCE
+
+
 # --- the scenarios ---------------------------------------------------------------------
 
 
-def test_equal_lengths_share_one_forward_and_are_bit_identical(client, server):
+def test_equal_lengths_share_one_forward_bit_identical_where_the_kernels_allow(client, server, batch_invariant):
     requests = [capture(read, client, SAME_A), capture(logits, client, SAME_B), capture(read, client, SAME_B)]
     solo = alone(server, requests)
     merged = together(server, requests)
     for s, m in zip(solo, merged):
         assert m.ok and m.meta == {"cobatch": 3}
-        assert_bit_identical(s.saved, m.saved)
+        assert_as_alone(s, m, batch_invariant)
 
 
 def test_different_lengths_share_one_forward_within_the_tolerance(client, server):
@@ -352,7 +386,7 @@ def test_edits_stay_in_their_own_rows(client, server):
     assert worst_difference(solo[3].saved, merged[3].saved) <= TOLERANCE
 
 
-def test_one_users_error_or_stop_ends_only_theirs(client, server):
+def test_one_users_error_or_stop_ends_only_theirs(client, server, batch_invariant):
     requests = [capture(error, client, SAME_A), capture(stops, client, SAME_B),
                 capture(read, client, SAME_A), capture(logits, client, SAME_B)]
     solo = alone(server, requests)
@@ -362,7 +396,7 @@ def test_one_users_error_or_stop_ends_only_theirs(client, server):
     assert merged[0].meta["cobatch"] == 1 and "failed in a shared forward" in merged[0].meta["cobatch_solo"]
     for s, m in zip(solo[1:], merged[1:]):
         assert m.ok and m.meta == {"cobatch": 4}
-        assert_bit_identical(s.saved, m.saved)
+        assert_as_alone(s, m, batch_invariant)
 
 
 def test_errors_found_after_the_forward_are_the_users_own(client, server):
@@ -381,7 +415,7 @@ def test_errors_found_after_the_forward_are_the_users_own(client, server):
         assert worst_difference(s.saved, m.saved) <= TOLERANCE
 
 
-def test_what_cannot_share_runs_alone_and_says_why(client, server):
+def test_what_cannot_share_runs_alone_and_says_why(client, server, batch_invariant):
     requests = [capture(skips, client, SAME_A), capture(backward, client, SAME_B),
                 capture(generate, client, SAME_A, 3, do_sample=True),
                 capture(shared_positions, client, SAME_A), capture(read, client, SAME_B),
@@ -397,10 +431,10 @@ def test_what_cannot_share_runs_alone_and_says_why(client, server):
     for i, (s, m) in enumerate(zip(solo, merged)):
         assert m.ok, (i, m.error)
         if i != 2:  # sampling: a fresh random draw each run
-            assert_bit_identical(s.saved, m.saved)
+            assert_as_alone(s, m, batch_invariant)
 
 
-def test_a_weight_written_mid_forward_is_restored_and_everyone_runs_alone(client, server):
+def test_a_weight_written_mid_forward_is_restored_and_everyone_runs_alone(client, server, batch_invariant):
     model, _ = server
     before = {k: v.clone() for k, v in model._module.state_dict().items()}
     requests = [capture(weight_write, client, SAME_A), capture(read, client, SAME_B), capture(logits, client, SAME_A)]
@@ -408,12 +442,12 @@ def test_a_weight_written_mid_forward_is_restored_and_everyone_runs_alone(client
     merged = run_batch(model, requests, restore=server[1])
     for s, m in zip(solo, merged):
         assert m.ok and "weight was written" in m.meta["cobatch_solo"]
-        assert_bit_identical(s.saved, m.saved)
+        assert_as_alone(s, m, batch_invariant)
     server[1]()
     assert all(torch.equal(before[k], v) for k, v in model._module.state_dict().items())
 
 
-def test_generation_with_iter_shares_a_generate(client, server):
+def test_generation_with_iter_shares_a_generate(client, server, batch_invariant):
     requests = [capture(generate, client, SAME_A, 3), capture(generate, client, SAME_B, 3),
                 capture(generate, client, SAME_B, 5), capture(generate, client, SHORT, 3)]
     solo = alone(server, requests)
@@ -424,7 +458,8 @@ def test_generation_with_iter_shares_a_generate(client, server):
     for s, m in zip(solo, merged):
         assert len(m.saved["steps"]) == len(s.saved["steps"]) > 1
         assert torch.equal(s.saved["ids"], m.saved["ids"])
-        assert torch.equal(s.saved["steps"][0], m.saved["steps"][0])  # the prompt's forward
+        prompt_step = worst_difference({"s": s.saved["steps"][0]}, {"s": m.saved["steps"][0]})
+        assert prompt_step == 0.0 if batch_invariant else prompt_step <= TOLERANCE  # the prompt's forward
         assert worst_difference(s.saved, m.saved) <= TOLERANCE  # the one-token decode steps
 
 
@@ -459,7 +494,7 @@ def test_one_token_rows_differ_with_batch_size_in_plain_torch(server):
         alone_row, batch_row = mlp(one)[0], mlp(two)[0]
     assert (alone_row - batch_row).abs().max() <= TOLERANCE
     if torch.equal(alone_row, batch_row):
-        pytest.skip("this machine's kernels are batch-size independent here")
+        pytest.skip("this machine's kernels give a one-token row the same bits in a batch of 1 and of 2")
 
 
 def test_source_ops_cache_and_kv_cache_objects(client, server):
@@ -498,7 +533,7 @@ def test_each_user_gets_their_own_log_lines(client, server, lengths):
     assert solo_logs[1] == [f"mine {SHORT} (1, {lengths[SHORT]}, 64)"]
 
 
-def test_settings_off_and_unequal_lengths_off(client, server):
+def test_settings_off_and_unequal_lengths_off(client, server, batch_invariant):
     requests = [capture(read, client, SAME_A), capture(logits, client, SAME_B), capture(read, client, SHORT)]
     off = together(server, requests, max_batch=1)
     assert all(m.meta == {"cobatch": 1, "cobatch_solo": "co-batching is off (NDIF_COBATCH_MAX=1)"} for m in off)
@@ -507,7 +542,7 @@ def test_settings_off_and_unequal_lengths_off(client, server):
     assert no_pad[2].meta["cobatch"] == 1
     solo = alone(server, requests)
     for s, m in zip(solo, no_pad):
-        assert_bit_identical(s.saved, m.saved)
+        assert_as_alone(s, m, batch_invariant)
 
 
 def test_untrusted_requests_are_refused(client, server):
