@@ -172,10 +172,18 @@ def check_store(settings: config.Settings) -> Check:
 
 
 def check_database(settings: config.Settings) -> Check:
-    if not settings.auth:
-        return Check("database", SKIP, "NDIF_AUTH is off: no API keys, no database needed")
     url = settings.database_url
     shown = re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)  # never print a password
+    if url.startswith("sqlite") and several_hosts(settings):
+        # The default is this host's file: on a farm of several hosts each keeps its own keys,
+        # and the ledger lands on whichever worker host leads the controller at the time.
+        return Check("database", WARN, f"NDIF_DATABASE_URL is {shown}, this host's own file, on a farm of several "
+                     "hosts: each host would keep its own API keys, and the job ledger is written on whichever "
+                     "worker host leads the controller (`ndif-celery jobs` shows a part of it)",
+                     "point NDIF_DATABASE_URL at one PostgreSQL on every host "
+                     "(postgresql+psycopg://user:password@db-host/ndif)")
+    if not settings.auth:
+        return Check("database", SKIP, "NDIF_AUTH is off: no API keys, no database needed")
     args = {"connect_timeout": int(PROBE_TIMEOUT_S)} if url.startswith("postgresql") else {}
     try:
         if url.startswith("sqlite:///"):

@@ -182,6 +182,21 @@ def test_secret_key_warns_only_on_several_hosts(tmp_path):
     assert doctor.several_hosts(local_s3)
 
 
+def test_a_database_file_of_one_host_warns_on_several_hosts(tmp_path):
+    """The SQLite default is this host's file: on a farm of several hosts the
+    keys and the ledger would be split among them."""
+    one = config.load({"NDIF_HOME": str(tmp_path), "NDIF_SECRET_KEY": "x"})
+    assert doctor.check_database(one).status == "SKIP"  # auth off, one host: nothing to check
+    for auth in ("0", "1"):
+        many = config.load({"NDIF_HOME": str(tmp_path), "NDIF_SECRET_KEY": "x", "NDIF_AUTH": auth,
+                            "NDIF_REDIS_URL": "redis://10.0.0.5:6379/0"})
+        warned = doctor.check_database(many)
+        assert warned.status == "WARN" and "several hosts" in warned.detail and "PostgreSQL" in warned.fix, warned
+    shared = config.load({"NDIF_HOME": str(tmp_path), "NDIF_SECRET_KEY": "x", "NDIF_REDIS_URL": "redis://10.0.0.5:6379/0",
+                          "NDIF_DATABASE_URL": "postgresql+psycopg://ndif:secret@db-host/ndif"})
+    assert doctor.check_database(shared).status == "SKIP"  # auth off: not connected to
+
+
 def test_disk_check_fails_below_its_floor(tmp_path):
     free = shutil.disk_usage(tmp_path).free
     assert doctor._disk("disk", tmp_path, warn=1, fail=0, fix="f").status == "OK"
