@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import ctypes
+import itertools
 import os
 import re
 import shutil
@@ -47,6 +48,7 @@ from typing import Callable, Optional
 PREFIX = "ndift"
 SUBNET = "10.199.0"  # /24, exists only inside the namespaces; .1 is unused, hosts from .2
 CLONE_NEWNET = 0x40000000
+_networks = itertools.count()
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -63,7 +65,7 @@ def unavailable() -> str:
         return "network namespaces need root (ip netns add)"
     if shutil.which("ip") is None or shutil.which("unshare") is None:
         return "network namespaces need iproute2's `ip` and util-linux's `unshare`"
-    probe = f"{PREFIX}{os.getpid()}-probe"
+    probe = f"{PREFIX}{os.getpid()}.{next(_networks)}-probe"
     made = _ip("netns", "add", probe, check=False)
     if made.returncode != 0:
         return f"`ip netns add` failed: {made.stderr.strip()}"
@@ -84,7 +86,7 @@ def remove_leftovers() -> list[str]:
     """Remove the namespaces of earlier runs whose process is gone; their names."""
     removed = []
     for name in _namespaces():
-        match = re.fullmatch(rf"{PREFIX}(\d+)-.+", name)
+        match = re.fullmatch(rf"{PREFIX}(\d+)\.\d+-.+", name)
         if match and not Path(f"/proc/{match.group(1)}").exists():
             _remove_namespace(name)
             removed.append(name)
@@ -214,7 +216,7 @@ class Network:
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
-        self.prefix = f"{PREFIX}{os.getpid()}"
+        self.prefix = f"{PREFIX}{os.getpid()}.{next(_networks)}"  # two networks of one process never meet
         self.switch = f"{self.prefix}-switch"
         self.hosts: dict[str, Host] = {}
         self._made: list[str] = []
@@ -231,7 +233,7 @@ class Network:
 
     def add(self, name: str) -> Host:
         """A host on the subnet at the next address, its link up."""
-        if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", name) or name in self.hosts or name in ("switch", "probe"):
+        if not re.fullmatch(r"[a-z][a-z0-9]{0,11}", name) or name in self.hosts or name == "switch":
             raise ValueError(f"host names are short, lowercase and unique: {name!r}")
         host = Host(self, name, number=len(self.hosts) + 2)
         self._plug(host)

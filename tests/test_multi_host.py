@@ -227,7 +227,11 @@ def test_a_worker_host_cut_while_idle_as_jobs_arrive_loses_none(farm, model):
 
         def arrive():
             idle.cut()
-            return [(_submit(model, (web1, web2)[i % 2]), time.monotonic()) for i in range(3)]
+            sent = []
+            for i in range(3):
+                sent_at = time.monotonic()
+                sent.append((_submit(model, (web1, web2)[i % 2]), sent_at))
+            return sent
 
         arriving = farm.client.call(arrive)
         outcomes = [farm.client.submit(_outcome, model, (web2, web1)[i % 2], job_id, sent_at)
@@ -274,3 +278,42 @@ def test_a_web_host_that_dies_fails_its_own_blocking_client_only(farm, model):
     assert time.monotonic() - killed_at < 10, "the dead web host's client was not told"
     assert "Connection" in type(failed.value).__name__ or isinstance(failed.value, OSError), repr(failed.value)
     assert torch_equal(on_kept.result(timeout=PROMISE_S), _layer0_locally(model))
+
+
+# -- the harness itself ------------------------------------------------------------------
+
+
+def test_the_harness_leaves_nothing_behind_even_when_a_test_fails(tmp_path):
+    """Namespaces, their links and every process in them are gone after, the
+    machine's own links untouched; namespaces a dead run left are removed by
+    the next one."""
+    import os
+    import subprocess
+    import sys
+
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+
+    def machine() -> tuple:
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+        return sorted(line.split(":")[1].strip() for line in links.splitlines()), netns._namespaces()
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    subprocess.run(["ip", "netns", "add", f"{netns.PREFIX}{dead.pid}.0-left"], check=True)  # a dead run's
+    before = machine()
+    sleeper = None
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with netns.Network(tmp_path) as network:
+            a, b = network.add("a"), network.add("b")
+            sleeper = a.start("sleep", ["sleep", "600"])
+            assert a.pids() and network.switch in netns._namespaces()
+            inside = f"net:[{os.stat(f'/var/run/netns/{b.namespace}').st_ino}]"
+            assert b.call(os.readlink, "/proc/thread-self/ns/net") == inside  # a thread of host b
+            assert os.readlink("/proc/thread-self/ns/net") != inside  # this one stays in the machine's
+            raise RuntimeError("the test failed")
+    after = machine()
+    assert sleeper.poll() is not None, "a process on a host outlived the network"
+    assert after[0] == before[0], "the machine's own links changed"
+    assert after[1] == [n for n in before[1] if n != f"{netns.PREFIX}{dead.pid}.0-left"], after[1]
