@@ -1,7 +1,8 @@
 """``GET /metrics`` (Prometheus) and ``GET /dashboard`` (one HTML page for people).
 
 Both read the farm from Redis (``ndif_celery.metrics``, ``registry``,
-``queues``) and the recent jobs from the ledger (``ndif_celery.ledger``); no
+``queues``, the health probes' results and the scheduled pins) and the recent
+jobs and usage from the ledger (``ndif_celery.ledger``, ``usage``); no
 torch, no build step. Every answered request is counted in Redis by
 :func:`count_request` (after_request), so every web process and host adds to
 the same ``ndif_http_requests_total``.
