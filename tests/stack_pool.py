@@ -76,7 +76,7 @@ class StackPool:
 
     def close(self) -> None:
         for stack in self.stacks.values():
-            stack.stop()
+            stack.discard()
         self.stacks.clear()
         if self.moto is not None:
             self.moto.stop()

@@ -78,7 +78,7 @@ def stack(tmp_path_factory):
     stack = Stack(tmp_path_factory.mktemp("cli") / "home")
     stack.start()
     yield stack
-    stack.stop()
+    stack.discard()
 
 
 def test_up_detach_answers_ping(stack):
@@ -170,7 +170,7 @@ def test_foreground_up_stops_everything_on_sigterm(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        stack.stop()
+        stack.discard()
 
 
 @pytest.mark.e2e  # starts a stack in its body
@@ -194,7 +194,7 @@ def test_foreground_up_restarts_a_service_that_dies(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        stack.stop()
+        stack.discard()
 
 
 @pytest.mark.e2e  # starts a stack in its body

@@ -178,4 +178,4 @@ def test_with_auth_a_browser_signs_in_with_an_admin_key(chromium, tmp_path_facto
         chromium.screenshot(OUT_DIR / "dashboard" / "dashboard-auth.png")
     finally:
         chromium.set_headers({})
-        stack.stop()
+        stack.discard()

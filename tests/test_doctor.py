@@ -255,7 +255,7 @@ def stack(tmp_path_factory):
         stack.start()
         yield stack
     finally:
-        stack.stop()
+        stack.discard()
 
 
 def test_doctor_passes_on_a_healthy_stack(stack):

@@ -44,7 +44,7 @@ def weak_stack(tmp_path_factory, stack_pool):
     nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = stack.url, True
     yield stack
     nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
-    stack.stop()
+    stack.discard()
 
 
 def test_a_job_is_refused_when_a_required_layer_is_missing(tmp_path, stack_pool, model):

@@ -236,7 +236,7 @@ def auth_stack(tmp_path_factory, cache):
     nnsight.CONFIG.API.HOST = stack.url
     yield stack
     nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY = saved
-    stack.stop()
+    stack.discard()
 
 
 def _post(stack, model_key: str, key: str = "", env: dict | None = None) -> httpx.Response:
@@ -385,7 +385,7 @@ def listed_stack(tmp_path_factory, cache):
     nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY = stack.url, ""
     yield stack
     nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.APIKEY = saved
-    stack.stop()
+    stack.discard()
 
 
 def test_a_listed_model_is_deployed_for_an_untrusted_key(listed_stack, model):
