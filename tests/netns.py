@@ -41,6 +41,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -142,7 +143,7 @@ class Host:
         self.folder = network.folder / name
         self.folder.mkdir(parents=True, exist_ok=True)
         self.processes: dict[str, subprocess.Popen] = {}
-        self._threads: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.call_timeout_s = 300.0
 
     # -- processes ----------------------------------------------------------------
 
@@ -195,20 +196,26 @@ class Host:
     # -- code inside the host ------------------------------------------------------
 
     def call(self, fn: Callable, *args, **kwargs):
-        """``fn(*args, **kwargs)`` in a thread inside this host's network; its result."""
-        return self.submit(fn, *args, **kwargs).result()
+        """``fn(*args, **kwargs)`` in a thread inside this host's network; its
+        result (``TimeoutError`` after :attr:`call_timeout_s`: a test never hangs)."""
+        return self.submit(fn, *args, **kwargs).result(timeout=self.call_timeout_s)
 
     def submit(self, fn: Callable, *args, **kwargs) -> concurrent.futures.Future:
-        """The same, without waiting: up to 16 at once on one host."""
-        if self._threads is None:
-            self._threads = concurrent.futures.ThreadPoolExecutor(
-                16, thread_name_prefix=f"host-{self.name}", initializer=_enter, initargs=(self.namespace,))
-        return self._threads.submit(fn, *args, **kwargs)
+        """The same, without waiting, in a thread of its own: a daemon, so a
+        client left waiting on a host that is gone (a socket no packet will
+        ever reach again) cannot keep the test process from exiting."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
 
-    def close_threads(self) -> None:
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
-            self._threads = None
+        def run() -> None:
+            future.set_running_or_notify_cancel()
+            try:
+                _enter(self.namespace)
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(error)
+
+        threading.Thread(target=run, name=f"host-{self.name}", daemon=True).start()
+        return future
 
 
 class Network:
@@ -253,7 +260,6 @@ class Network:
         processes killed and its namespace made anew, so nothing its old
         kernel still held (a socket's unsent bytes, waiting for a link that
         was cut) reaches anyone once it is back, as after a reboot."""
-        host.close_threads()
         host.kill()
         _ip("-n", self.switch, "link", "del", f"p-{host.name}")  # both ends, now (a namespace goes lazily)
         _remove_namespace(host.namespace)
@@ -262,8 +268,6 @@ class Network:
 
     def close(self) -> None:
         """Kill every process in every namespace made, then remove them all."""
-        for host in self.hosts.values():
-            host.close_threads()
         errors = []
         for namespace in reversed(self._made):
             try:
