@@ -5,14 +5,10 @@ that are really apart show whether it does: each service binds its own host's
 address, reaches the others by theirs, keeps its own ``NDIF_HOME``, and can
 lose its link while its processes live on. The layout is the one of issue #16:
 
-=========  ===========================================================
-``broker``  Redis (bound to its address), the S3-protocol store (moto), ``ndif-celery beat``
-``web1``    ``ndif-celery web``
-``web2``    ``ndif-celery web``
-``worker1`` ``ndif-celery worker --name cpu@worker1``
-``worker2`` ``ndif-celery worker --name cpu@worker2``
-``client``  nothing: the tests' clients run in threads inside it (``Host.call``)
-=========  ===========================================================
+* ``broker``: Redis (bound to its address), the S3-protocol store (moto), ``ndif-celery beat``;
+* ``web1``, ``web2``: ``ndif-celery web`` each;
+* ``worker1``, ``worker2``: ``ndif-celery worker --name cpu@worker<N>`` each;
+* ``client``: nothing; the tests' clients run in threads inside it (``Host.call``).
 
 Every host gets the same farm settings (the broker's and the store's
 addresses, one ``NDIF_SECRET_KEY``) and its own ``NDIF_HOME``; nothing of the
@@ -21,6 +17,9 @@ test process's own ``NDIF_*`` environment passes through. Redis is a
 bound to the broker's address): ``ndif-celery redis`` is the single-host
 embedded one, loopback only because it has no password. The tiny model's
 cache (``HF_HOME``) is read by both workers from the test machine's disk.
+The database stays each host's own SQLite file (auth is off and no test reads
+the ledger; a real farm shares one PostgreSQL, which ``ndif-celery doctor``
+asks for).
 """
 
 from __future__ import annotations
