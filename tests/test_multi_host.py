@@ -6,8 +6,9 @@ workers; a job submitted on one web host is polled on the other; a result over
 the inline limit is fetched by the client host from the store's own address;
 a worker host whose link dies mid-job, or while it idles as jobs arrive (the
 lost-delivery race of issue #16, repeated until it is hit), loses no job:
-each completes or ERRORs within 30 s; a web host that dies fails its own
-blocking client, not the other web host's.
+each completes or ERRORs within 30 s, and the controller says once per cut,
+not every tick, that it cannot place the missing replica; a web host that
+dies fails its own blocking client, not the other web host's.
 
 One farm for the module, its services at their production timings (the
 heartbeat's ``STALE_S``, the watchdog's ``LOST_AFTER_S``): the 30 s is what
@@ -251,6 +252,12 @@ def test_a_worker_host_cut_while_idle_as_jobs_arrive_loses_none(farm, model):
         if hit:
             break
     assert hit, f"the race was not hit in {RACE_TRIES} tries (no job was handed to the cut worker)"
+    # While one of the two replicas was gone (~20 s a cut, 40 controller ticks), the
+    # controller said it could not place the second once per cut, not every tick.
+    cuts = 1 + attempt + 1  # the mid-job cut of the test before, and each try here
+    said = sum((w.folder / "worker.log").read_text().count("no live worker can take another replica")
+               for w in farm.workers)
+    assert 1 <= said <= 2 * cuts, f"'no live worker can take another replica' logged {said} times over {cuts} cuts"
 
 
 def test_a_web_host_that_dies_fails_its_own_blocking_client_only(farm, model):
