@@ -186,3 +186,28 @@ def test_the_web_refuses_a_probe_of_a_model_not_deployed_and_records_its_owner(r
     intake.check_probe(redis_client, settings, probe, {auth.HEADER: "probe-key"}, KEY)
     other = farm.model_key_for("org/elsewhere")
     intake.check_probe(redis_client, settings, auth.Identity(key_id=8), {auth.HEADER: "someone-else"}, other)
+
+
+def test_the_controller_ends_probe_jobs_left_waiting_for_an_evicted_model(redis_client, embedded_settings):
+    """A probe accepted just before its model was evicted must not load it again:
+    the controller ends the jobs when only the probe's wait for a model nobody holds
+    or wants. Here the web's test client (auth off: the owner is ``anonymous``)
+    stands for the probe's key, recorded as the web records it."""
+    import io
+
+    from ndif_celery import jobs, wire
+    from ndif_celery.celery_app import make_app
+    from web.app import create_app
+    from workers.controller import Controller
+
+    web = create_app(embedded_settings).test_client()
+    envelope = json.dumps({"model_key": KEY, "session_id": "", "compress": False, "env": {}})
+    answer = web.post("/request", data={"data": envelope, "blob": (io.BytesIO(b"trace"), "request")})
+    assert answer.status_code == 200, answer.get_data(as_text=True)
+    job_id = answer.get_json()["id"]
+    redis_client.set(probes.OWNER, "anonymous")
+    controller = Controller("w0", redis_client, make_app(embedded_settings), embedded_settings)
+    controller.tick()
+    final = json.loads(jobs.latest_status(redis_client, job_id))
+    assert final["status"] == wire.ERROR and "does not deploy models" in final["description"]
+    assert registry.live_deployments(redis_client) == [] and redis_client.hlen(registry.DEPLOYMENTS) == 0
