@@ -18,7 +18,6 @@ Constants (``PROMPT``, ``HIDDEN``, ``VOCAB``, ``N_LAYER``, ``REPO_ID``) live in
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -116,18 +115,6 @@ def stack_pool(tmp_path_factory, hf_home):
     pool.close()
 
 
-@contextlib.contextmanager
-def _client_pointed_at(url: str, compress: bool = True):
-    import nnsight
-
-    saved = (nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS)
-    nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = url, compress
-    try:
-        yield
-    finally:
-        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
-
-
 @pytest.fixture(scope="session")
 def fs_stack(stack_pool):
     return stack_pool.get("fs")
@@ -136,7 +123,9 @@ def fs_stack(stack_pool):
 @pytest.fixture
 def on_fs_stack(fs_stack):
     """The client pointed at the default stack (inline results, filesystem store)."""
-    with _client_pointed_at(fs_stack.url):
+    from tests.remote import client_pointed_at
+
+    with client_pointed_at(fs_stack.url):
         yield fs_stack
 
 
@@ -151,7 +140,9 @@ def variant(request, stack_pool):
     """One way of reaching the farm; the client is pointed at its stack."""
     v = request.param
     stack = stack_pool.get(v.stack)
-    with _client_pointed_at(stack.url, compress=v.compress):
+    from tests.remote import client_pointed_at
+
+    with client_pointed_at(stack.url, compress=v.compress):
         yield v
 
 

@@ -8,10 +8,24 @@ S3. The conformance cases take a ``remote(model)`` callable; a variant builds it
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 from nnsight.intervention.backends.remote import RemoteBackend
+
+
+@contextlib.contextmanager
+def client_pointed_at(url: str, compress: bool = True):
+    """The real client's host (and compression) set to ``url`` for a while, restored after."""
+    import nnsight
+
+    saved = (nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS)
+    nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = url, compress
+    try:
+        yield
+    finally:
+        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
 
 
 def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.05):

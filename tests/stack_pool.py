@@ -40,7 +40,15 @@ class StackPool:
         if kind == "fs":
             return {}
         if kind == "fs-noinline":
-            return {"NDIF_MAX_INLINE_BYTES": "0"}
+            # Its variant is one transport (results always through the store);
+            # settings that change nothing a conformance case computes ride
+            # along, so the tests that need them share this stack instead of
+            # starting one each: co-batching off (test_cobatch_e2e; requests
+            # sent one at a time never share a forward anyway). Not
+            # NDIF_TORCH_THREADS: on some CPUs the BLAS sums in another order
+            # with another thread count, and the values would differ from the
+            # test process's own bit for bit.
+            return {"NDIF_MAX_INLINE_BYTES": "0", "NDIF_COBATCH_MAX": "1"}
         if kind == "isolated":
             # Auth off, but every request untrusted, NDIF_ISOLATION=fork: the
             # children come from zygotes forked off the worker's fork server,

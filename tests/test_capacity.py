@@ -22,17 +22,15 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import AsyncRemoteBackend
 
-from tests.stack import Stack
 from tests.tiny_model import PROMPT
 
 CLIENTS = 500
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, hf_home):
-    # Trusted (auth off): the slow job's block may wait on a file.
-    with Stack(tmp_path_factory.mktemp("capacity") / "home", env={"HF_HOME": str(hf_home)}) as stack:
-        yield stack
+def stack(stack_pool):
+    # The default stack (trusted, auth off: the slow job's block may wait on a file).
+    return stack_pool.get("fs")
 
 
 def _wait_for(backend: AsyncRemoteBackend, status: str):

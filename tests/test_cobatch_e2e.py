@@ -34,7 +34,7 @@ from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from ndif_celery import queues
 from tests import conformance
-from tests.remote import PollUntilDone, final_status, poll, slow_job, wait_status
+from tests.remote import PollUntilDone, client_pointed_at, final_status, poll, slow_job, wait_status
 from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT
 
@@ -355,9 +355,9 @@ def test_a_worker_killed_mid_batch_loses_none_of_its_jobs(auth_stack, model):
         assert f"job {backend.job_id} lost with worker" in beat, beat[-3000:]
 
 
-def test_cobatch_max_1_runs_everything_alone(tmp_path_factory, hf_home, model):
-    env = {"NDIF_COBATCH_MAX": "1", "NDIF_EXECUTION_TIMEOUT_S": "300"}
-    with client_on_stack(tmp_path_factory.mktemp("cobatch-off"), hf_home, env) as stack:
+def test_cobatch_max_1_runs_everything_alone(stack_pool, model):
+    stack = stack_pool.get("fs-noinline")  # NDIF_COBATCH_MAX=1 (tests/stack_pool.py)
+    with client_pointed_at(stack.url):
         _remote(model, u_read, True)()  # deployed
         users = [u_read, u_logits, u_zero, u_mean, u_generate]
         expected = [_local(model, user) for user in users]
