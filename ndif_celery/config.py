@@ -71,6 +71,13 @@ def _int(name: str, raw: str) -> int:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
+def _positive(name: str, raw: str) -> int:
+    value = _int(name, raw)
+    if value < 1:
+        raise ValueError(f"{name} must be an integer of at least 1, got {raw!r}")
+    return value
+
+
 def _float(name: str, raw: str) -> float:
     try:
         return float(raw)
@@ -272,6 +279,8 @@ VARIABLES: tuple = (
     Var("NDIF_JAIL_CGROUP_ROOT", "jail_cgroup_root", "", _text, "the pids cgroup under which each untrusted job gets its own"),
     # The keyed weight check after every untrusted job on every model (always on GPU models).
     Var("NDIF_VERIFY_UNTRUSTED", "verify_untrusted", False, _bool, "keyed weight check after every untrusted job"),
+    Var("NDIF_TRUSTED_CHECK_EVERY", "trusted_check_every", 8, _positive,
+        "whole weight check after every Nth trusted job at least (cheap stamps after each; 1: every job)"),
     Var("NDIF_AUTH_CACHE_S", "auth_cache_s", 5.0, _float, "how long the web remembers a key lookup"),
     # Entries in each of the web's auth tables (known keys, unknown keys,
     # addresses that failed): made-up keys cannot grow a web process.

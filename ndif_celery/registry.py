@@ -7,9 +7,10 @@ belongs to a dead worker and is ignored, together with the models it claimed,
 so a killed worker disappears from ``/status`` without anyone cleaning up.
 
 - hash ``ndif:workers``       worker name -> JSON {name, host, pid, gpus, memory_bytes, last_seen, current_job,
-  batch, ...} (``current_job``: the job it runs, the lead of a co-batch; ``batch``: the other jobs of
-  that co-batch, taken out of the queue so no broker message covers them; ``running_jobs`` reads both;
-  for operators only: never in the open ``/status``)
+  batch, delivering, ...} (``current_job``: the job it runs, the lead of a co-batch; ``batch``: the other
+  jobs of that co-batch, taken out of the queue so no broker message covers them; ``delivering``: jobs
+  whose results its delivery thread still sends; ``running_jobs`` reads all three; for operators only:
+  never in the open ``/status``)
 - hash ``ndif:deployments``   "<worker>|<model_key>" -> JSON {model_key, worker, state, size_bytes, pinned, last_used, ...}
 - hash ``ndif:desired``       model_key -> JSON {pinned, replicas, dtype}: what operators deployed
 - hash ``ndif:sizes``         "<model_key>|<dtype>" -> estimated weight bytes
@@ -76,11 +77,14 @@ def take_over(client: redis.Redis, name: str, pid: int) -> Optional[dict]:
 
 
 def running_jobs(info: dict) -> list[str]:
-    """Every job a worker entry says it runs: its ``current_job`` and, while it
-    runs a co-batch, the batch's other jobs (``workers.batch``), which no broker
-    message covers: if the worker dies, the watchdog must rescue each one."""
+    """Every job a worker entry says it runs: its ``current_job``, while it
+    runs a co-batch the batch's other jobs (``workers.batch``), and the jobs
+    whose results its delivery thread still sends (``workers.deliveries``),
+    which no broker message covers: if the worker dies, the watchdog must
+    rescue each one."""
     lead = info.get("current_job")
-    return ([lead] if lead else []) + [job_id for job_id in info.get("batch") or () if job_id != lead]
+    others = [*(info.get("batch") or ()), *(info.get("delivering") or ())]
+    return ([lead] if lead else []) + list(dict.fromkeys(job_id for job_id in others if job_id != lead))
 
 
 def unregister_worker(client: redis.Redis, name: str) -> None:

@@ -33,6 +33,8 @@ import logging
 import os
 import sys
 import time
+from typing import Callable
+
 from huggingface_hub import constants as hf_constants
 
 from ndif_celery import config, jobs, statuses
@@ -65,11 +67,13 @@ class InProcess:
     (:meth:`run`) or a co-batch of them (:meth:`run_together`), through the
     co-batching engine's one trusted path (``cobatch.run_alone``, ``run_batch``)."""
 
-    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.Watchdog) -> None:
+    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.Watchdog,
+                 job_waiting: Callable[[str], bool] = lambda model_key: False) -> None:
         self.timeout_s = settings.execution_timeout_s
         self.cobatch_max, self.cobatch_pad = settings.cobatch_max, settings.cobatch_pad
         self.models = models
         self.watchdog = watchdog  # the worker's: answers at the deadline, interrupts, replaces if stuck
+        self.job_waiting = job_waiting  # whether a job waits for this model (then the whole check may wait)
 
     def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
         with self.watchdog.watch(job.id, channel, meta, self.timeout_s), deadline.backstop(self._last_resort()):
@@ -117,11 +121,20 @@ class InProcess:
         return self.models.get(model_key)
 
     def after(self, job: jobs.Job) -> None:
-        """After the answer is sent, before the next job: the plain check
-        reads every weight, which nobody should wait for."""
-        restored = self.models.restore_if_changed(job.model_key)
+        """After the job (or the co-batch it led), before the next: the stamps
+        of every weight, and the whole plain check when they show a write, when
+        no job waits, or every ``NDIF_TRUSTED_CHECK_EVERY``-th job
+        (``ResidentModels.check_after_trusted``); a change reloads the model."""
+        started = time.perf_counter()
+        try:
+            waiting = self.job_waiting(job.model_key)
+        except Exception:  # noqa: BLE001 - the broker away: check now, as if idle
+            waiting = False
+        why, restored = self.models.check_after_trusted(job.model_key, idle=not waiting)
         if restored:
-            log.warning("job %s changed %d weight tensors; model reloaded", job.id, len(restored))
+            log.warning("job %s changed %d weight tensors; model reloaded (checked: %s)", job.id, len(restored), why)
+        elif why:
+            log.debug("job %s: whole weight check intact (%s, %.0f ms)", job.id, why, ms_since(started))
 
     def prepare_next(self, model_key: str) -> None:
         """Nothing to prepare: the model itself runs the next job."""

@@ -2,10 +2,10 @@
 
 ::
 
-    start ──► execute ──► deliver                      COMPLETED   (execute + deliver: perform)
-                 │            │
-                 └────────────┴──► fail                ERROR, the one place an
-                                                       exception becomes what the client reads
+    start ──► announce ──► execute ──► deliver          COMPLETED   (execute + deliver: perform)
+                              │            │
+                              └────────────┴──► fail    ERROR, the one place an
+                                                        exception becomes what the client reads
     finish (always, after the answer): end, weight checks, metrics, payload deleted
     then, for an isolated job: the next child prepared while idle
 
@@ -24,10 +24,21 @@
   user's error, the store away, a server fault) to its ERROR.
 - :func:`finish` runs whatever happened; :func:`close` is its part per job.
 
+Keeping the model busy (issue #15): once a job's result is encoded, nothing
+left of its life needs the model. :func:`hand_over` gives its
+:func:`deliver` (or :func:`fail`) and :func:`close` to the worker's delivery
+thread (``workers.deliveries``; in order, one hand-off waiting at most, a
+result over 16 MiB delivered here as before), so :func:`finish` (the weight
+check: cheap stamps, the whole fingerprint only when due,
+``ResidentModels.check_after_trusted``) is all that stands between this
+job's forward and the next: ``WorkerState.run`` then takes the head of the
+model's queue itself (``batch.next_job``) instead of returning to Celery.
+The job's :func:`deliver` runs while the next job starts and runs.
+
 A trusted job may lead a co-batch (``workers.batch``): its ``perform`` gathers
 its model's waiting trusted jobs, starts and announces each with these same
-steps, runs them together, and answers each with :func:`deliver` or
-:func:`fail` and :func:`close`; the lead's :func:`finish` comes last.
+steps, runs them together, and hands every job's answer over at once; the
+lead's :func:`finish` comes last.
 
 Nothing a job does may take the worker down or leak into the next job.
 """
@@ -63,13 +74,14 @@ class Life:
     started: float = field(default_factory=time.time)
     meta: dict = field(default_factory=dict)
     outcome: str = wire.ERROR  # until the result is delivered
+    handed: bool = False  # answered and closed by the worker's delivery thread (workers.deliveries)
 
 
 def perform(worker, life: Life) -> None:
-    """The job's work once it runs: :func:`execute`, then :func:`deliver`."""
+    """The job's work once it runs: :func:`execute`, then :func:`deliver`
+    (through :func:`hand_over`: off the forward's path)."""
     data = execute(worker, life)
-    deliver(worker, life, data)
-    life.outcome = wire.COMPLETED
+    hand_over(worker, [(life, data)])
 
 
 def run(worker, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -> None:
@@ -180,6 +192,31 @@ def deliver(worker, life: Life, data: bytes) -> None:
     channel.send(wire.COMPLETED, description, data=worker.store.url(key), meta=meta)
 
 
+def hand_over(worker, answers: list) -> None:
+    """Each ``(life, result bytes or the exception that is its answer)``
+    answered (:func:`answer`) and closed, in order, by the worker's delivery
+    thread (``workers.deliveries``), so the next job starts meanwhile; in this
+    thread instead when a result is too big to hold while the next one is made."""
+    if all(isinstance(a, BaseException) or worker.deliveries.takes(a) for _, a in answers):
+        worker.deliveries.hand(answers)
+        for life, _ in answers:
+            life.handed = True
+        return
+    for life, result in answers:
+        answer(worker, life, result)
+
+
+def answer(worker, life: Life, result) -> None:
+    """The job's result delivered (COMPLETED), or ``result``, an exception, failed."""
+    try:
+        if isinstance(result, BaseException):
+            raise result
+        deliver(worker, life, result)
+        life.outcome = wire.COMPLETED
+    except (JobCancelled, JobTimedOut, Exception) as error:  # noqa: BLE001 - every end is answered
+        fail(worker, life, error)
+
+
 def fail(worker, life: Life, error: BaseException) -> None:
     """The ERROR the client sees, for every way a job can end badly. Called
     while ``error`` is being handled (``log.exception`` logs it)."""
@@ -204,8 +241,9 @@ def finish(worker, life: Life) -> None:
     """However the job ended, after its answer and before the next job (after
     every job of its co-batch): the worker free, the weight checks, then :func:`close`."""
     worker.end()
-    life.executor.after(life.job)  # the weight checks: nobody waits for them
-    close(worker, life)
+    life.executor.after(life.job)  # the weight checks, before the next job's forward
+    if not life.handed:  # else the delivery thread closes it, once delivered
+        close(worker, life)
 
 
 def close(worker, life: Life) -> None:

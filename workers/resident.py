@@ -39,6 +39,8 @@ class Resident:
 
     ``fingerprint``: the plain fingerprint, checked after trusted jobs (retaken
     when the weights move into shared memory: same values, new storage).
+    ``stamps``: the cheap ``integrity.Stamps`` read after every trusted job,
+    and ``unchecked``: the trusted jobs since the last whole check.
     ``keyed``: ``(KeyedHash, its fingerprint at load)`` where untrusted jobs are
     followed by the keyed check, else None; it depends on the values only.
     ``shared``: the weights in memory a zygote maps (``shared_weights.Shared``),
@@ -53,6 +55,8 @@ class Resident:
         self.dtype = dtype
         self.size_bytes = size_bytes
         self.fingerprint = integrity.fingerprint(model._module)
+        self.stamps = integrity.Stamps(model._module)
+        self.unchecked = 0
         self.keyed: Optional[tuple] = None
         if keyed:
             # A fresh key per load, drawn here and never handed to any child.
@@ -66,6 +70,7 @@ class Resident:
         if self.shared is None:
             self.shared = shared_weights.share(self.model._module)
             self.fingerprint = integrity.fingerprint(self.model._module)  # same values, new storage
+            self.stamps = integrity.Stamps(self.model._module)
         return self.shared
 
     def start_zygote(self, fork_server: Any = None) -> Zygote:
@@ -106,10 +111,13 @@ class Resident:
 class ResidentModels:
     """The registry of this worker's :class:`Resident` models, by model key."""
 
-    def __init__(self, verify_untrusted: bool = False) -> None:
+    def __init__(self, verify_untrusted: bool = False, trusted_check_every: int = 1) -> None:
         # NDIF_VERIFY_UNTRUSTED: the keyed check after every untrusted job on
         # every model, not only on GPU models (whose weights a child can write).
         self.verify_untrusted = verify_untrusted
+        # NDIF_TRUSTED_CHECK_EVERY: the whole plain check after every Nth trusted
+        # job at least (the stamps after every one; see check_after_trusted).
+        self.trusted_check_every = max(1, trusted_check_every)
         self._residents: dict[str, Resident] = {}
 
     def get(self, model_key: str) -> Optional[Any]:
@@ -181,14 +189,47 @@ class ResidentModels:
             resident.drop_zygote()
 
     def restore_if_changed(self, model_key: str) -> list[str]:
-        """After a trusted job: reload the model if its plain fingerprint changed; return what had changed."""
+        """Reload the model if its plain fingerprint changed; return what had changed."""
         resident = self._residents.get(model_key)
         if resident is None:
             return []
         changed = resident.changed()
+        resident.unchecked = 0
         if changed:
             self._reload(resident)
         return changed
+
+    def check_after_trusted(self, model_key: str, idle: bool) -> tuple[str, list[str]]:
+        """After a trusted job (or co-batch): ``(why the whole check ran, or '';
+        what had changed, the model then reloaded)``.
+
+        The whole fingerprint reads every weight (~0.1 s per GiB on a CPU): it
+        runs when the stamps show a write (``integrity.Stamps``: version
+        counters, storages, sampled words, ~1 ms), when the worker has no
+        job waiting (``idle``: nobody waits for it), and after every
+        ``NDIF_TRUSTED_CHECK_EVERY``-th trusted job in any case; in between, a
+        write the stamps cannot see (through ``.data``, to words no sample
+        covers) reaches at most that many jobs minus one."""
+        resident = self._residents.get(model_key)
+        if resident is None:
+            return "", []
+        resident.unchecked += 1
+        why = resident.stamps.changed(resident.model._module)
+        if not why and idle:
+            why = "no job is waiting"
+        if not why and resident.unchecked >= self.trusted_check_every:
+            why = f"{resident.unchecked} trusted jobs since the last whole check"
+        if not why:
+            return "", []
+        changed = self.restore_if_changed(model_key)
+        if not changed and why == integrity.SAMPLE_CHANGED:
+            # A word differs from its copy taken at load, whatever the sum says
+            # (a change that cancels in it, say): the model is not as loaded.
+            changed = ["(a sampled word)"]
+            self._reload(resident)
+        elif not changed and why == integrity.STAMP_CHANGED:
+            resident.stamps = integrity.Stamps(resident.model._module)  # a write that changed nothing
+        return why, changed
 
     def checks_untrusted(self, model_key: str) -> bool:
         """Whether untrusted jobs on this model are followed by the keyed check: its weights are on a GPU

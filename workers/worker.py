@@ -36,12 +36,16 @@ from ndif_celery.store_fs import NotShared, check_shared
 
 from . import batch, deadline, isolate, job as job_life, memory, metrics
 from .controller import Controller, fail_waiting
+from .deliveries import Deliveries
 from .execute import RequestError
 from .executors import InProcess, Isolated, JobCancelled, JobTimedOut
 from .resident import ResidentModels
 from .startup import untrusted_jobs_possible
 
 log = logging.getLogger("ndif_celery.worker")
+
+#: What a stopping worker waits for its delivery thread (a job not delivered by then is rescued by the watchdog).
+SHUTDOWN_DELIVERY_S = 2.0
 
 
 class WorkerState:
@@ -53,11 +57,15 @@ class WorkerState:
         self.app = app
         self.redis = jobs.connect(settings.redis_url, settings.redis_outage_s)
         self.store = open_store(settings)
-        self.models = ResidentModels(verify_untrusted=settings.verify_untrusted)
+        self.models = ResidentModels(verify_untrusted=settings.verify_untrusted,
+                                     trusted_check_every=settings.trusted_check_every)
         # The deadline of every job, and `ndif-celery kill`: answers, interrupts, replaces this process if stuck.
         self.deadlines = deadline.Watchdog(settings.execution_timeout_s, settings.deadline_grace_s,
                                            (JobTimedOut, JobCancelled), self.replace)
-        self.in_process = InProcess(settings, self.models, self.deadlines)
+        self.in_process = InProcess(settings, self.models, self.deadlines, self.job_waiting)
+        # Results delivered while the next job runs (workers.deliveries).
+        self.deliveries = Deliveries(lambda life, result: job_life.answer(self, life, result),
+                                     lambda life: job_life.close(self, life))
         self.isolated = Isolated(settings, self.models, self.deadlines)
         self.info: dict = {"name": name, "host": socket.gethostname(), "pid": os.getpid()}
         self.current_job: Optional[str] = None
@@ -72,22 +80,40 @@ class WorkerState:
 
     def run(self, job: jobs.Job) -> None:
         """One job, or a co-batch led by it (``workers.batch``: a trusted job
-        with ``NDIF_COBATCH_MAX`` > 1 gathers its model's waiting trusted jobs)."""
-        job_life.run(self, job, perform=batch.perform if batch.may_gather(self, job) else job_life.perform)
+        with ``NDIF_COBATCH_MAX`` > 1 gathers its model's waiting trusted jobs);
+        then, while the head of its model's queue is a job this worker would
+        run next anyway, that job at once, without a trip through Celery
+        (``batch.next_job``)."""
+        chained = 0
+        while job is not None:
+            job_life.run(self, job, perform=batch.perform if batch.may_gather(self, job) else job_life.perform)
+            if self.current_job == job.id:  # taken as the next job, then skipped (it had ended): not running
+                self.end()
+            chained += 1
+            job = batch.next_job(self, job, chained)
 
     def executor_for(self, job: jobs.Job):
         """In this process for a trusted key; a jailed child for an untrusted one."""
         return self.in_process if job.trusted else self.isolated
 
     def registration(self) -> dict:
-        """This worker's registry entry: what it holds, the job it runs and that job's co-batch."""
-        return dict(self.info, models=self.models.keys(), current_job=self.current_job, batch=list(self.batch))
+        """This worker's registry entry: what it holds, the job it runs, that
+        job's co-batch, and the jobs whose results its delivery thread still sends."""
+        return dict(self.info, models=self.models.keys(), current_job=self.current_job, batch=list(self.batch),
+                    delivering=self.deliveries.delivering())
+
+    def job_waiting(self, model_key: str) -> bool:
+        """Whether a job waits in the model's queue (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for name in queues.lists(queue_for(model_key)):
+            pipe.llen(name)
+        return any(pipe.execute())
 
     def begin(self, job_id: str, pipe) -> None:
-        """Report the job as this worker's (for the watchdog) in ``pipe``; a job
-        of the running co-batch is already reported."""
+        """Report the job as this worker's (for the watchdog) in ``pipe``, run by
+        this thread; a job of the running co-batch is already reported."""
         with self._job_lock:
-            if job_id != self.current_job and job_id not in self.batch:
+            if job_id not in self.batch:
                 self.current_job, self.job_thread, self.batch = job_id, threading.get_ident(), ()
             registry.register_worker(pipe, self.registration())
 
@@ -101,6 +127,21 @@ class WorkerState:
             taken = queues.take(self.redis, waiting, self.name, self.registration())
             self.batch = tuple(job.id for job in taken)
         return taken
+
+    def take_next(self, waiting: "queues.Waiting") -> Optional[jobs.Job]:
+        """Take this waiting job out of its queue as the worker's next current
+        job (``batch.next_job``), removed and reported in one Redis step
+        (``queues.take``); None when another worker got it first. Until it
+        starts (``begin``) it has no thread to interrupt: a kill meanwhile
+        answers it from here (``cancel``), and ``job.start`` then skips it."""
+        with self._entry_lock:
+            with self._job_lock:
+                self.current_job, self.job_thread, self.batch = waiting.job.id, None, ()
+            taken = queues.take(self.redis, [waiting], self.name, self.registration())
+            if not taken:
+                with self._job_lock:
+                    self.current_job = None
+        return taken[0] if taken else None
 
     def end(self) -> None:
         """The job (and its co-batch) is answered: this worker runs nothing, and
@@ -121,14 +162,20 @@ class WorkerState:
         in any other step, it is interrupted at its next Python instruction,
         unless a co-batch is being answered (an interruption would land in
         another user's delivery): then ``ndif-celery kill`` answers it itself."""
-        if self.deadlines.kill(job_id):
+        if self.deadlines.kill(job_id) or self.deliveries.cancel(job_id):
             return True
         with self._job_lock:
             thread = self.job_thread
-            if self.current_job != job_id or thread is None or self.batch:
-                return False
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(reason))
-            return True
+            taken = self.current_job == job_id and thread is None and not self.batch
+            if not taken:
+                if self.current_job != job_id or thread is None or self.batch:
+                    return False
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(reason))
+                return True
+        # Taken as the next job (take_next) and not started: answered here; it then starts as ended, and is skipped.
+        statuses.answer_for_worker(self.redis, job_id, self.settings.job_ttl_s, f"kill@{self.name}",
+                                   deadline.CANCELLED, "cancelled")
+        return True
 
     def replace(self, job_id: str, why: str) -> None:
         """The job's thread will not unwind: exit for a fresh process (``deadline.replace_worker``)."""
@@ -268,6 +315,8 @@ class WorkerState:
             os._exit(78)  # EX_CONFIG
 
     def shutdown(self) -> None:
+        if not self.deliveries.wait_idle(SHUTDOWN_DELIVERY_S):
+            log.error("stopping with results still being delivered: %s", ", ".join(self.deliveries.delivering()))
         isolate.discard()
         self.models.drop_zygotes()
         if self.controller is not None:
