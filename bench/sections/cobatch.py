@@ -12,8 +12,8 @@ off-vs-local targets are checked on the compute-bound cells (on a GPU on the
 main model's); the 1-client cost on the main model's cells, where the fixed
 cost of co-batching is not hidden under ~250 ms of compute.
 
-Each cell alternates off / on ``plan.cobatch_rounds`` times (its requests
-split between the rounds), so both columns see the same machine. The clients
+Each cell alternates local / off / on ``plan.cobatch_rounds`` times (its
+requests split between the rounds), so all three columns see the same machine. The clients
 are real nnsight clients, one thread and one client model each, all started
 at once behind a barrier: with one worker the requests really queue behind it
 and the on stack can gather them. Every value is compared with the local
@@ -69,7 +69,7 @@ class CobatchSection:
                 raise RuntimeError(f"the co-batching-off stack did not start: {self._cobatch_start_error}")
             ref = self.refs.get("small_trace") or self.reference("cobatch", small_trace, self.model)
             cells = self.cobatch_cells(off, self.stack, self.model_info, self.spec, self.plan.cobatch, ref,
-                                       self.local_rate)
+                                       self.model)
         finally:
             with contextlib.suppress(Exception):
                 off.stop()
@@ -101,11 +101,7 @@ class CobatchSection:
                 on = self.new_stack(NDIF_TORCH_THREADS=str(threads))
                 off.start()
                 on.start()
-
-                def local_rate(fn: Callable, total: int, ref: Any) -> dict:
-                    return self.local_rate(fn, total, ref, model=local, spec=spec)
-
-                cells = self.cobatch_cells(off, on, info, spec, self.plan.compute_cobatch, ref, local_rate)
+                cells = self.cobatch_cells(off, on, info, spec, self.plan.compute_cobatch, ref, local)
             finally:
                 for stack in (off, on):
                     if stack is not None:
@@ -120,10 +116,12 @@ class CobatchSection:
                   f"column with torch.set_num_threads({threads})"),
         )
 
-    def cobatch_cells(self, off, on, info, spec, plan, ref: Any, local_rate: Callable) -> dict:
-        """Every (clients, requests per client) of ``plan``: local back-to-back, then off / on
-        alternating ``plan.cobatch_rounds`` times; each stack warmed (deployed, a few concurrent
-        requests) before anything is measured."""
+    def cobatch_cells(self, off, on, info, spec, plan, ref: Any, local_model) -> dict:
+        """Every (clients, requests per client) of ``plan``: local back-to-back (``local_model``,
+        in this process), off and on, the three alternating ``plan.cobatch_rounds`` times (each
+        round a share of the cell's requests), so every column sees the same machine (others'
+        load on a shared one comes and goes within seconds); each stack warmed (deployed, a few
+        concurrent requests) before anything is measured."""
         from bench.workloads import small_trace
 
         rounds = max(1, self.plan.cobatch_rounds)
@@ -139,18 +137,27 @@ class CobatchSection:
             self.cobatch_round(small_trace, clients_models[:min(4, most)], 1, stack.url, None, spec)
         cells: dict = {}
         for clients, per_client in plan:
-            local = local_rate(small_trace, clients * per_client, ref)
-            parts: dict = {"off": [], "on": []}
+            parts: dict = {"local": [], "off": [], "on": []}
             split = [per_client // rounds + (1 if i < per_client % rounds else 0) for i in range(rounds)]
             for n in split:
                 if n == 0:
                     continue
+                parts["local"].append(self.local_round(small_trace, local_model, clients * n, ref, spec))
                 for name, stack in (("off", off), ("on", on)):
                     parts[name].append(self.cobatch_round(small_trace, clients_models[:clients], n, stack.url,
                                                           ref, spec))
-            cells[f"{clients}c"] = {"clients": clients, "local": local,
+            cells[f"{clients}c"] = {"clients": clients, "local": _merge(parts["local"]),
                                     "off": _merge(parts["off"]), "on": _merge(parts["on"])}
         return cells
+
+    def local_round(self, fn: Callable, model, total: int, ref: Any, spec) -> dict:
+        """``total`` requests one after another in this process: a round of the local column."""
+        column = Column()
+        started = time.perf_counter()
+        for _ in range(total):
+            self.measure_into(column, fn, model, None, ref, spec=spec)
+        values = {"exact": 0, "within_tolerance": 0, "max_abs_diff": 0.0, "shared": []}
+        return {"column": column, "wall_s": time.perf_counter() - started, "requests": total, "values": values}
 
     def cobatch_round(self, fn: Callable, models: list, per_client: int, host: str, ref: Any, spec) -> dict:
         """``len(models)`` threads, each ``per_client`` requests one after another with its own
@@ -217,8 +224,8 @@ class CobatchSection:
         self.out["workloads"][name] = entry
         self.save_json()
         self.emit(self.header(name, "requests per client: " + ", ".join(f"{c} clients x {n}" for c, n in plan)
-                              + f", off / on alternating {self.plan.cobatch_rounds}x; local = the same number of "
-                                "requests one after another in-process", model=info.name))
+                              + f", local / off / on alternating {self.plan.cobatch_rounds}x; local = the same number "
+                                "of requests one after another in-process", model=info.name))
         if note:
             self.emit(f"   {note}")
         # Rows shaped like the throughput table's, over other columns and ratios:
