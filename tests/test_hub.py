@@ -70,3 +70,29 @@ def test_subscriptions_asked_for_during_an_outage_are_made_when_it_ends(embedded
     box = hub.open("second", threading.Event())
     redis_client.publish(jobs.session_channel("second"), b"{}")
     assert _received(box) == b"{}"
+
+
+def test_a_new_socket_wakes_the_dispatcher_which_does_not_poll_while_idle(embedded_settings, redis_client,
+                                                                          monkeypatch):
+    """The dispatcher sleeps on the pub/sub socket (it polled every 20 ms); a
+    handshake wakes it through the hub's own anchor channel. With its idle
+    sleep made a minute long, a new socket is still confirmed at once, and a
+    quiet hub makes almost no passes."""
+    from web import hub as hub_module
+
+    monkeypatch.setattr(hub_module, "DISPATCH_IDLE_S", 60.0)
+    hub = _hub(embedded_settings)
+    passes = []
+    original = hub._pass
+    monkeypatch.setattr(hub, "_pass", lambda pubsub, pending: (passes.append(1), original(pubsub, pending)))
+    hub.open("first", threading.Event())
+    time.sleep(1.0)  # idle
+    quiet = len(passes)
+    started = time.monotonic()
+    box = hub.open("second", threading.Event())
+    assert time.monotonic() - started < 10, "the handshake waited for the idle sleep, not a wake-up"
+    redis_client.publish(jobs.session_channel("second"), b"{}")
+    assert _received(box) == b"{}"
+    assert quiet <= 5, f"{quiet} passes in a second of quiet: the dispatcher polls"
+    # Each hub wakes on its own anchor only: another web process's handshakes do not wake this one.
+    assert hub.anchor != _hub(embedded_settings).anchor
