@@ -85,6 +85,15 @@ def _float(name: str, raw: str) -> float:
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
 
+def _socket_lease(name: str, raw: str) -> float:
+    """At least 10 s: every web process renews its sockets' leases every 5 s
+    (``web/hub.py`` RESYNC_S), and a lease must outlive a late renewal."""
+    value = _float(name, raw)
+    if value < 10:
+        raise ValueError(f"{name} must be at least 10 (seconds; web processes renew every 5 s), got {raw!r}")
+    return value
+
+
 def _bool(name: str, raw: str) -> bool:
     raw = raw.strip().lower()
     if raw in ("1", "true", "yes", "on"):
@@ -303,6 +312,8 @@ VARIABLES: tuple = (
     Var("NDIF_MAX_CONCURRENT_JOBS", "max_concurrent_jobs", 0, _int, "jobs queued or running at once per key (0: none)", auth_on=4),
     Var("NDIF_MAX_QUEUE_DEPTH", "max_queue_depth", 0, _int, "jobs waiting per model (0: none)", auth_on=32),
     Var("NDIF_MAX_WEBSOCKETS_PER_KEY", "max_websockets_per_key", 0, _int, "`/subscribe` websockets per key (0: none)", auth_on=16),
+    Var("NDIF_SOCKET_LEASE_S", "socket_lease_s", 30.0, _socket_lease,
+        "how long a counted socket of a web process that stopped renewing stays counted"),
     # The client version gate: "" = no gate; see ndif_celery.versions.
     Var("NDIF_MIN_NNSIGHT_VERSION", "min_nnsight_version", "", parse_minimum, "oldest nnsight client served"),
     Var("NDIF_MIN_PYTHON_VERSION", "min_python_version", "", parse_minimum, "oldest client Python served (major.minor)"),

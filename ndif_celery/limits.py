@@ -94,8 +94,7 @@ def release(pipe, job: jobs.Job) -> None:
 # (``ndif:sockets:<owner>``: session id -> lease deadline, epoch seconds). A live
 # socket renews its lease every few seconds; a web process that dies with
 # sockets open (SIGKILL, OOM, host lost) stops renewing, and its entries lapse
-# after SOCKET_LEASE_S and are dropped by the next claim, so nothing leaks.
-SOCKET_LEASE_S = 30.0
+# after NDIF_SOCKET_LEASE_S and are dropped by the next claim, so nothing leaks.
 
 
 def _sockets_key(owner: str) -> str:
@@ -110,13 +109,14 @@ def claim_socket(client: redis.Redis, identity: auth.Identity, session_id: str, 
         return False
     now = time.time()
     key = _sockets_key(identity.owner)
+    lease_s = settings.socket_lease_s
     # Add first, then count: two web processes racing for the last slot may
     # both refuse, but never both admit.
     pipe = client.pipeline(transaction=True)
     pipe.zremrangebyscore(key, "-inf", now)
-    pipe.zadd(key, {session_id: now + SOCKET_LEASE_S})
+    pipe.zadd(key, {session_id: now + lease_s})
     pipe.zcard(key)
-    pipe.expire(key, int(SOCKET_LEASE_S * 2))
+    pipe.expire(key, int(lease_s * 2))
     _, _, held, _ = pipe.execute()
     if held > limit:
         client.zrem(key, session_id)
@@ -129,25 +129,17 @@ def claim_socket(client: redis.Redis, identity: auth.Identity, session_id: str, 
     return True
 
 
-def renew_socket(client: redis.Redis, identity: auth.Identity, session_id: str) -> None:
-    """Keep a live socket counted (call well within SOCKET_LEASE_S)."""
-    key = _sockets_key(identity.owner)
-    pipe = client.pipeline(transaction=False)
-    pipe.zadd(key, {session_id: time.time() + SOCKET_LEASE_S})
-    pipe.expire(key, int(SOCKET_LEASE_S * 2))
-    pipe.execute()
-
-
-def renew_sockets(client: redis.Redis, leases) -> None:
-    """``renew_socket`` for many (identity, session id) pairs in one round trip:
-    a web process renews all its counted sockets at once (``web/hub.py``)."""
-    deadline = time.time() + SOCKET_LEASE_S
+def renew_sockets(client: redis.Redis, leases, lease_s: float) -> None:
+    """Keep live sockets counted for ``lease_s`` (``NDIF_SOCKET_LEASE_S``) more,
+    many (identity, session id) pairs in one round trip: a web process renews
+    all its counted sockets at once (``web/hub.py``)."""
+    deadline = time.time() + lease_s
     pipe = client.pipeline(transaction=False)
     for identity, session_id in leases:
         key = _sockets_key(identity.owner)
         # XX: only a socket still counted; one released meanwhile stays released.
         pipe.zadd(key, {session_id: deadline}, xx=True)
-        pipe.expire(key, int(SOCKET_LEASE_S * 2))
+        pipe.expire(key, int(lease_s * 2))
     pipe.execute()
 
 

@@ -81,6 +81,10 @@ def test_config_defaults_and_errors(tmp_path):
         config.load({"NDIF_HOME": str(tmp_path), "NDIF_API_PORT": "eighty"})
     with pytest.raises(ValueError, match="NDIF_OBJECT_STORE_VERIFY"):
         config.load({"NDIF_HOME": str(tmp_path), "NDIF_OBJECT_STORE_VERIFY": "maybe"})
+    # A socket lease shorter than two renewals would drop live sockets' counts.
+    with pytest.raises(ValueError, match="NDIF_SOCKET_LEASE_S must be at least 10"):
+        config.load({"NDIF_HOME": str(tmp_path), "NDIF_SOCKET_LEASE_S": "5"})
+    assert config.load({"NDIF_HOME": str(tmp_path)}).socket_lease_s == 30.0
 
 
 def documented_rows() -> dict:

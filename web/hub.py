@@ -60,7 +60,7 @@ log = logging.getLogger("ndif_celery.web.hub")
 # stays subscribed.
 DISPATCH_IDLE_S = 1.0
 # How often open sessions are checked for a job that ended unheard, and their
-# per-key socket leases renewed (well within limits.SOCKET_LEASE_S).
+# per-key socket leases renewed (well within NDIF_SOCKET_LEASE_S, at least 10 s).
 RESYNC_S = 5.0
 # Each hub's own anchor channel (this prefix, the process id, a random part):
 # subscribed for the hub's whole life, so the pub/sub never drops to no
@@ -94,10 +94,11 @@ class Mailbox:
 
 class Hub:
     def __init__(self, client: redis.Redis, pubsub_client: Optional[redis.Redis] = None,
-                 subscribe_timeout_s: float = 30.0):
+                 subscribe_timeout_s: float = 30.0, socket_lease_s: float = 30.0):
         self.client = client
         self.pubsub_client = pubsub_client or client
         self.subscribe_timeout_s = subscribe_timeout_s
+        self.socket_lease_s = socket_lease_s
         self.boxes: dict[bytes, Mailbox] = {}
         self._pending: list[tuple[str, bytes]] = []
         self._lock = threading.Lock()
@@ -220,7 +221,7 @@ class Hub:
         boxes = list(self.boxes.items())
         leases = [box.lease for _, box in boxes if box.lease is not None]
         if leases:
-            limits.renew_sockets(self.client, leases)
+            limits.renew_sockets(self.client, leases, self.socket_lease_s)
         for start in range(0, len(boxes), _CHUNK):
             chunk = boxes[start:start + _CHUNK]
             pipe = self.client.pipeline(transaction=False)

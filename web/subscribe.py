@@ -39,7 +39,8 @@ def hub() -> Hub:
         settings = current_app.config["NDIF_SETTINGS"]
         pubsub_client = jobs.connect(settings.redis_url, settings.redis_outage_s, health_check_s=0)
         found = current_app.extensions.setdefault(
-            "ndif_hub", Hub(current_app.config["NDIF_REDIS"], pubsub_client, subscribe_timeout_s=settings.redis_outage_s + 5)
+            "ndif_hub", Hub(current_app.config["NDIF_REDIS"], pubsub_client, subscribe_timeout_s=settings.redis_outage_s + 5,
+                            socket_lease_s=settings.socket_lease_s)
         )
     return found
 
