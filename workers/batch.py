@@ -72,16 +72,20 @@ def next_job(worker, done: jobs.Job, chained: int):
     if chained >= CHAIN_MAX or not done.trusted or worker.models.get(key) is None:
         return None
     others = [worker_queue(worker.name), MAINTENANCE_QUEUE] + [queue_for(k) for k in worker.models.keys() if k != key]
+    names = [list_name for queue in others for list_name in queues.lists(queue)]
     pipe = worker.redis.pipeline(transaction=False)
-    for name in [list_name for queue in others for list_name in queues.lists(queue)]:
+    for name in names:
         pipe.llen(name)
-    if any(pipe.execute()):
+    busy = [name for name, length in zip(names, pipe.execute()) if length]
+    if busy:
+        log.debug("after job %s: back to Celery (%s waits)", done.id, busy[0])
         return None
     waiting = queues.waiting(worker.redis, queue_for(key))
     if not waiting:
         return None
     head = waiting[0]
     if not (head.job.trusted and head.job.attempt < 2 and head.job.model_key == key):
+        log.debug("after job %s: back to Celery (job %s heads the queue)", done.id, head.job.id)
         return None
     return worker.take_next(head)
 
