@@ -10,7 +10,7 @@ command such as ``ndif-celery kill`` starts without them.
 from __future__ import annotations
 
 import json
-from typing import Callable
+from typing import Callable, Optional
 
 import click
 
@@ -23,6 +23,36 @@ def settings() -> config.Settings:
         return config.load()
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def from_ledger(current: config.Settings, since: Optional[str], query: Callable, unseen: str):
+    """``query(engine, since_at)`` on the job ledger, current up to now (what
+    ``ndif-celery jobs`` and ``usage`` read): ``--since`` parsed, the ended jobs
+    the controller has not written yet drained first (when the broker is away,
+    a note says those are ``unseen``), a database away named as a CLI error.
+
+    The database layer is imported here, not at the top: the ledger commands
+    need it, and `kill` (which an operator wants at once) should not load it."""
+    import redis as redis_py
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from . import db, jobs, ledger
+
+    try:
+        since_at = ledger.parse_since(since) if since else None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        engine = db.engine_for(current.database_url)
+        try:
+            ledger.drain(jobs.connect(current.redis_url), engine, wait_s=5)
+        except (redis_py.RedisError, OSError):
+            click.echo(f"note: the broker at {current.redis_url} is not reachable; jobs that ended since the "
+                       f"controller last wrote the ledger are {unseen}", err=True)
+        return query(engine, since_at)
+    except SQLAlchemyError as exc:
+        raise click.ClickException(f"the ledger database cannot be reached (NDIF_DATABASE_URL): "
+                                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
 
 
 def echo_rows(rows: list, as_json: bool, render: Callable[[dict], str], empty: str = "") -> None:

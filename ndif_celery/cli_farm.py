@@ -17,7 +17,7 @@ import redis as redis_py
 
 from . import farm, jobs, model_policy, queues
 from .celery_app import make_app
-from .cli_common import echo_rows, settings
+from .cli_common import echo_rows, from_ledger, settings
 
 
 def connect():
@@ -177,31 +177,10 @@ def kill(job_id: str) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
 def jobs_command(user: Optional[str], since: Optional[str], limit: int, as_json: bool) -> None:
     """Ended jobs from the ledger (NDIF_DATABASE_URL), newest first."""
-    # Here, not at the top: the ledger's database layer is the one command's
-    # need, and `kill` (which an operator wants at once) should not load it.
-    from sqlalchemy.exc import SQLAlchemyError
+    from . import ledger
 
-    from . import db, ledger
-
-    current = settings()
-    try:
-        since_at = ledger.parse_since(since) if since else None
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    try:
-        engine = db.engine_for(current.database_url)
-        try:
-            # Current up to now: what the controller has not written yet, first.
-            ledger.drain(jobs.connect(current.redis_url), engine, wait_s=5)
-        except (redis_py.RedisError, OSError):
-            click.echo(f"note: the broker at {current.redis_url} is not reachable; jobs that ended since the "
-                       "controller last wrote the ledger are not shown", err=True)
-        rows = ledger.recent(engine, user=user, since=since_at, limit=limit)
-    except SQLAlchemyError as exc:
-        raise click.ClickException(
-            f"the ledger database cannot be reached (NDIF_DATABASE_URL): {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0][:200]}"
-        ) from None
+    rows = from_ledger(settings(), since, lambda engine, since_at: ledger.recent(
+        engine, user=user, since=since_at, limit=limit), unseen="not shown")
     echo_rows(rows, as_json, _job_line, empty="no jobs")
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 import click
 
 from . import farm, model_policy, schedules
-from .cli_common import echo_rows, settings
+from .cli_common import echo_rows, from_ledger, settings
 from .cli_farm import connect
 
 
@@ -76,10 +76,7 @@ def usage(since: Optional[str], key: Optional[str], email: Optional[str], as_jso
     """Jobs, errors, GPU-seconds and bytes per key and per model, from the job ledger."""
     import json
 
-    import redis as redis_py
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from . import db, jobs, ledger, usage as usage_report
+    from . import usage as usage_report
 
     current = settings()
     owner = None
@@ -87,21 +84,8 @@ def usage(since: Optional[str], key: Optional[str], email: Optional[str], as_jso
         owner = f"key:{key}" if key.isdigit() else key
         if not (owner == "anonymous" or (owner.startswith("key:") and owner[4:].isdigit())):
             raise click.ClickException(f"--key must be a key id, key:<id> or anonymous, got {key[:40]!r}")
-    try:
-        since_at = ledger.parse_since(since) if since else None
-    except ValueError as exc:
-        raise click.ClickException(str(exc)) from None
-    try:
-        engine = db.engine_for(current.database_url)
-        try:
-            ledger.drain(jobs.connect(current.redis_url), engine, wait_s=5)  # current up to now
-        except (redis_py.RedisError, OSError):
-            click.echo(f"note: the broker at {current.redis_url} is not reachable; jobs that ended since the "
-                       "controller last wrote the ledger are not counted", err=True)
-        report = usage_report.report(engine, since=since_at, owner=owner, email=email)
-    except SQLAlchemyError as exc:
-        raise click.ClickException(f"the ledger database cannot be reached (NDIF_DATABASE_URL): "
-                                   f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}") from None
+    report = from_ledger(current, since, lambda engine, since_at: usage_report.report(
+        engine, since=since_at, owner=owner, email=email), unseen="not counted")
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
