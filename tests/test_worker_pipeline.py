@@ -253,6 +253,17 @@ def test_the_chain_stops_for_anything_else_that_waits_for_the_worker(worker, web
     assert [e.job.id for e in queues.waiting(redis, queue_for(client_model(REPO_ID).to_model_key()))] == [second]
 
 
+def test_one_task_runs_at_most_chain_max_jobs(worker, web, redis, client_lm, monkeypatch):
+    from workers import batch
+
+    monkeypatch.setattr(batch, "CHAIN_MAX", 2)
+    ids = [submit(web, logits, client_lm) for _ in range(4)]
+    worker.run(handed_by_celery(redis, ids[0]))
+    delivered(worker)
+    assert [latest(redis, job_id)["status"] for job_id in ids[:2]] == [wire.COMPLETED] * 2
+    assert [e.job.id for e in queues.waiting(redis, queue_for(client_model(REPO_ID).to_model_key()))] == ids[2:]
+
+
 def test_an_untrusted_job_at_the_head_ends_the_chain(worker, web, redis, client_lm):
     first, second = submit(web, logits, client_lm), submit(web, logits, client_lm)
     queue = queue_for(client_model(REPO_ID).to_model_key())

@@ -1,8 +1,9 @@
 """What lives for the whole worker process, and what it does besides jobs.
 
 :class:`WorkerState` holds the worker's connections (Redis, the result
-store), its resident models, its two executors, the job it runs now (for
-``ndif-celery kill`` and the watchdog) and its controller; it registers the
+store), its resident models, its two executors, its delivery thread
+(``workers.deliveries``), the job it runs now (for ``ndif-celery kill`` and
+the watchdog) and its controller; it registers the
 worker and beats its heart. Its methods are what the Celery tasks and
 signals of ``workers.tasks`` do: run a job (``workers.job``), load and evict
 models, sweep expired jobs, get ready, shut down. One object, made once per
@@ -90,7 +91,11 @@ class WorkerState:
             if self.current_job == job.id:  # taken as the next job, then skipped (it had ended): not running
                 self.end()
             chained += 1
-            job = batch.next_job(self, job, chained)
+            try:
+                job = batch.next_job(self, job, chained)
+            except Exception:  # noqa: BLE001 - the broker away: back to Celery, which retries it
+                log.warning("could not look for the next job; back to Celery", exc_info=True)
+                job = None
 
     def executor_for(self, job: jobs.Job):
         """In this process for a trusted key; a jailed child for an untrusted one."""
@@ -137,10 +142,15 @@ class WorkerState:
         with self._entry_lock:
             with self._job_lock:
                 self.current_job, self.job_thread, self.batch = waiting.job.id, None, ()
-            taken = queues.take(self.redis, [waiting], self.name, self.registration())
-            if not taken:
-                with self._job_lock:
-                    self.current_job = None
+            taken: list = []
+            try:
+                taken = queues.take(self.redis, [waiting], self.name, self.registration())
+            finally:
+                if not taken:
+                    # Not ours (or the broker went away mid-step: if it was taken, the next
+                    # heartbeat stops naming it, and the watchdog finds it lost and sends it again).
+                    with self._job_lock:
+                        self.current_job = None
         return taken[0] if taken else None
 
     def end(self) -> None:
