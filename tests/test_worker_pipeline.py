@@ -209,6 +209,29 @@ def test_a_write_no_stamp_sees_is_caught_by_the_nth_whole_check(worker, redis):
                        words[unsampled] - 1), "reloaded: the word is back"
 
 
+def test_a_write_of_the_same_values_retakes_the_stamps_and_a_swap_the_sum_misses_reloads(worker, redis):
+    """A counter that moved with nothing changed (``w.add_(0)``) costs one whole
+    check, then the stamps are retaken; a sampled word that differs is a write
+    even where the fingerprint's sum cancels (two words swapped), so the model
+    is reloaded."""
+    key = client_model(REPO_ID).to_model_key()
+    models = worker.models
+    models.restore_if_changed(key)
+    weight = models.get(key)._module.transformer.h[0].mlp.c_fc.weight
+    with torch.no_grad():
+        weight.add_(0)
+    assert models.check_after_trusted(key, idle=False) == ("a weight's version counter or storage changed", [])
+    assert models.check_after_trusted(key, idle=False) == ("", []), "the stamps were retaken"
+    words = weight.data.view(-1).view(torch.int64)  # through .data: no counter moves
+    first, second = words[0].item(), words[1].item()
+    assert first != second
+    words[0], words[1] = second, first
+    why, changed = models.check_after_trusted(key, idle=False)
+    assert why == "a sampled word of a weight changed"
+    assert changed == ["(a sampled word)"], "the sum alone cannot see a swap: the sampled word did"
+    assert models.get(key)._module.transformer.h[0].mlp.c_fc.weight.view(-1).view(torch.int64)[0].item() == first
+
+
 @pytest.mark.parametrize("writer", [edit_write, data_write, storage_write], ids=["nnsight-edit", "data", "storage"])
 def test_a_weight_written_by_a_job_never_reaches_the_next_job(worker, web, redis, client_lm, reference, writer):
     """With the next job waiting (so the whole check is not due), the stamps

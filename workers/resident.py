@@ -99,12 +99,13 @@ class Resident:
 
     def close(self) -> None:
         """Release everything it holds: the spare child and the zygote, the
-        shared mapping's descriptor, the keyed hash and the model itself."""
+        shared mapping's descriptor, the keyed hash, the stamps and the model itself."""
         self.drop_zygote()
         shared, self.shared = self.shared, None
         if shared is not None and shared.cpu_fd >= 0:
             os.close(shared.cpu_fd)
         self.keyed = None
+        self.stamps = None  # its sampled words are views: they would keep the weights' storage alive
         self.model = None
 
 
