@@ -15,6 +15,33 @@ from dataclasses import dataclass
 from nnsight.intervention.backends.remote import RemoteBackend
 
 
+def recorded_request(fn, *args, **kwargs):
+    """What the real client would POST for the block ``fn(*args, **kwargs)``
+    runs: its envelope (nnsight's ``RequestModel``) and its payload bytes,
+    recorded in place of ``RemoteBackend.request`` (nothing is sent). The
+    recorder answers nothing, so a block that reads a saved value after its
+    trace fails there; once the request is recorded, that is ignored."""
+    from nnsight.schema.request import RequestModel
+
+    sent = []
+
+    def record(self, request, tracer):
+        sent.append((request.metadata(), self._serialize(tracer)))
+        return {}
+
+    original = RemoteBackend.request
+    RemoteBackend.request = record
+    try:
+        fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - see the docstring; re-raised when nothing was recorded
+        if not sent:
+            raise
+    finally:
+        RemoteBackend.request = original
+    (metadata, blob), = sent
+    return RequestModel.model_validate_json(metadata), blob
+
+
 @contextlib.contextmanager
 def client_pointed_at(url: str, compress: bool = True):
     """The real client's host (and compression) set to ``url`` for a while, restored after."""

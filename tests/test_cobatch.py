@@ -41,9 +41,8 @@ import pytest
 import torch
 
 import nnsight
-from nnsight.intervention.backends.remote import RemoteBackend
-from nnsight.schema.request import RequestModel
 
+from tests.remote import recorded_request
 from tiny_model import REPO_ID, worker_loaded
 from workers.cobatch import Request, run_alone, run_batch
 
@@ -194,20 +193,7 @@ def session(model, prompt_a, prompt_b):
 
 def capture(fn, client, *args, **kwargs) -> Request:
     """What the real client POSTs for this block, as the worker's Request."""
-    sent = []
-
-    def record(self, request, tracer):
-        sent.append((request.metadata(), self._serialize(tracer)))
-        return {}
-
-    original = RemoteBackend.request
-    RemoteBackend.request = record
-    try:
-        fn(client, *args, **kwargs)
-    finally:
-        RemoteBackend.request = original
-    (metadata, blob), = sent
-    envelope = RequestModel.model_validate_json(metadata)
+    envelope, blob = recorded_request(fn, client, *args, **kwargs)
     return Request(f"{fn.__name__}-{len(blob)}", blob, envelope.compress, envelope.env or {})
 
 

@@ -27,12 +27,11 @@ import time
 import pytest
 import torch
 import zstandard
-from nnsight.intervention.backends.remote import RemoteBackend
-from nnsight.schema.request import RequestModel
 
 from ndif_celery import cleanup, jobs, queues, registry, wire
 from ndif_celery.celery_app import make_app, queue_for, send_job, worker_queue
 from ndif_celery.watchdog import Watchdog
+from tests.remote import recorded_request
 from tests.tiny_model import REPO_ID, client_model
 
 PROMPT = "The quick brown fox"
@@ -109,23 +108,7 @@ def storage_write(model):  # a new storage under the same parameter
 
 def payload(fn, model) -> tuple[str, bytes]:
     """What the real client POSTs for ``fn``: (envelope JSON, payload)."""
-    sent = []
-
-    def record(self, request, tracer):
-        sent.append((request.metadata(), self._serialize(tracer)))
-        return {}
-
-    original = RemoteBackend.request
-    RemoteBackend.request = record
-    try:
-        try:
-            fn(model)
-        except Exception:  # noqa: BLE001 - the recorder answers nothing: the saved name is unset
-            pass
-    finally:
-        RemoteBackend.request = original
-    (metadata, blob), = sent
-    envelope = RequestModel.model_validate_json(metadata)
+    envelope, blob = recorded_request(fn, model)
     return json.dumps({"model_key": envelope.model_key, "session_id": "", "compress": envelope.compress,
                        "env": envelope.env or {}}), blob
 
