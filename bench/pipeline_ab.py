@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     import torch
 
     from bench import models
+    from bench.columns import run_clients
     from tests.stack import Stack
     from tests.tiny_model import client_model
 
@@ -81,24 +82,18 @@ def main(argv=None) -> int:
             nnsight.CONFIG.API.HOST = url
             barrier, bad = threading.Barrier(len(clients) + 1), []
 
-            def one(model) -> None:
+            def one(i: int) -> None:
                 barrier.wait()
                 try:
-                    if not torch.equal(trace(model, True), ref):
+                    if not torch.equal(trace(clients[i], True), ref):
                         bad.append("a value differs from the local run")
                 except Exception as error:  # noqa: BLE001 - reported below
                     bad.append(f"{type(error).__name__}: {error}")
 
-            threads = [threading.Thread(target=one, args=(model,), daemon=True) for model in clients]
-            for thread in threads:
-                thread.start()
-            barrier.wait()
-            started = time.perf_counter()
-            for thread in threads:
-                thread.join()
+            elapsed = run_clients(one, len(clients), barrier)
             if bad:
                 raise SystemExit(f"{url}: {bad[0]}")
-            return time.perf_counter() - started
+            return elapsed
 
         def local_round() -> float:
             started = time.perf_counter()
