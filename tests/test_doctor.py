@@ -315,8 +315,12 @@ def test_logs_follow_prints_what_is_appended_until_interrupted(stack, tmp_path):
     path = stack.logs_dir / "beat.log"
     out = tmp_path / "follow.out"
     with open(out, "wb") as sink:
+        # Ctrl-C's SIGINT as at a terminal: a test run started in the background
+        # (`make test &`, a CI runner) hands its children SIGINT ignored, and
+        # Python then never raises KeyboardInterrupt.
         proc = subprocess.Popen([sys.executable, "-m", "ndif_celery.cli", "logs", "beat", "-n", "0", "-f"],
-                                cwd=ROOT, env=stack.env, stdout=sink, stderr=subprocess.STDOUT)
+                                cwd=ROOT, env=stack.env, stdout=sink, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         # -n 0 prints nothing of the past: whatever shows up was followed.
         deadline = time.monotonic() + 30
