@@ -59,7 +59,8 @@ def on_starting(server) -> None:
     per_worker = worker_connections if worker_class == "gevent" else threads
     if soft != resource.RLIM_INFINITY and soft < per_worker + 256:
         server.log.warning(
-            "open-files limit %d is below the %d connections a web worker may hold; raise the hard limit "
-            "(systemd LimitNOFILE, compose ulimits nofile, ulimit -Hn) or lower NDIF_WEB_CONNECTIONS",
+            "open-files limit %d is below the %d connections a web worker may hold plus 256 for its other "
+            "files; raise the hard limit (systemd LimitNOFILE, compose ulimits nofile, ulimit -Hn) or lower "
+            "NDIF_WEB_CONNECTIONS",
             soft, per_worker,
         )
