@@ -56,14 +56,15 @@ def client_pointed_at(url: str, compress: bool = True):
 
 
 def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.05):
-    """Call a non-blocking backend until it returns the saves (it raises on ERROR)."""
+    """Call a non-blocking backend (or any callable) until it returns the saves (it raises on ERROR)."""
     deadline = time.monotonic() + timeout_s
     while True:
         result = backend()
         if result is not None:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"job {backend.job_id} did not finish in {timeout_s} s")
+            raise AssertionError(f"job {getattr(backend, 'job_id', '?')} did not finish in {timeout_s:.0f} s "
+                                 f"(last status {getattr(backend, 'status', '?')})")
         time.sleep(interval_s)
 
 

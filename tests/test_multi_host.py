@@ -24,6 +24,7 @@ import pytest
 
 from ndif_celery import jobs, messages, registry
 from tests import conformance, netns
+from tests.remote import poll
 from tests.host_farm import HostFarm
 from tests.servers import refuse_in_fast_tier
 from tests.tiny_model import PROMPT, PROMPTS, REPO_ID, client_model
@@ -85,13 +86,7 @@ def _poll(model, url: str, job_id: str, until: float) -> dict:
     from nnsight.intervention.backends.remote import RemoteBackend
 
     backend = RemoteBackend(model.to_model_key(), host=url, job_id=job_id, blocking=False)
-    while True:
-        result = backend()
-        if result is not None:
-            return result
-        if time.monotonic() > until:
-            raise AssertionError(f"job {job_id} not done via {url}: last status {backend.status}")
-        time.sleep(0.05)
+    return poll(backend, max(0.0, until - time.monotonic()))
 
 
 def _outcome(model, url: str, job_id: str, sent_at: float) -> tuple:
