@@ -122,8 +122,8 @@ class Stack:
 
         Why not :meth:`stop` (a graceful ``down``): a fixture's teardown tests
         nothing, and a graceful stop waits out each service's shutdown in turn
-        (~3 s of CPU-bound Celery and gunicorn shutdown per stack, against ~0.1 s
-        here), for every stack the suite starts. What a graceful ``down`` does is
+        (~3 s of CPU-bound Celery and gunicorn shutdown per stack, against about a
+        second here), for every stack the suite starts. What a graceful ``down`` does is
         asserted where it is the point (tests/test_cli.py, tests/test_reliability.py).
         """
         from ndif_celery import config, supervisor
@@ -232,7 +232,7 @@ def _stop_process(proc: subprocess.Popen, timeout: float) -> None:
         return
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout or 0.001)
+        proc.wait(timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
