@@ -251,14 +251,14 @@ def _module(item) -> str:
 # ``make test`` shares the modules out among pytest-xdist processes (``--dist
 # loadscope``: a module at a time, in collection order). A long module picked
 # last runs alone at the end while the other processes idle, so the longest
-# go first. Ranked by their time in a full run (test_bench_smoke, about 2
-# minutes, first); a module not listed keeps its place after them.
+# go first. Ranked by their time in a full two-process run (test_deadlines,
+# about 2.5 minutes, first); a module not listed keeps its place after them.
 
 LONGEST_FIRST = (
-    "test_bench_smoke", "test_capacity", "test_conformance_remote", "test_deadlines", "test_auth_defaults",
-    "test_farm", "test_auth", "test_security", "test_many_requests", "test_doctor", "test_security_channels",
-    "test_cli", "test_cobatch_e2e", "test_integrity", "test_reliability", "test_limits", "test_jail_required",
-    "test_supervision", "test_ledger", "test_model_policy", "test_e2e_api", "test_conformance_local",
-    "test_outages", "test_cobatch",
+    "test_deadlines", "test_bench_smoke", "test_conformance_remote", "test_security", "test_multi_host",
+    "test_cobatch_e2e", "test_auth_defaults", "test_operations", "test_capacity", "test_auth", "test_reliability",
+    "test_farm", "test_security_channels", "test_cli", "test_doctor", "test_model_policy", "test_supervision",
+    "test_ledger", "test_limits", "test_conformance_local", "test_integrity", "test_jail_required", "test_expiry",
+    "test_farm_replicas", "test_e2e_api", "test_dashboard", "test_outages", "test_cobatch",
 )
 

@@ -183,6 +183,8 @@ def test_foreground_up_restarts_a_service_that_dies(tmp_path):
         pids = stack.pids()
         os.kill(pids["worker"], signal.SIGKILL)
         wait_until(lambda: stack.pids().get("worker") not in (None, pids["worker"]), 30, "the worker restarted")
+        # The supervisor records the new pid before it says so: wait for its line too.
+        wait_until(lambda: "worker restarted" in out.read_text(), 30, "the supervisor to report the restart")
         text = out.read_text()
         assert "worker (pid" in text and "killed by SIGKILL" in text and "worker restarted" in text, text
         assert proc.poll() is None, text
