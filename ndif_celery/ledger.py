@@ -17,6 +17,10 @@ Error kinds (``error_kind``, also the ``kind`` label of ``ndif_jobs_total``):
 deadline), ``cancelled`` (``ndif-celery kill``), ``store`` (the result store
 was unavailable), ``server`` (a fault of ours), ``deploy`` (the model could not
 be placed or loaded), ``worker_lost`` (its worker died twice).
+
+About 400 lines in one file on purpose: the summary a job leaves, its way
+into the table and its way back out (``jobs``, the dashboard) share one row
+shape, and a change to a column touches all three.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ Flower. Nothing here needs a Redis, PostgreSQL or RabbitMQ of the machine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import pytest
@@ -141,7 +143,11 @@ def test_down_stops_every_service(stack):
 # -- the foreground `up` --
 
 
-def _foreground_up(stack: Stack, tmp_path: Path) -> tuple[subprocess.Popen, Path]:
+@contextlib.contextmanager
+def _foreground_up(tmp_path: Path) -> Iterator[tuple[Stack, subprocess.Popen, Path]]:
+    """A stack under a foreground `up` (its output in ``up.out``), ready;
+    afterwards `up` and everything of the stack killed, however the test ended."""
+    stack = Stack(tmp_path / "home")
     out = tmp_path / "up.out"
     with open(out, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "ndif_celery.cli", "up"], cwd=ROOT, env=stack.env,
@@ -152,21 +158,9 @@ def _foreground_up(stack: Stack, tmp_path: Path) -> tuple[subprocess.Popen, Path
             raise AssertionError(f"`up` exited {proc.returncode}:\n{out.read_text()}\n{stack.logs()}")
         return "is up at" in out.read_text()
 
-    wait_until(ready, 180, "`ndif-celery up` to report ready")
-    return proc, out
-
-
-@pytest.mark.e2e  # starts a stack in its body
-def test_foreground_up_stops_everything_on_sigterm(tmp_path):
-    stack = Stack(tmp_path / "home")
-    proc, out = _foreground_up(stack, tmp_path)
     try:
-        pids = stack.pids()
-        assert set(pids) == set(SERVICES)
-        assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0, out.read_text()
-        assert_all_gone(stack, pids)
+        wait_until(ready, 180, "`ndif-celery up` to report ready")
+        yield stack, proc, out
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -174,12 +168,21 @@ def test_foreground_up_stops_everything_on_sigterm(tmp_path):
 
 
 @pytest.mark.e2e  # starts a stack in its body
+def test_foreground_up_stops_everything_on_sigterm(tmp_path):
+    with _foreground_up(tmp_path) as (stack, proc, out):
+        pids = stack.pids()
+        assert set(pids) == set(SERVICES)
+        assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, out.read_text()
+        assert_all_gone(stack, pids)
+
+
+@pytest.mark.e2e  # starts a stack in its body
 def test_foreground_up_restarts_a_service_that_dies(tmp_path):
     """The foreground `up` is the supervisor (ndif_celery.supervisor): a worker
     killed is started again and said so; `down` from elsewhere ends `up` too."""
-    stack = Stack(tmp_path / "home")
-    proc, out = _foreground_up(stack, tmp_path)
-    try:
+    with _foreground_up(tmp_path) as (stack, proc, out):
         pids = stack.pids()
         os.kill(pids["worker"], signal.SIGKILL)
         wait_until(lambda: stack.pids().get("worker") not in (None, pids["worker"]), 30, "the worker restarted")
@@ -193,10 +196,6 @@ def test_foreground_up_restarts_a_service_that_dies(tmp_path):
         assert proc.wait(timeout=90) == 0, out.read_text()
         assert "stopped by `ndif-celery down`" in out.read_text()
         assert_all_gone(stack, {**pids, **{f"new-{k}": v for k, v in new.items()}})
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        stack.discard()
 
 
 @pytest.mark.e2e  # starts a stack in its body

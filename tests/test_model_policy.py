@@ -6,6 +6,10 @@ web were bypassed), and the real client. Each attack is refused with an error
 naming the problem, loads nothing (no marker from a repo's own code, no
 DEPLOYING, no load in the worker log), and the stack still serves a correct
 trace afterwards.
+
+About 400 lines in one file: the pure functions' cases and the attacks that
+reach them through a stack are read side by side, a refusal next to the
+attack that must meet it.
 """
 
 from __future__ import annotations
