@@ -35,7 +35,7 @@ run: install
 # out, a module at a time (its own stack starts once; tests/conftest.py orders
 # the longest first). Two by default: measured on 2 cores, one process took
 # 17.5 min and kept about one core busy (a third of the suite waits on
-# deadlines, restarts and leases); two took 12 min, every timing check passing.
+# deadlines, restarts and leases); two took 12-14 min, every timing check passing.
 # Three took longer than two, with timing checks failing under the load.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
