@@ -35,7 +35,10 @@ run: install
 # out, a module at a time (its own stack starts once; tests/conftest.py orders
 # the longest first). Two by default: measured on 2 cores, one process took
 # 17.5 min and kept about one core busy (a third of the suite waits on
-# deadlines, restarts and leases); two took 12-14 min, every timing check passing.
+# deadlines, restarts and leases); two took 12-14 min, every timing check passing
+# (15-15.5 min on a later 2-core machine, an Intel Xeon; 24 and 32 min on AMD EPYC
+# ones on 2026-12-02, where the bench's small trace took 2.5 times as long: local 39 ms
+# and null 73 ms, against 15 and 29).
 # Three took longer than two, with timing checks failing under the load.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)

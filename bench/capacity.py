@@ -265,7 +265,7 @@ class Capacity:
             for n in self.sizes:
                 self.out["results"].append(self.size(n, host, int(port), master, stack.redis_url, base_rss, base_redis))
         finally:
-            stack.stop()
+            stack.discard()
         self.out["checks"] = self.checks()
         self.emit("\n== targets (issue #14, item 1)")
         for check in self.out["checks"]:

@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -49,6 +50,7 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
             raise SystemExit(f"unknown workloads {sorted(unknown)}; known: {', '.join(ALL)}")
         from bench.workloads import Spec
 
+        self.client_nice = args.client_nice  # of every client thread (run_clients)
         self.spec = Spec(gpt2=model.gpt2, gen_tokens=plan.gen_tokens, session_traces=plan.session_traces,
                          big_bytes=plan.big_bytes)
         self.commit = measure.git_commit()
@@ -64,7 +66,7 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
                      "cold_reps": plan.cold_reps, "isolation_reps": plan.isolation_reps,
                      "throughput": plan.throughput, "compute_throughput": plan.compute_throughput,
                      "cobatch": plan.cobatch, "compute_cobatch": plan.compute_cobatch,
-                     "cobatch_rounds": plan.cobatch_rounds},
+                     "cobatch_rounds": plan.cobatch_rounds, "client_nice": self.client_nice},
             "workloads": {},
             "checks": [],
         }
@@ -97,6 +99,29 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
         home = Path(tempfile.mkdtemp(prefix="ndif-bench-"))
         self.homes.append(home)
         return Stack(home, env=self.stack_env(**extra))
+
+    @staticmethod
+    def at_once(step: Callable, stacks) -> None:
+        """``step(stack)`` for every stack at once, each in a thread of its own; raise the first failure.
+
+        Only where nothing is being measured meanwhile: a stack's start or its
+        first deployment is mostly waiting (imports, readiness, the model's
+        load), so two side by side take little more than one."""
+        failures: list = []
+
+        def run(stack) -> None:
+            try:
+                step(stack)
+            except BaseException as error:  # noqa: BLE001 - raised below, in the caller's thread
+                failures.append(error)
+
+        threads = [threading.Thread(target=run, args=(stack,), name="stack-step", daemon=True) for stack in stacks]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            raise failures[0]
 
     def client(self, repo_id: str, local: bool = False):
         """A client model; ``local`` ones carry the device/dtype of the local column."""
@@ -179,23 +204,23 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
         self.out["stack_start_s"] = round(time.perf_counter() - started_stack, 3)
         for name in TIME_WORKLOADS:
             if name in self.only:
-                self.time_workload(name)
+                self.timed(name, self.time_workload, name)
         if "cold_start" in self.only:
-            self.cold_start()
+            self.timed("cold_start", self.cold_start)
         if "isolation" in self.only:
-            self.isolation()
+            self.timed("isolation", self.isolation)
         # The main model's cells first: the compute-bound sections stop the main stack.
         if "throughput" in self.only:
-            self.throughput()
+            self.timed("throughput", self.throughput)
         if "cobatch" in self.only:
-            self.cobatch()
+            self.timed("cobatch", self.cobatch)
         if self.throughput_model() is not None:
             if "throughput" in self.only:
-                self.compute_throughput()
+                self.timed("throughput_compute", self.compute_throughput)
             if "cobatch" in self.only:
-                self.compute_cobatch()
+                self.timed("cobatch_compute", self.compute_cobatch)
         if "capacity" in self.only:
-            self.capacity()
+            self.timed("capacity", self.capacity)
         self.out["checks"] = self.checks()
         self.out["elapsed_s"] = round(time.monotonic() - started, 1)
         self.save_json()
@@ -203,8 +228,17 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
         for check in self.out["checks"]:
             self.emit(f"{check['verdict']:<4}  {check['name']}: {check['detail']}")
         self.emit(f"\nvalues: {self.values_line()}")
-        self.emit(f"elapsed {self.out['elapsed_s']} s; JSON: {self.json_path}")
+        sections = ", ".join(f"{name} {took:.0f}" for name, took in self.out.get("section_s", {}).items())
+        self.emit(f"elapsed {self.out['elapsed_s']} s (stack start {self.out.get('stack_start_s', 0):.0f}; {sections}); "
+                  f"JSON: {self.json_path}")
         return self.out
+
+    def timed(self, name: str, section: Callable, *args) -> None:
+        """Run one section and record its wall time (``section_s`` in the JSON):
+        where a run's minutes go (stack starts, model loads) is not in the tables."""
+        started = time.monotonic()
+        section(*args)
+        self.out.setdefault("section_s", {})[name] = round(time.monotonic() - started, 1)
 
     def first_request(self) -> None:
         """The first request on a stack just started: the model is deployed by it,
@@ -229,7 +263,7 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
         for stack in (self.compute_stack, self.cobatch_stack, self.iso_stack, self.zygote_stack, self.stack):
             if stack is not None:
                 with contextlib.suppress(Exception):
-                    stack.stop()
+                    stack.discard()
         if self.null is not None:
             self.null.stop()
         if self.had_errors():  # keep the stacks' logs next to the JSON, for whoever reads it

@@ -1,7 +1,7 @@
 """Where the time goes during the small-trace workload: py-spy on the web
 (every gunicorn process), the worker and the client, at once.
 
-    .venv/bin/pip install py-spy      # once
+    .venv/bin/pip install -e '.[profile]'      # once: py-spy
     .venv/bin/python bench/hotspots.py [--seconds 20] [--rate 250]
 
 Starts a stack (the real CLI), warms it up, then sends small traces one after
@@ -39,7 +39,7 @@ OUT = ROOT / "bench" / "_out" / "profile"
 def py_spy() -> str:
     found = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     if not Path(found).exists():
-        raise SystemExit("py-spy is not installed: .venv/bin/pip install py-spy")
+        raise SystemExit("py-spy is not installed: .venv/bin/pip install -e '.[profile]'")
     return found
 
 
@@ -135,6 +135,11 @@ def main(argv=None) -> int:
         nnsight.CONFIG.API.HOST = stack.url
         for _ in range(args.warmup):
             workloads.small_trace(model, {"remote": True}, spec)
+        # Every client model's first (slower) request before sampling starts: sent one after
+        # another, each found the queue empty and was followed by the whole weight check.
+        clients = [model] + [client_model(model_info.repo_id) for _ in range(args.clients - 1)]
+        for extra in clients[1:]:
+            workloads.small_trace(extra, {"remote": True}, spec)
         pids = stack.pids()
         groups = {
             "web": [p for p in measure.process_tree(pids["web"]) if p != pids["web"]] or [pids["web"]],
@@ -151,9 +156,6 @@ def main(argv=None) -> int:
                      "--format", "raw", "--nonblocking", "--output", str(path), *(["--gil"] if args.gil else [])],
                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 ))
-        clients = [model] + [client_model(model_info.repo_id) for _ in range(args.clients - 1)]
-        for extra in clients[1:]:
-            workloads.small_trace(extra, {"remote": True}, spec)
         time.sleep(1.0)  # let py-spy attach
         latencies: list[float] = []
         deadline = time.monotonic() + args.seconds - 1.5
@@ -197,7 +199,7 @@ def main(argv=None) -> int:
         for proc in spies:
             if proc.poll() is None:
                 proc.kill()
-        stack.stop()
+        stack.discard()
         shutil.rmtree(home, ignore_errors=True)
     return 0
 

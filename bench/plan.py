@@ -50,8 +50,8 @@ class Plan:
     isolation_reps: int
     throughput: list  # (clients, requests per client)
     compute_throughput: list  # the same, on the compute-bound model (~250 ms per request)
-    cobatch: list = ((1, 20), (4, 8), (16, 3))  # (clients, requests per client) per stack, co-batching off and on
-    compute_cobatch: list = ((1, 6), (4, 2), (16, 2))  # the same, on the compute-bound model
+    cobatch: list = ((1, 100), (4, 8), (16, 3))  # (clients, requests per client) per stack, co-batching off and on
+    compute_cobatch: list = ((1, 6), (4, 2), (16, 6))  # the same, on the compute-bound model
     cobatch_rounds: int = 2  # each cell alternates off / on this many times (its requests split between rounds)
     gen_tokens: int = 20
     session_traces: int = 5

@@ -63,6 +63,7 @@ for _path in (ROOT, ROOT / "tests"):
         sys.path.insert(0, str(_path))
 
 from bench import measure  # noqa: E402  (no torch at import)
+from bench.columns import CLIENT_NICE  # noqa: E402
 from bench.core import Bench  # noqa: E402
 from bench.models import MODELS, BenchModel  # noqa: E402
 from bench.plan import ALL, FULL, OUT_DIR, SMOKE, MiB, Plan  # noqa: E402,F401  (OUT_DIR: bench/isolation.py)
@@ -88,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "with --smoke; main: none)")
     parser.add_argument("--second-worker-gpus", default="", help="GPUs of the second worker (throughput)")
     parser.add_argument("--second-worker-memory-gib", type=float, default=4.0)
+    parser.add_argument("--client-nice", type=int, default=CLIENT_NICE,
+                        help="nice value of the client threads (default 10: on a farm clients run on their own "
+                             "machines; 0: they compete with the server for its cores as equals)")
     parser.add_argument("--big-mib", type=int, help="size of the big result in MiB (overrides the plan)")
     parser.add_argument("--reps", type=int, help="repetitions of every timed workload, cold start and isolation "
                                                  "(overrides the plan)")

@@ -288,7 +288,7 @@ VARIABLES: tuple = (
     Var("NDIF_JAIL_CGROUP_ROOT", "jail_cgroup_root", "", _text, "the pids cgroup under which each untrusted job gets its own"),
     # The keyed weight check after every untrusted job on every model (always on GPU models).
     Var("NDIF_VERIFY_UNTRUSTED", "verify_untrusted", False, _bool, "keyed weight check after every untrusted job"),
-    Var("NDIF_TRUSTED_CHECK_EVERY", "trusted_check_every", 8, _positive,
+    Var("NDIF_TRUSTED_CHECK_EVERY", "trusted_check_every", 32, _positive,
         "whole weight check after every Nth trusted job at least (cheap stamps after each; 1: every job)"),
     Var("NDIF_AUTH_CACHE_S", "auth_cache_s", 5.0, _float, "how long the web remembers a key lookup"),
     # Entries in each of the web's auth tables (known keys, unknown keys,

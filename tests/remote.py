@@ -9,10 +9,15 @@ S3. The conformance cases take a ``remote(model)`` callable; a variant builds it
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
-from nnsight.intervention.backends.remote import RemoteBackend
+import pytest
+from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
+
+from ndif_celery import farm
+from tests.tiny_model import PROMPT
 
 
 def recorded_request(fn, *args, **kwargs):
@@ -71,13 +76,37 @@ def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.05):
 def slow_job(model, steps: int = 0, layer: int = 0):
     """Submit a non-blocking job saving ``out`` (layer ``layer``'s output) that
     then sleeps ``steps`` x 50 ms in Python, so it stays running, and killable."""
-    from tests.tiny_model import PROMPT
-
     with model.trace(PROMPT, remote=True, blocking=False) as tracer:
         out = model.transformer.h[layer].output.save()  # noqa: F841
         for _ in range(steps):
             time.sleep(0.05)
     return tracer.backend
+
+
+def kill_stuck(stack, model, block, said: str = "cancelling on") -> None:
+    """Submit a job stuck in ``block``, ``ndif-celery kill`` it once RUNNING:
+    the client's ERROR says the operator cancelled it, and is there when the
+    command returns (within a poll or two of it).
+
+    Why not one bound from the command's start: that counts the CLI's own
+    interpreter start and imports, which take 1 s on an idle 2-core machine and
+    over 3 s at load 5 (on top of ``KILL_REPLY_S`` for a worker that cannot
+    reply), so it measured the machine, not the kill."""
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        out = model.transformer.h[0].output.save()  # noqa: F841
+        block()
+    backend = tracer.backend
+    wait_status(stack.url, backend.job_id, "RUNNING")
+    started = time.monotonic()
+    result = stack.cli("kill", backend.job_id)
+    cli_s = time.monotonic() - started
+    assert said in result.stdout, result.stdout + result.stderr
+    with pytest.raises(RemoteError, match="cancelled by the operator"):
+        poll(backend, timeout_s=30)
+    took = time.monotonic() - started
+    print(f"kill: the command {cli_s:.2f} s, the ERROR {took:.2f} s after it started (load {os.getloadavg()[0]:.1f})")
+    assert took - cli_s < 2, f"the ERROR came {took - cli_s:.1f} s after the command returned"
+    assert cli_s < farm.KILL_REPLY_S + 8, f"the command took {cli_s:.1f} s"
 
 
 def wait_status(url: str, job_id: str, status: str, contains: str = "", headers: dict | None = None,

@@ -19,9 +19,9 @@ import os
 import time
 
 import pytest
-import torch
 from nnsight.intervention.backends.remote import AsyncRemoteBackend
 
+from tests.test_cobatch import TOLERANCE
 from tests.tiny_model import PROMPT
 
 CLIENTS = 500
@@ -89,6 +89,10 @@ def test_500_blocking_clients_wait_behind_a_slow_job_then_all_complete(stack, mo
     for prompt, result in zip(prompts, results):
         with model.trace(prompt):
             expected = model.lm_head.output[0, -1].save()
-        assert torch.equal(result["logits"], expected), prompt
+        # Exact, or within the co-batching engine's stated tolerance: the stack merges waiting
+        # traces (issue #15), and these prompts differ in length ("number 9", "number 10"), so a
+        # shared forward pads some rows.
+        worst = (result["logits"] - expected.detach()).abs().max().item()
+        assert worst <= TOLERANCE, f"{prompt}: max abs diff {worst!r} > {TOLERANCE}"
         distinct.add(tuple(result["logits"][:4].tolist()))
     assert len(distinct) > 1  # each client got its own values, not one shared answer

@@ -28,7 +28,7 @@ Measured tolerance (this 2-core CPU, torch 2.13, the 12-layer tiny GPT-2, fp32;
 The tests allow ``TOLERANCE`` = 1e-5 absolute (values of order 1e-2..1), the
 bound the feasibility study measured on larger models (1.3e-6) with room.
 
-Why one file of ~550 lines: a catalogue of independent scenarios (one per
+Why one file of ~600 lines: a catalogue of independent scenarios (one per
 hazard or feature), each read on its own, sharing the capture and compare
 helpers at the top; split, the helpers would travel.
 """
@@ -176,6 +176,18 @@ def weight_write(model, prompt):
     with model.trace(prompt, remote=True):
         hidden = model.transformer.h[0].output
         model.transformer.h[2].mlp.c_fc.weight.data[:] = 0
+        out = model.lm_head.output.save()
+
+
+def weight_write_undone(model, prompt):
+    # Layer 1's weight doubled while layer 1 runs for every row, halved again
+    # before the forward ends: bit for bit as loaded afterwards.
+    with model.trace(prompt, remote=True):
+        weight = model.transformer.h[1].mlp.c_fc.weight
+        hidden = model.transformer.h[0].output
+        weight.mul_(2)
+        hidden = model.transformer.h[11].output
+        weight.div_(2)
         out = model.lm_head.output.save()
 
 
@@ -431,6 +443,21 @@ def test_a_weight_written_mid_forward_is_restored_and_everyone_runs_alone(client
         assert_as_alone(s, m, batch_invariant)
     server[1]()
     assert all(torch.equal(before[k], v) for k, v in model._module.state_dict().items())
+
+
+def test_a_weight_written_and_undone_mid_forward_still_sends_everyone_alone(client, server, batch_invariant):
+    """The weights are as loaded before and after the forward, yet the other
+    rows ran layer 1 with the doubled weight: the stamps' version counters
+    show the writes, so every request runs again alone, each getting what it
+    gets alone (a whole fingerprint before and after could not see this)."""
+    model, _ = server
+    requests = [capture(weight_write_undone, client, SAME_A), capture(read, client, SAME_B),
+                capture(logits, client, SAME_A)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    for s, m in zip(solo, merged):
+        assert m.ok and "weight was written" in m.meta["cobatch_solo"], m.meta
+        assert_as_alone(s, m, batch_invariant)
 
 
 def test_generation_with_iter_shares_a_generate(client, server, batch_invariant):

@@ -280,9 +280,13 @@ class Corrupting(RemoteBackend):
     def _serialize(self, tracer):
         blob = super()._serialize(tracer)
         if self.compress:
-            # Keep the zstd header (the web checks it) and damage the body.
-            cut = len(blob) // 2
-            return blob[:cut] + bytes(b ^ 0x5A for b in blob[cut : cut + 64]) + blob[cut + 64 :]
+            # A whole zstd frame (the web checks the header) of half the payload. Not bytes
+            # flipped inside the frame: it has no checksum, so flipped literals can decode
+            # to a payload that loads and names a module that does not exist (seen once).
+            import zstandard
+
+            raw = zstandard.ZstdDecompressor().decompress(blob)
+            return zstandard.ZstdCompressor().compress(raw[: len(raw) // 2])
         return blob[: len(blob) // 2]
 
 

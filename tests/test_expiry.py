@@ -20,7 +20,8 @@ from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 REPO = "expiry/tiny"
-TTL_S = 8
+TTL_S = 12
+URL_TTL_S = 3  # long enough for the first download at load 13 (1 s was not, once)
 LEDGER_DAYS = 10 / 86400  # ten seconds, so the test sees the ledger pruned too
 
 
@@ -28,7 +29,7 @@ LEDGER_DAYS = 10 / 86400  # ten seconds, so the test sees the ledger pruned too
 def stack(tmp_path_factory, hf_home):
     build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=42)
     env = {"NDIF_MAX_INLINE_BYTES": "0", "NDIF_JOB_TTL_S": str(TTL_S), "NDIF_CLEANUP_INTERVAL_S": "1",
-           "NDIF_RESULT_URL_TTL_S": "1", "NDIF_LEDGER_RETENTION_DAYS": str(LEDGER_DAYS)}
+           "NDIF_RESULT_URL_TTL_S": str(URL_TTL_S), "NDIF_LEDGER_RETENTION_DAYS": str(LEDGER_DAYS)}
     with client_on_stack(tmp_path_factory.mktemp("expiry"), hf_home, env) as stack:
         yield stack
 
@@ -44,10 +45,10 @@ def test_an_expired_job_is_cleaned_up_and_says_so(stack):
     stored = stack.home / "results" / cleanup.result_key(backend.job_id)
     assert stored.is_file()
     assert backend.job_id in stack.cli("jobs", "--json", check=True).stdout  # in the ledger, for now
-    # The first URL has expired by now (NDIF_RESULT_URL_TTL_S=1): a late poll
+    # The first URL has expired by now (NDIF_RESULT_URL_TTL_S): a late poll
     # within the job's TTL gets a freshly signed one and still downloads.
     first_url = httpx.get(f"{stack.url}/response/{backend.job_id}").json()["data"]
-    time.sleep(2.1)
+    time.sleep(URL_TTL_S + 1.1)
     assert httpx.get(first_url).status_code == 403
     again = RemoteBackend(model.to_model_key(), blocking=False, job_id=backend.job_id)
     assert torch.equal(poll(again, timeout_s=5)["out"], expected)

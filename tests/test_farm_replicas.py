@@ -38,7 +38,9 @@ def _replicas(stack) -> set:
 
 def test_a_replica_is_added_under_queue_pressure_and_removed_when_idle(stack):
     model = client_model(REPO)
-    backends = [slow_job(model, 15) for _ in range(8)]
+    # 2 s each: 16 s of work for one worker. With 0.75 s each, at load the
+    # first worker had drained the queue before the replica's model was loaded.
+    backends = [slow_job(model, 40) for _ in range(8)]
     most = set()
     deadline = time.monotonic() + 90
     pending = list(backends)

@@ -96,3 +96,28 @@ def test_a_final_status_frees_the_slot_and_reaches_the_ledger_and_metrics(web, c
     assert entry["job_id"] == job_id and entry["outcome"] == wire.ERROR and entry["error_kind"] == "user"
     assert entry["payload_bytes"] == 100
     assert client.hget(metrics.JOBS, f"{wire.ERROR}|user") == b"1"
+
+
+def test_a_waiting_job_hears_its_new_position_at_most_once_a_second(web, client, settings):
+    """The controller's QUEUED updates: a job that moved up is told so, but not
+    twice within ``POSITION_EVERY_S``; the last move reaches it once that passed."""
+    from ndif_celery.celery_app import make_app
+    from workers.controller import POSITION_EVERY_S, Controller
+
+    queue = queue_for(MODEL_KEY)
+    ids = [submit(web).get_json()["id"] for _ in range(3)]
+    entries = [e for e in queues.waiting(client, queue) if e.job.id in ids]
+    controller = Controller("w0", client, make_app(settings), settings)
+
+    def told(job_id):
+        return web.get(f"/response/{job_id}").get_json()["description"]
+
+    start = 1000.0
+    controller.tell_positions(entries, start)  # first sight: the web told each its position
+    was = [told(i) for i in ids]
+    controller.tell_positions(entries[1:], start + POSITION_EVERY_S / 2)  # the head left, too soon to tell
+    assert [told(i) for i in ids] == was
+    controller.tell_positions(entries[2:], start + POSITION_EVERY_S)  # and the next: the last one hears once
+    assert told(ids[1]) == was[1], "it left the queue: nobody tells it a position"
+    assert told(ids[2]).endswith("(position 1).") and told(ids[2]) != was[2]
+    queues.drain(client, queue)

@@ -25,11 +25,8 @@ from tests.tiny_model import PROMPT
 
 nnsight.register(__name__)  # the helpers below run inside remote blocks
 
-
-def _escaped(reversed_secret: str) -> str:
-    """A regex matching the secret, written so that neither its text nor its
-    compiled form holds the secret itself (a scan must not find its own needle)."""
-    return "".join("\\x%02x" % ord(c) for c in reversed(reversed_secret))
+# A scan's control, reversed: the block makes the string itself, so the scan must find it.
+PLANTED = ("planted-" + "marker-" + "0123456789abcdef")[::-1]
 
 
 def _strings_and_bytes():
@@ -94,15 +91,14 @@ def _find_in_memory(reversed_needles):
     return found
 
 
-def everything_this_process_holds(reversed_secrets, plant=None):
+def secrets_in_objects(reversed_secrets, plant):
     """Every secret (given reversed, so the block does not carry it) found in
-    this process: in strings and bytes reachable from any object the garbage
-    collector knows, module globals, the environment, /proc/self/environ and
-    cmdline, and anywhere in its writable anonymous memory."""
+    strings and bytes reachable from any object the garbage collector knows,
+    module globals, the environment, /proc/self/environ and cmdline. ``plant``
+    (reversed too) is the control: a string this block makes, which must be found."""
     import os
-    import re
 
-    held = ["".join(reversed(plant))] if plant else []  # noqa: F841 - the control, in an object gc knows
+    held = ["".join(reversed(plant))]  # noqa: F841 - the control, in an object gc knows
     texts, blobs = _strings_and_bytes()
     texts.extend(f"{k}={v}" for k, v in os.environ.items())
     for path in ("/proc/self/environ", "/proc/self/cmdline"):
@@ -112,19 +108,26 @@ def everything_this_process_holds(reversed_secrets, plant=None):
             texts.append(str(error))
     text = "\0".join(texts)
     blob = b"\0".join(blobs)
-    found = _find_in_memory(reversed_secrets)
-    for name, reversed_secret in reversed_secrets.items():
-        pattern = _escaped(reversed_secret)  # one literal per pass: sre's fast literal-prefix search
-        where = found.get(name, set())
-        for match in re.finditer(pattern, text):
-            i = match.start()
-            where.add("objects: " + re.sub(pattern, "<SECRET>", text[max(0, i - 80):i + 120]))
-            break
-        if re.search(pattern.encode(), blob):
+    found = {}
+    for name, reversed_secret in {**reversed_secrets, "planted": plant}.items():
+        secret = reversed_secret[::-1]  # made after the strings were gathered: not among them
+        where = set()
+        i = text.find(secret)
+        if i >= 0:
+            where.add("objects: " + text[max(0, i - 80):i + 120].replace(secret, "<SECRET>"))
+        if blob.find(secret.encode()) >= 0:
             where.add("bytes, environ or cmdline")
         if where:
             found[name] = sorted(where)
     return {"found": found, "strings": len(texts), "has_worker_settings": "workers.tasks" in __import__("sys").modules}
+
+
+def secrets_in_memory(reversed_secrets, plant):
+    """Every secret (given reversed) found anywhere in this process's writable
+    anonymous memory; ``plant`` (reversed) is the control, a string this block
+    makes, whose bytes must be found there."""
+    held = "".join(reversed(plant))  # noqa: F841 - the control, somewhere in the heap
+    return _find_in_memory({**reversed_secrets, "planted": plant})
 
 
 def _secrets_of(stack) -> dict:
@@ -141,45 +144,59 @@ def _secrets_of(stack) -> dict:
 def test_no_secret_of_the_worker_anywhere_in_the_childs_memory(jail, model):
     """Objects, strings, module globals, environment, /proc and raw memory:
     no secret value, in either mode (in fork mode the fork server scrubbed
-    them before its first zygote; an exec'd zygote never had them)."""
+    them before its first zygote; an exec'd zygote never had them). Two jobs,
+    each a fresh child of the same zygote: together the scans take more than
+    half the pooled stacks' 6 s timeout at load."""
     # Reversed here: the block (and the variables it names) must not carry them.
     reversed_secrets = {name: value[::-1] for name, value in _secrets_of(jail).items()}
-    # And a control: the block makes this one itself, so the scan must find it.
-    planted = ("planted-" + "marker-" + "0123456789abcdef")[::-1]
-    reversed_secrets["planted"] = planted
     with model.trace(PROMPT, remote=True) as tracer:
-        outcome = nnsight.save(everything_this_process_holds(reversed_secrets, plant=planted))
+        outcome = nnsight.save(secrets_in_objects(reversed_secrets, PLANTED))
     assert tracer.backend.meta["isolation"] == isolation(jail)
     assert outcome["strings"] > 10_000, "the block could not even look around"
     found = dict(outcome["found"])
     assert any(w.startswith("objects") for w in found.pop("planted", [])), f"the scan missed the control: {outcome}"
-    assert found == {}, f"secrets found in the untrusted job's process: {found}"
+    assert found == {}, f"secrets found in the untrusted job's objects: {found}"
     assert outcome["has_worker_settings"] is False, "the worker's settings module is loaded in the child"
+
+    with model.trace(PROMPT, remote=True) as tracer:
+        found = nnsight.save(secrets_in_memory(reversed_secrets, PLANTED))
+    found = dict(found)
+    assert found.pop("planted", None), f"the memory scan missed the control: {found}"
+    assert found == {}, f"secrets found in the untrusted job's memory: {found}"
 
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def loot(reversed_job_id):
-    """What an attacker's block collects to forge a result URL: every
-    key-like string it can reach (hex keys as ``secrets.token_hex`` makes
-    them, any value stored under a name that says key/secret/sign/token), and
-    whether another user's job id (given reversed) is anywhere in its objects
-    or raw memory."""
+    """What an attacker's block collects to forge a result URL, from its
+    strings: every key-like one (hex keys as ``secrets.token_hex`` makes
+    them), and whether another user's job id (given reversed) is among them.
+    The values stored under key-like names are :func:`loot_named`'s and raw
+    memory :func:`secrets_in_memory`'s, each a job of its own: together the
+    three take over half the pooled stacks' 6 s timeout at load."""
     import re
 
     texts, _ = _strings_and_bytes()
     hexkey = re.compile(r"[0-9a-f]{64}")
     keys = {t for t in texts if len(t) == 64 and hexkey.fullmatch(t)}
+    seen = "\0".join(texts).find(reversed_job_id[::-1]) >= 0  # the id made after the strings were gathered
+    return {"keys": sorted(keys)[:5000], "job_id_seen": seen}
+
+
+def loot_named():
+    """Every value stored under a name that says key/secret/sign/token in any
+    dict the garbage collector knows (instance and module dicts among them)."""
     import gc
+    import re
 
     named = re.compile(r"secret|sign|key|token|passw", re.I)
+    keys = set()
     for obj in gc.get_objects():
         if type(obj) is dict:
             keys.update(v for k, v in obj.items() if type(k) is str and type(v) is str and 8 <= len(v) <= 256
                         and named.search(k))
-    seen = bool(re.search(_escaped(reversed_job_id), "\0".join(texts))) or bool(_find_in_memory({"id": reversed_job_id}))
-    return {"keys": sorted(keys)[:5000], "job_id_seen": seen}
+    return sorted(keys)[:5000]
 
 
 def test_a_block_cannot_mint_a_url_for_another_users_result(jail, model):
@@ -207,7 +224,14 @@ def test_a_block_cannot_mint_a_url_for_another_users_result(jail, model):
     reversed_id = backend.job_id[::-1]
     with model.trace(PROMPT, remote=True):
         found = nnsight.save(loot(reversed_id))
-    assert found["job_id_seen"] is False, "another user's job id is in the untrusted job's memory"
+    assert found["job_id_seen"] is False, "another user's job id is in the untrusted job's objects"
+    with model.trace(PROMPT, remote=True):
+        named = nnsight.save(loot_named())
+    assert named, "the block found no value under a key-like name: it could not even look around"
+    found["keys"] += named
+    with model.trace(PROMPT, remote=True):
+        in_memory = nnsight.save(secrets_in_memory({"id": reversed_id}, PLANTED))
+    assert dict(in_memory).keys() == {"planted"}, f"another user's job id is in the untrusted job's memory, or the scan missed its control: {in_memory}"
     assert store._secret.decode() not in found["keys"], "the signing key is in the untrusted job's memory"
 
     expires = int(time.time()) + 600

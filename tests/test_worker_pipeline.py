@@ -170,6 +170,18 @@ def test_an_untouched_model_passes_the_stamps_and_is_checked_whole_only_when_due
     assert why == f"{CHECK_EVERY} trusted jobs since the last whole check" and changed == []
 
 
+def test_every_job_of_a_co_batch_counts_towards_the_nth_whole_check(worker, redis):
+    """A co-batch's lead checks once for all its jobs: a batch of N-1 jobs and
+    then one more job make the Nth, so a write no stamp sees during a shared
+    forward reaches no more jobs than one run one at a time."""
+    key = client_model(REPO_ID).to_model_key()
+    models = worker.models
+    models.restore_if_changed(key)
+    assert models.check_after_trusted(key, idle=False, jobs=CHECK_EVERY - 1) == ("", [])
+    why, changed = models.check_after_trusted(key, idle=False)
+    assert why == f"{CHECK_EVERY} trusted jobs since the last whole check" and changed == []
+
+
 def test_a_write_no_stamp_sees_is_caught_by_the_nth_whole_check(worker, redis):
     """The stated bound: a write through ``.data`` to a word no sample covers
     shows only in the whole fingerprint, run after the Nth trusted job."""

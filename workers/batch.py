@@ -153,6 +153,7 @@ def _join(worker, job: jobs.Job):
 
 def _together(worker, lead: job_life.Life, lives: list, answered: set) -> None:
     runs = [(life.job, life.blob, life.channel, life.meta) for life in (lead, *lives)]
+    lead.jobs_run = len(runs)  # its finish counts them all towards the next whole weight check
     started = time.perf_counter()
     lead_answer, *answers = worker.in_process.run_together(lead.model, runs)
     run_ms = ms_since(started)

@@ -13,7 +13,8 @@ over within seconds). The leader, on every tick or when woken:
    worker joins (``ndif_celery.deployments``);
 3. adds a replica when a model's oldest waiting job has waited too long, and
    removes extra replicas that sat idle;
-4. tells waiting clients their new queue position when it changes;
+4. tells waiting clients their new queue position when it changes (at most
+   once a second each);
 5. writes the summaries of ended jobs into the ledger database (``ndif_celery.ledger``).
 
 Dead workers and the jobs they were running are not its business: it dies
@@ -42,6 +43,12 @@ from . import placement, sizing
 log = logging.getLogger("ndif_celery.controller")
 LEADER = "ndif:controller:leader"
 LEASE_MS = 5000
+#: A waiting job is told a new position at most this often. Every job that
+#: leaves the queue moves every job behind it, and a tick came with every
+#: arrival (at most every 250 ms): with 16 clients waiting on one worker that
+#: was tens of QUEUED a second, each through Redis, the web and a client
+#: parsing it, on the CPU the forward needs; the client shows one line.
+POSITION_EVERY_S = 1.0
 
 
 class Controller(threading.Thread):
@@ -51,7 +58,7 @@ class Controller(threading.Thread):
         self.redis = redis_client
         self.app = celery_app
         self.settings = settings
-        self.positions: dict[str, int] = {}
+        self.positions: dict[str, tuple] = {}  # job id -> (the position it was told, when)
         self.last_scaled: dict[str, float] = {}
         self.wishes: dict[str, dict] = {}
         self.stopping = threading.Event()
@@ -106,7 +113,7 @@ class Controller(threading.Thread):
             waiting_ids.update(entry.job.id for entry in entries)
             if not entries:
                 continue
-            self.tell_positions(entries)
+            self.tell_positions(entries, now)
             model_key = entries[0].job.model_key
             wish = wishes.get(model_key, {})
             holders = farm.holders(model_key)
@@ -184,12 +191,15 @@ class Controller(threading.Thread):
             and now - self.last_scaled.get(model_key, 0) > self.settings.autoscale_backoff_s
         )
 
-    def tell_positions(self, entries: list[queues.Waiting]) -> None:
-        """QUEUED again when a waiting job's position changed (the web told the first)."""
+    def tell_positions(self, entries: list[queues.Waiting], now: float) -> None:
+        """QUEUED again when a waiting job's position changed (the web told the
+        first), at most every :data:`POSITION_EVERY_S` per job."""
         for position, entry in enumerate(entries, start=1):
             known = self.positions.get(entry.job.id)
-            self.positions[entry.job.id] = position
-            if known is not None and known != position:
+            if known is None:
+                self.positions[entry.job.id] = (position, now)
+            elif known[0] != position and now - known[1] >= POSITION_EVERY_S:
+                self.positions[entry.job.id] = (position, now)
                 channel = statuses.StatusChannel(self.redis, entry.job, self.settings.job_ttl_s)
                 channel.send(wire.QUEUED, messages.queued(entry.job.model_key, position))
 

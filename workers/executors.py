@@ -115,22 +115,26 @@ class InProcess:
         return self.timeout_s + self.watchdog.grace_s + deadline.BACKSTOP_MARGIN_S
 
     def _restored(self, model_key: str):
-        """A co-batch found a weight written: the model reloaded, to go on with."""
-        restored = self.models.restore_if_changed(model_key)
-        log.warning("a co-batch on %s changed %d weight tensors; model reloaded", model_key, len(restored))
+        """A co-batch's stamps showed a write: the whole check (a reload where a
+        weight changed), and the model to go on with."""
+        why, restored = self.models.check_written(model_key)
+        if restored:
+            log.warning("a co-batch on %s changed %d weight tensors; model reloaded", model_key, len(restored))
+        elif why:
+            log.warning("a co-batch on %s wrote a weight (%s); its values are as loaded", model_key, why)
         return self.models.get(model_key)
 
-    def after(self, job: jobs.Job) -> None:
-        """After the job (or the co-batch it led), before the next: the stamps
-        of every weight, and the whole plain check when they show a write, when
-        no job waits, or every ``NDIF_TRUSTED_CHECK_EVERY``-th job
-        (``ResidentModels.check_after_trusted``); a change reloads the model."""
+    def after(self, job: jobs.Job, jobs_run: int = 1) -> None:
+        """After the job (or the co-batch of ``jobs_run`` it led), before the
+        next: the stamps of every weight, and the whole plain check when they
+        show a write, when no job waits, or every ``NDIF_TRUSTED_CHECK_EVERY``-th
+        job (``ResidentModels.check_after_trusted``); a change reloads the model."""
         started = time.perf_counter()
         try:
             waiting = self.job_waiting(job.model_key)
         except Exception:  # noqa: BLE001 - the broker away: check now, as if idle
             waiting = False
-        why, restored = self.models.check_after_trusted(job.model_key, idle=not waiting)
+        why, restored = self.models.check_after_trusted(job.model_key, idle=not waiting, jobs=jobs_run)
         if restored:
             log.warning("job %s changed %d weight tensors; model reloaded (checked: %s)", job.id, len(restored), why)
         elif why:
@@ -219,7 +223,7 @@ class Isolated:
             hidden=(str(settings.home), str(settings.results_dir)),
         )
 
-    def after(self, job: jobs.Job) -> None:
+    def after(self, job: jobs.Job, jobs_run: int = 1) -> None:
         """After every untrusted job, however it ended (success, user error,
         timeout, cancel, a crashed child, a server fault), before the next job:
         the keyed weight check, where a child could have written the weights (a

@@ -75,6 +75,7 @@ class Life:
     meta: dict = field(default_factory=dict)
     outcome: str = wire.ERROR  # until the result is delivered
     handed: bool = False  # answered and closed by the worker's delivery thread (workers.deliveries)
+    jobs_run: int = 1  # the jobs of the co-batch it led (workers.batch), itself included
 
 
 def perform(worker, life: Life) -> None:
@@ -241,7 +242,7 @@ def finish(worker, life: Life) -> None:
     """However the job ended, after its answer and before the next job (after
     every job of its co-batch): the worker free, the weight checks, then :func:`close`."""
     worker.end()
-    life.executor.after(life.job)  # the weight checks, before the next job's forward
+    life.executor.after(life.job, life.jobs_run)  # the weight checks, before the next job's forward
     if not life.handed:  # else the delivery thread closes it, once delivered
         close(worker, life)
 

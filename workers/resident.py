@@ -200,21 +200,22 @@ class ResidentModels:
             self._reload(resident)
         return changed
 
-    def check_after_trusted(self, model_key: str, idle: bool) -> tuple[str, list[str]]:
-        """After a trusted job (or co-batch): ``(why the whole check ran, or '';
-        what had changed, the model then reloaded)``.
+    def check_after_trusted(self, model_key: str, idle: bool, jobs: int = 1) -> tuple[str, list[str]]:
+        """After a trusted job (or a co-batch of ``jobs``): ``(why the whole
+        check ran, or ''; what had changed, the model then reloaded)``.
 
         The whole fingerprint reads every weight (~0.1 s per GiB on a CPU): it
         runs when the stamps show a write (``integrity.Stamps``: version
         counters, storages, sampled words, ~1 ms), when the worker has no
         job waiting (``idle``: nobody waits for it), and after every
-        ``NDIF_TRUSTED_CHECK_EVERY``-th trusted job in any case; in between, a
-        write the stamps cannot see (through ``.data``, to words no sample
-        covers) reaches at most that many jobs minus one."""
+        ``NDIF_TRUSTED_CHECK_EVERY``-th trusted job in any case (each job of
+        a co-batch counted); in between, a write the stamps cannot see
+        (through ``.data``, to words no sample covers) reaches at most that
+        many jobs minus one."""
         resident = self._residents.get(model_key)
         if resident is None:
             return "", []
-        resident.unchecked += 1
+        resident.unchecked += max(1, jobs)
         why = resident.stamps.changed(resident.model._module)
         if not why and idle:
             why = "no job is waiting"
@@ -222,7 +223,22 @@ class ResidentModels:
             why = f"{resident.unchecked} trusted jobs since the last whole check"
         if not why:
             return "", []
-        changed = self.restore_if_changed(model_key)
+        return why, self._whole_check(resident, why)
+
+    def check_written(self, model_key: str) -> tuple[str, list[str]]:
+        """The stamps alone, and the whole check only where they show a write
+        (a co-batch's guard, ``cobatch.run_batch``'s ``restore``): ``(what the
+        stamps showed, or ''; what had changed, the model then reloaded)``."""
+        resident = self._residents.get(model_key)
+        if resident is None:
+            return "", []
+        why = resident.stamps.changed(resident.model._module)
+        return (why, self._whole_check(resident, why)) if why else ("", [])
+
+    def _whole_check(self, resident: Resident, why: str) -> list[str]:
+        """The whole plain check (``why``: what called for it); a change reloads the
+        model. A sampled word that changed reloads it whatever the sum says."""
+        changed = self.restore_if_changed(resident.model_key)
         if not changed and why == integrity.SAMPLE_CHANGED:
             # A word differs from its copy taken at load, whatever the sum says
             # (a change that cancels in it, say): the model is not as loaded.
@@ -230,7 +246,7 @@ class ResidentModels:
             self._reload(resident)
         elif not changed and why == integrity.STAMP_CHANGED:
             resident.stamps = integrity.Stamps(resident.model._module)  # a write that changed nothing
-        return why, changed
+        return changed
 
     def checks_untrusted(self, model_key: str) -> bool:
         """Whether untrusted jobs on this model are followed by the keyed check: its weights are on a GPU

@@ -153,9 +153,14 @@ class TargetChecks:
             cell = w["cobatch"]["cells"]["1c"]
             on, off = cell["on"]["p50_ms"], cell["off"]["p50_ms"]
             correct = cell["on"]["correct"] and cell["off"]["correct"]
+            server = {side: cell[side].get("server_p50_ms", {}) for side in ("on", "off")}
+            inside = ""
+            if all("run_ms" in server[side] and "queue_ms" in server[side] for side in server):
+                own = {side: server[side]["queue_ms"] + server[side]["run_ms"] for side in server}
+                inside = f"; the server's own p50 queue + run: on {own['on']:.1f} ms vs off {own['off']:.1f} ms"
             add(name, on - off <= 2.0 and correct,
                 f"on {on:.1f} ms vs off {off:.1f} ms: {on - off:+.1f} ms (values "
-                f"{'all equal to the local run' if correct else 'WRONG or missing'})")
+                f"{'all equal to the local run' if correct else 'WRONG or missing'}){inside}")
         except (KeyError, TypeError):
             add(name, None, "not measured")
 

@@ -72,7 +72,7 @@ class CobatchSection:
                                        self.model)
         finally:
             with contextlib.suppress(Exception):
-                off.stop()
+                off.discard()
             self.cobatch_stack = None
         role = "checked" if self.args.device == "cuda" else "informational"
         self.record_cobatch("cobatch", cells, self.plan.cobatch, self.model_info,
@@ -99,14 +99,13 @@ class CobatchSection:
                 ref = self.reference("cobatch_compute", small_trace, local, spec=spec)
                 off = self.new_stack(NDIF_TORCH_THREADS=str(threads), NDIF_COBATCH_MAX="1")
                 on = self.new_stack(NDIF_TORCH_THREADS=str(threads))
-                off.start()
-                on.start()
+                self.at_once(lambda stack: stack.start(), (off, on))
                 cells = self.cobatch_cells(off, on, info, spec, self.plan.compute_cobatch, ref, local)
             finally:
                 for stack in (off, on):
                     if stack is not None:
                         with contextlib.suppress(Exception):
-                            stack.stop()
+                            stack.discard()
         self.record_cobatch(
             "cobatch_compute", cells, self.plan.compute_cobatch, info,
             {"role": "checked", "model": info.name, "repo_id": info.repo_id, "torch_threads": threads,
@@ -119,9 +118,10 @@ class CobatchSection:
     def cobatch_cells(self, off, on, info, spec, plan, ref: Any, local_model) -> dict:
         """Every (clients, requests per client) of ``plan``: local back-to-back (``local_model``,
         in this process), off and on, the three alternating ``plan.cobatch_rounds`` times (each
-        round a share of the cell's requests), so every column sees the same machine (others'
-        load on a shared one comes and goes within seconds); each stack warmed (deployed, a few
-        concurrent requests) before anything is measured."""
+        round a share of the cell's requests; a one-client cell alternates every request), so
+        every column sees the same machine (others' load on a shared one comes and goes within
+        seconds); each stack warmed (deployed, a few concurrent requests) before anything is
+        measured."""
         from bench.workloads import small_trace
 
         rounds = max(1, self.plan.cobatch_rounds)
@@ -138,7 +138,10 @@ class CobatchSection:
         cells: dict = {}
         for clients, per_client in plan:
             parts: dict = {"local": [], "off": [], "on": []}
-            split = [per_client // rounds + (1 if i < per_client % rounds else 0) for i in range(rounds)]
+            # One client: local / off / on every request. Its target is a difference of
+            # a couple of ms, and this machine's speed drifts by more within a block of ten.
+            cell_rounds = per_client if clients == 1 else rounds
+            split = [per_client // cell_rounds + (1 if i < per_client % cell_rounds else 0) for i in range(cell_rounds)]
             for n in split:
                 if n == 0:
                     continue
@@ -197,7 +200,7 @@ class CobatchSection:
                     columns[i].first_wrong = columns[i].first_wrong or (
                         f"{difference} (max abs diff {diff})" if diff is not None else difference)
 
-        wall = run_clients(client, len(models), barrier)
+        wall = run_clients(client, len(models), barrier, self.client_nice)
         merged = Column()
         values = {"exact": 0, "within_tolerance": 0, "max_abs_diff": 0.0, "shared": []}
         for column, own in zip(columns, found):
@@ -225,7 +228,8 @@ class CobatchSection:
         self.save_json()
         self.emit(self.header(name, "requests per client: " + ", ".join(f"{c} clients x {n}" for c, n in plan)
                               + f", local / off / on alternating {self.plan.cobatch_rounds}x; local = the same number "
-                                "of requests one after another in-process", model=info.name))
+                                "of requests one after another in-process; client threads at nice "
+                              f"{self.client_nice}", model=info.name))
         if note:
             self.emit(f"   {note}")
         # Rows shaped like the throughput table's, over other columns and ratios:

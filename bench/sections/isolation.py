@@ -30,9 +30,12 @@ class IsolationSection:
 
         reps = self.plan.isolation_reps
         self.iso_stack = self.new_stack(NDIF_DEFAULT_TRUSTED="0", NDIF_ISOLATION="fork")
-        self.iso_stack.start()
         self.zygote_stack = self.new_stack(NDIF_DEFAULT_TRUSTED="0", NDIF_ISOLATION="zygote")
-        self.zygote_stack.start()
+        jailed = (self.iso_stack, self.zygote_stack)
+        self.at_once(lambda stack: stack.start(), jailed)
+        # Each one's first request would deploy the model (seconds in a jailed worker): both at once first.
+        key = self.model.to_model_key()
+        self.at_once(lambda stack: stack.cli("deploy", key, "--timeout", "300", timeout=360, check=True), jailed)
         ref = self.refs.get("small_trace") or self.reference("isolation", small_trace, self.model)
         self.null.prepare(ref, self.compress, self.max_inline)
         hosts = {"local": None, "null": self.null.url, "ours": self.stack.url, "ours_isolated": self.iso_stack.url,
@@ -59,7 +62,7 @@ class IsolationSection:
                 self.measure_into(column, small_trace, self.model, hosts[col], ref)
         burst_p50 = {col: column.summary().get("p50_ms") for col, column in burst.items()}
         for stack in (self.iso_stack, self.zygote_stack):
-            stack.stop()
+            stack.discard()
         self.iso_stack = self.zygote_stack = None
         summary = {col: c.summary() for col, c in columns.items()}
 

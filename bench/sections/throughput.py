@@ -54,7 +54,7 @@ class ThroughputSection:
             stack = getattr(self, stack_name)
             if stack is not None:
                 with contextlib.suppress(Exception):
-                    stack.stop()
+                    stack.discard()
                 setattr(self, stack_name, None)
         spec = Spec(gpt2=info.gpt2, gen_tokens=self.plan.gen_tokens, session_traces=self.plan.session_traces,
                     big_bytes=self.plan.big_bytes)
@@ -122,7 +122,7 @@ class ThroughputSection:
                   f"own (the main stack stopped), local column with torch.set_num_threads({threads}); first "
                   f"request (deploys it): {first_ms:.0f} ms"),
         )
-        self.compute_stack.stop()
+        self.compute_stack.discard()
         self.compute_stack = None
 
     def throughput_cells(self, stack, local_model, info: BenchModel, spec, plan: list, ref: Any,
@@ -194,7 +194,7 @@ class ThroughputSection:
                     with lock:
                         workers[worker] = workers.get(worker, 0) + 1
 
-        wall = run_clients(client, len(models), barrier)
+        wall = run_clients(client, len(models), barrier, self.client_nice)
         merged = Column()
         for column in columns:
             merged.absorb(column)
@@ -223,7 +223,8 @@ class ThroughputSection:
         self.save_json()
         self.emit(self.header(name, "requests per client: "
                               + ", ".join(f"{c} clients x {n}" for c, n in plan)
-                              + "; local = the same number of requests one after another in-process",
+                              + "; local = the same number of requests one after another in-process; client "
+                                f"threads at nice {self.client_nice}",
                               model=info.name))
         if note:
             self.emit(f"   {note}")

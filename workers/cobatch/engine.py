@@ -14,7 +14,8 @@ The order of one batch (:func:`run_batch`):
 3. **Forward.** One ``Envoy.interleave`` on the resident model per group, with a
    co-batcher (``batcher.make``) holding every request's rows and every
    request's workers re-offset into them, nnsight's ``defer_exceptions`` on,
-   and the guards around it: weights fingerprinted before and after, values
+   and the guards around it: the weights' stamps read before and after (a
+   write poisons the batch: everyone runs alone on the restored model), values
    served whole version-stamped, swaps of shared values refused.
 4. **Finish.** Each request's greenlet is resumed: nnsight's own last step
    pushes its values into its frame; a session parks again for its next trace
@@ -23,8 +24,20 @@ The order of one batch (:func:`run_batch`):
 5. **Alone.** Every request that could not share, or whose shared run tripped a
    guard or raised, is run again from its payload by ``request.run_alone``, the
    trusted path of today. An error is therefore always the one the request
-   gives alone, never an artifact of co-batching. Weights are checked after
+   gives alone, never an artifact of co-batching. The stamps are read after
    each of these runs while another request is still to run.
+
+Why stamps, not the whole fingerprint (``integrity.Stamps``): the whole read
+of every weight cost 40-100 ms on the bench's gpt2-medium shape, twice per
+batch, on the forward's path. The stamps (version counters, storages, sampled
+words; ~1 ms) show every in-place write through a weight or a view of it and
+every write through ``.data`` that changes a sampled word; any stamp change
+poisons the batch, even a write undone before the forward ended (which the
+whole fingerprint before and after did not see). A ``.data`` write to words
+no sample covers is what only the whole check sees: the worker reads it after
+every ``NDIF_TRUSTED_CHECK_EVERY`` jobs, each job of a batch counted
+(``ResidentModels.check_after_trusted``), the same bound as for jobs run one
+at a time.
 
 Everything runs on the calling thread: greenlets cannot switch across threads.
 """
@@ -90,10 +103,10 @@ def run_batch(model: Any, requests: list[Request], max_batch: int = 16, pad: boo
 
     ``max_batch``: most rows (prompts) one shared forward holds (1: every request
     alone). ``pad``: merge requests of different token lengths (left-padded).
-    ``restore()``: called when a weight was found written; returns the model to
-    go on with (the worker's ``ResidentModels`` reload, say). Without it, a
-    written weight raises ``RuntimeError`` (a server fault: the model is not
-    what was loaded).
+    ``restore()``: called when the weights' stamps show a write; returns the
+    model to go on with (the worker's ``ResidentModels.check_written``: the
+    whole check, a reload where a weight changed). Without it, a write raises
+    ``RuntimeError`` (a server fault: the model is not what was loaded).
     """
     if any(not r.trusted for r in requests):
         raise ValueError("untrusted requests are never co-batched: run them in their jailed child")
@@ -110,7 +123,7 @@ class _Batch:
         self.window = window
         self.max_rows = max_rows
         self.restore = restore
-        self.expected = integrity.fingerprint(model._module)
+        self.stamps = integrity.Stamps(model._module)
         self.router = parking.LogRouter(sys.stdout)
         self.dims = cobatcher.model_dims(model)
         self.limit = cobatcher.max_positions(model)
@@ -295,7 +308,7 @@ class _Batch:
         if not failure and batch.shared_written():
             failure = "a value shared by every row was written in place"
         batch.shared = []
-        if integrity.changed(model._module, self.expected):
+        if self.stamps.changed(model._module):
             self._restore()
             self.poisoned = failure = "a weight was written during a shared forward"
         early = set() if failure else _ended_early(model, first, [s.park for s in group], result)
@@ -322,14 +335,14 @@ class _Batch:
         return Outcome(state.request.job_id, saved=cobatcher.compact(values), meta={"cobatch": state.cobatch})
 
     def _check_weights(self) -> None:
-        if integrity.changed(self.model._module, self.expected):
+        if self.stamps.changed(self.model._module):
             self._restore()
 
     def _restore(self) -> None:
         if self.restore is None:
             raise RuntimeError("a request wrote the model's weights and run_batch was given no restore()")
         self.model = self.restore()
-        self.expected = integrity.fingerprint(self.model._module)
+        self.stamps = integrity.Stamps(self.model._module)
 
     def _unwind(self, states: list[_InFlight]) -> None:
         """Every greenlet ended, every hook and per-request filename gone, and
