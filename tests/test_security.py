@@ -22,7 +22,7 @@ from nnsight.intervention.backends.remote import RemoteError
 
 from tests.remote import final_status, kill_stuck, poll
 from tests.jail_fixtures import attempt, isolation, jail, still_serving_after, worker_pid  # noqa: F401
-from tests.stack_pool import SECRETS
+from tests.stack_pool import JAIL_TIMEOUT_S, SECRETS
 from tests.tiny_model import PROMPT
 
 nnsight.register(__name__)  # the helpers below ship with the blocks, by value
@@ -117,11 +117,11 @@ def test_unbounded_allocation_is_refused(jail, model):
 
 def test_spinning_forever_hits_the_deadline(jail, model):
     started = time.monotonic()
-    with pytest.raises(RemoteError, match="exceeded the execution timeout of 6s"):
+    with pytest.raises(RemoteError, match=f"exceeded the execution timeout of {JAIL_TIMEOUT_S}s"):
         with model.trace(PROMPT, remote=True):
             while True:
                 pass
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < JAIL_TIMEOUT_S + 14
 
 
 def kill_everything(real_worker_pid):
@@ -243,7 +243,7 @@ def spin_in_python():
 
 
 def test_an_operator_kill_ends_an_isolated_job_at_once(jail, model):
-    """Cancelled by the operator (not by the 6 s deadline), the ERROR there
+    """Cancelled by the operator (not by the deadline), the ERROR there
     when ``ndif-celery kill`` returns."""
     kill_stuck(jail, model, spin_in_python)
 

@@ -27,6 +27,7 @@ from nnsight.intervention.backends.remote import RemoteError
 
 from tests.jail_fixtures import isolation, jail, still_serving_after, worker_pid  # noqa: F401
 from tests.remote import poll, wait_status
+from tests.stack_pool import JAIL_TIMEOUT_S
 from tests.tiny_model import PROMPT
 
 nnsight.register(__name__)  # the helpers below ship with the blocks, by value
@@ -127,11 +128,11 @@ def test_a_child_that_closes_its_pipe_and_sleeps_times_out(jail, model):
     with model.trace(PROMPT, remote=True):  # the model and its zygote are up: time only the attack
         model.transformer.h[0].output.save()
     started = time.monotonic()
-    with pytest.raises(RemoteError, match="exceeded the execution timeout of 6s"):
+    with pytest.raises(RemoteError, match=f"exceeded the execution timeout of {JAIL_TIMEOUT_S}s"):
         with model.trace(PROMPT, remote=True):
             out = model.transformer.h[0].output.save()  # noqa: F841
             close_everything_and_sleep()
-    assert time.monotonic() - started < 6 + 5, "the worker waited past the deadline for a child that hung"
+    assert time.monotonic() - started < JAIL_TIMEOUT_S + 5, "the worker waited past the deadline for a child that hung"
 
 
 def test_an_operator_kill_ends_a_child_that_closed_its_pipe(jail, model):
@@ -144,7 +145,7 @@ def test_an_operator_kill_ends_a_child_that_closed_its_pipe(jail, model):
     result = jail.cli("kill", backend.job_id)
     assert "cancelling on" in result.stdout, result.stderr
     started = time.monotonic()
-    # Cancelled (not timed out: the deadline is 6 s away), and at once.
+    # Cancelled (not timed out: the deadline is JAIL_TIMEOUT_S away), and at once.
     with pytest.raises(RemoteError, match="cancelled by the operator"):
         poll(backend)
     assert time.monotonic() - started < 2, "the kill waited for the deadline"
