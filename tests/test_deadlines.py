@@ -26,6 +26,7 @@ from nnsight.intervention.backends.remote import RemoteError
 from ndif_celery import farm
 from tests.remote import kill_stuck, poll, wait_status
 from tests.stack import client_on_stack
+from tests.stack_pool import JAIL_TIMEOUT_S
 from tests.tiny_model import PROMPT
 
 nnsight.register(__name__)  # the blocking helpers below run inside remote blocks
@@ -35,7 +36,6 @@ nnsight.register(__name__)  # the blocking helpers below run inside remote block
 # 2 s grace the watchdog had ended the job first).
 TIMEOUT_S = 8
 GRACE_S = 2
-POOL_TIMEOUT_S = 6  # the pooled isolated stacks' NDIF_EXECUTION_TIMEOUT_S (tests/stack_pool.py)
 
 
 def sleep_in_python():
@@ -171,9 +171,9 @@ def test_an_operator_kill_of_a_trusted_job_holding_the_gil(stack, model):
 @pytest.mark.parametrize("name", list(BLOCKS))
 def test_an_isolated_block_stuck_in_c_gets_its_error_at_the_limit(isolated, model, name):
     _right(model)
-    took, error = _stuck(model, BLOCKS[name], POOL_TIMEOUT_S)
-    assert f"exceeded the execution timeout of {POOL_TIMEOUT_S}s" in error, error
-    assert took < POOL_TIMEOUT_S + 5, f"{name}: the ERROR took {took:.1f} s"
+    took, error = _stuck(model, BLOCKS[name], JAIL_TIMEOUT_S)
+    assert f"exceeded the execution timeout of {JAIL_TIMEOUT_S}s" in error, error
+    assert took < JAIL_TIMEOUT_S + 5, f"{name}: the ERROR took {took:.1f} s"
     assert _right(model)["isolated"] is True
 
 
