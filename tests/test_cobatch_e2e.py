@@ -323,7 +323,7 @@ def test_an_untrusted_job_is_never_merged(auth_stack, model):
 
 def test_a_worker_killed_mid_batch_loses_none_of_its_jobs(auth_stack, model):
     """``kill -9`` of the worker while a co-batch of four runs (each block sleeps
-    5 s inside the shared forward): the supervisor restarts the worker, the
+    2.5 s inside the shared forward): the supervisor restarts the worker, the
     beat's watchdog re-sends every job of the batch (the taken ones have no
     broker message; the registry's ``batch`` named them), and each completes,
     alone (a job on its second attempt is never gathered), exactly right."""
@@ -334,7 +334,7 @@ def test_a_worker_killed_mid_batch_loses_none_of_its_jobs(auth_stack, model):
             local.append(model.transformer.h[layer].output.save())
     slow = slow_job(model, steps=2400)
     wait_status(auth_stack.url, slow.job_id, "RUNNING", headers=headers)
-    batch = [slow_job(model, steps=100, layer=layer) for layer in range(4)]
+    batch = [slow_job(model, steps=50, layer=layer) for layer in range(4)]
     deadline = time.monotonic() + 60
     while _depth(auth_stack) < len(batch):
         assert time.monotonic() < deadline, auth_stack.logs()
@@ -342,7 +342,7 @@ def test_a_worker_killed_mid_batch_loses_none_of_its_jobs(auth_stack, model):
     assert "cancelling on" in auth_stack.cli("kill", slow.job_id).stdout
     for backend in batch:
         wait_status(auth_stack.url, backend.job_id, "RUNNING", headers=headers)
-    time.sleep(1.0)  # inside the shared forward now (it takes 4 x 5 s)
+    time.sleep(1.0)  # inside the shared forward now (it takes 4 x 2.5 s)
     os.kill(auth_stack.pids()["worker"], signal.SIGKILL)
     for backend in batch:  # none had ended: the kill landed in the batch
         assert httpx.get(f"{auth_stack.url}/response/{backend.job_id}", headers=headers).json()["status"] in (
