@@ -38,7 +38,7 @@ run: install
 # deadlines, restarts and leases); two took 12-14 min, every timing check passing
 # (15-15.5 min on a later 2-core machine, an Intel Xeon; 24 and 32 min on AMD EPYC
 # ones on 2026-12-02, where the bench's small trace took 2.5 times as long: local 39 ms
-# and null 73 ms, against 15 and 29).
+# and null 73 ms, against 15 and 29; 14.5 min on another AMD EPYC one later that day).
 # Three took longer than two, with timing checks failing under the load.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)

@@ -71,10 +71,8 @@ def stack(tmp_path_factory, hf_home):
 def isolated(stack_pool, request):
     """The pooled untrusted stacks: NDIF_ISOLATION=fork and =zygote."""
     stack = stack_pool.get(request.param)
-    saved = nnsight.CONFIG.API.HOST
-    nnsight.CONFIG.API.HOST = stack.url
-    yield stack
-    nnsight.CONFIG.API.HOST = saved
+    with client_pointed_at(stack.url):
+        yield stack
 
 
 def _right(model, layer: int = 1):
