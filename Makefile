@@ -39,7 +39,9 @@ run: install
 # (15-15.5 min on a later 2-core machine, an Intel Xeon; 24 and 32 min on AMD EPYC
 # ones on 2026-12-02, where the bench's small trace took 2.5 times as long: local 39 ms
 # and null 73 ms, against 15 and 29; 14.5 min on another AMD EPYC one later that day).
-# Three took longer than two, with timing checks failing under the load.
+# Three took longer than two, with timing checks failing under the load (on that
+# AMD EPYC machine of 14.5 min, three took 13:49 against 13:55 for two, every check
+# passing, the CPUs 92 % busy: the suite is CPU-bound there, a third process gains nothing).
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
 
