@@ -19,8 +19,8 @@ import json
 import os
 import socket
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -102,26 +102,15 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
 
     @staticmethod
     def at_once(step: Callable, stacks) -> None:
-        """``step(stack)`` for every stack at once, each in a thread of its own; raise the first failure.
+        """``step(stack)`` for every stack at once, each in a thread of its own;
+        every one ends, then the first failure (in ``stacks``' order) is raised.
 
         Only where nothing is being measured meanwhile: a stack's start or its
         first deployment is mostly waiting (imports, readiness, the model's
         load), so two side by side take little more than one."""
-        failures: list = []
-
-        def run(stack) -> None:
-            try:
-                step(stack)
-            except BaseException as error:  # noqa: BLE001 - raised below, in the caller's thread
-                failures.append(error)
-
-        threads = [threading.Thread(target=run, args=(stack,), name="stack-step", daemon=True) for stack in stacks]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if failures:
-            raise failures[0]
+        with ThreadPoolExecutor(max_workers=len(stacks), thread_name_prefix="stack-step") as pool:
+            for future in [pool.submit(step, stack) for stack in stacks]:
+                future.result()
 
     def client(self, repo_id: str, local: bool = False):
         """A client model; ``local`` ones carry the device/dtype of the local column."""

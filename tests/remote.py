@@ -83,8 +83,9 @@ def slow_job(model, steps: int = 0, layer: int = 0):
     return tracer.backend
 
 
-def kill_stuck(stack, model, block, said: str = "cancelling on") -> None:
-    """Submit a job stuck in ``block``, ``ndif-celery kill`` it once RUNNING:
+def kill_stuck(stack, model, block, said: str = "cancelling on", settle_s: float = 0.0) -> None:
+    """Submit a job stuck in ``block``, ``ndif-celery kill`` it once RUNNING
+    (and ``settle_s`` later, for a block that must first reach where it sticks):
     the client's ERROR says the operator cancelled it, and is there when the
     command returns (within a poll or two of it).
 
@@ -97,6 +98,7 @@ def kill_stuck(stack, model, block, said: str = "cancelling on") -> None:
         block()
     backend = tracer.backend
     wait_status(stack.url, backend.job_id, "RUNNING")
+    time.sleep(settle_s)
     started = time.monotonic()
     result = stack.cli("kill", backend.job_id)
     cli_s = time.monotonic() - started
