@@ -171,3 +171,37 @@ def test_a_kill_of_one_job_of_a_co_batch_answers_it_alone(client):
     assert outcome == {"returned": True}, "the batch's thread was interrupted"
     assert [_latest(client, job)["status"] for job, _ in members] == [wire.COMPLETED, wire.ERROR, wire.COMPLETED]
     assert _latest(client, members[1][0])["description"] == deadline.CANCELLED  # its late COMPLETED dropped
+
+
+@pytest.mark.parametrize("handle_class", ["zygote", "fork server"])
+def test_a_kill_lands_while_the_job_waits_for_its_isolation_process(handle_class):
+    """The first untrusted job after a deploy waits (RUNNING already published)
+    for its model's zygote, seconds of imports when exec'd: ``ndif-celery kill``
+    raises JobCancelled into that thread (``Worker.cancel``), and it must land
+    then, not once the zygote is ready (it landed ~3 s late: one ``Event.wait``
+    in C runs no Python). The real ``wait_ready`` on a handle never made ready."""
+    import ctypes
+    import types
+
+    from workers.forkserver import ForkServer
+    from workers.zygote import Zygote
+
+    wait_ready = {"zygote": Zygote, "fork server": ForkServer}[handle_class].wait_ready
+    handle = types.SimpleNamespace(ready=threading.Event(), error=None)
+    outcome = {}
+
+    def target():
+        try:
+            wait_ready(handle, 30)
+            outcome["returned"] = True
+        except BaseException as error:  # noqa: BLE001
+            outcome["raised"] = type(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    time.sleep(0.3)  # blocked in the wait
+    started = time.monotonic()
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(JobCancelled))
+    thread.join(2)
+    assert not thread.is_alive(), "the kill did not land while the job waited for its isolation process"
+    assert outcome == {"raised": JobCancelled} and time.monotonic() - started < 1.0

@@ -16,7 +16,13 @@ import json
 import os
 import select
 import socket
+import time
 from typing import Any, Iterator
+
+#: The longest a worker's thread blocks at once waiting for a ``ready``: a kill
+#: (``ndif-celery kill``, raised into the job's thread) or a deadline lands only
+#: between two waits, since a thread blocked in a lock's C wait runs no Python.
+WAIT_SLICE_S = 0.1
 
 
 def messages(sock: socket.socket) -> Iterator[dict]:
@@ -47,6 +53,22 @@ def settled(handle: Any, message: dict) -> bool:
         handle.ready.set()
         return True
     return False
+
+
+def wait_settled(handle: Any, timeout: float) -> bool:
+    """The worker's side: wait until ``handle`` is settled (:func:`settled`),
+    at most ``timeout`` seconds; False if it is not by then.
+
+    In slices of :data:`WAIT_SLICE_S`, not one ``Event.wait(timeout)``: the
+    first untrusted job after a deploy waits here for its model's exec'd
+    zygote (seconds of imports), and ``ndif-celery kill`` of that job, an
+    exception raised into this thread, would otherwise land only once the
+    zygote was ready."""
+    deadline = time.monotonic() + timeout
+    while not handle.ready.wait(min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return False
+    return True
 
 
 def requests(sock: socket.socket, max_fds: int, children: set) -> Iterator[tuple[dict, list]]:

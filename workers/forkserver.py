@@ -168,7 +168,7 @@ class ForkServer:
         self._reader.start()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        if not self.ready.wait(timeout):
+        if not control.wait_settled(self, timeout):
             raise ForkServerError(f"the fork server did not become ready within {timeout:g} s")
         if self.error:
             raise ForkServerError(self.error)

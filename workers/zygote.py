@@ -134,7 +134,7 @@ class Zygote:
         return self.model_id == id(model) and self.process.poll() is None and self.error is None
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        if not self.ready.wait(timeout):
+        if not control.wait_settled(self, timeout):
             raise ZygoteError(f"the isolation zygote did not become ready within {timeout:g} s")
         if self.error:
             raise ZygoteError(self.error)
