@@ -1,0 +1,146 @@
+"""Where a command's CPU goes, by the kind of process that spent it.
+
+Why: ``make test`` is CPU-bound on a 2-core machine (issue #13: its time is
+the cores' time), so cutting it starts with knowing which processes burn the
+cores: the stacks' workers, webs, zygotes, the pytest processes, the CLI. The
+per-test times of ``--durations`` cannot say that: a test's seconds include
+waiting, and the other pytest process's load.
+
+    python tools/suite_cpu.py [--every 0.25] [--out cpu.json] -- make test
+
+Runs the command, and every ``--every`` seconds reads ``/proc``: each
+process's CPU time (user + system) since the last look is added to its kind
+(:func:`kind`, from its command line as it is *now*, since a service is
+forked by the CLI before it execs). Processes that were running before the
+command started count only from then. At the end (or on Ctrl-C) it prints
+each kind's CPU seconds and share, the machine's busy seconds from
+``/proc/stat`` over the same wall time, and what no look saw (processes that
+lived and died between two looks, the sampler's own blind spot). Linux only.
+The command's exit status is this script's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Optional
+
+HZ = os.sysconf("SC_CLK_TCK")
+
+# (what the command line holds, the kind): the first match wins.
+KINDS = (
+    (("gunicorn",), "web"),
+    (("celery", " beat"), "beat"),
+    (("celery", " flower"), "flower"),  # before the worker: Flower's app is workers.tasks too
+    (("celery", " worker"), "worker"),
+    (("workers.zygote",), "zygote"),
+    (("workers.forkserver",), "fork server"),
+    (("redis-server",), "redis"),
+    (("ndif_celery.cli",), "cli"),
+    (("ndif-celery",), "cli"),
+    (("bench/",), "bench"),
+    (("moto",), "moto"),
+    (("chrom",), "chromium"),
+    (("pytest",), "pytest"),
+    (("-c", "import sys;exec(eval(sys.stdin.readline()))"), "pytest"),  # a pytest-xdist process
+    (("postgres",), "postgres"),
+    (("python",), "other python"),
+)
+
+
+def kind(cmdline: str) -> str:
+    """The kind of a process, by its command line (arguments joined by spaces)."""
+    for needles, name in KINDS:
+        if all(needle in cmdline for needle in needles):
+            return name
+    return "other"
+
+
+def _busy_s() -> float:
+    """The machine's busy CPU seconds since boot (all but idle and iowait)."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / HZ
+
+
+def _look() -> dict:
+    """(pid, start time) -> (CPU seconds, command line) of every process now."""
+    seen = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                raw = stat.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as cmd:
+                cmdline = cmd.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
+        seen[(pid, fields[19])] = ((int(fields[11]) + int(fields[12])) / HZ, cmdline)
+    return seen
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self.by_kind: collections.Counter = collections.Counter()
+        self.last = {key: cpu for key, (cpu, _) in _look().items()}  # what ran before: counted from now
+        self.busy0, self.wall0 = _busy_s(), time.monotonic()
+
+    def look(self) -> None:
+        now = _look()
+        for key, (cpu, cmdline) in now.items():
+            self.by_kind[kind(cmdline)] += cpu - self.last.get(key, 0.0)
+        self.last = {key: cpu for key, (cpu, _) in now.items()}
+
+    def report(self) -> dict:
+        seen = sum(self.by_kind.values())
+        busy = _busy_s() - self.busy0
+        return {"wall_s": round(time.monotonic() - self.wall0, 1), "busy_s": round(busy, 1),
+                "cores": os.cpu_count(), "unseen_s": round(max(0.0, busy - seen), 1),
+                "by_kind": {name: round(cpu, 1) for name, cpu in self.by_kind.most_common()}}
+
+
+def table(report: dict) -> str:
+    busy = report["busy_s"] or 1.0
+    lines = [f"wall {report['wall_s']:.0f} s, busy {report['busy_s']:.0f} CPU-s of "
+             f"{report['wall_s'] * report['cores']:.0f} on {report['cores']} cores"]
+    for name, cpu in report["by_kind"].items():
+        lines.append(f"{cpu:9.1f} CPU-s {100 * cpu / busy:5.1f} %  {name}")
+    lines.append(f"{report['unseen_s']:9.1f} CPU-s {100 * report['unseen_s'] / busy:5.1f} %  "
+                 "(no look saw it: short-lived processes, kernel)")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--every", type=float, default=0.25, help="seconds between two looks at /proc")
+    parser.add_argument("--out", help="also write the report as JSON here")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command given (put it after --)")
+    sampler = Sampler()
+    proc = subprocess.Popen(command)
+    try:
+        while proc.poll() is None:
+            time.sleep(args.every)
+            sampler.look()
+    except KeyboardInterrupt:
+        proc.wait()
+    report = sampler.report()
+    print(table(report), file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as out:
+            json.dump(report, out, indent=1)
+    return proc.returncode if proc.returncode is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
