@@ -87,13 +87,37 @@ def running_jobs(info: dict) -> list[str]:
     return ([lead] if lead else []) + list(dict.fromkeys(job_id for job_id in others if job_id != lead))
 
 
-def unregister_worker(client: redis.Redis, name: str) -> None:
-    pipe = client.pipeline()
-    pipe.hdel(WORKERS, name)
-    for field in client.hkeys(DEPLOYMENTS):
-        if field.decode().split("|", 1)[0] == name:
-            pipe.hdel(DEPLOYMENTS, field)
-    pipe.execute()
+# A worker's entry and its deployments deleted in one step, and with ARGV[2]
+# (a pid) only while the entry is still that process's.
+_UNREGISTER = """
+if ARGV[2] ~= '' then
+  local raw = redis.call('HGET', KEYS[1], ARGV[1])
+  if not raw or tostring(cjson.decode(raw)['pid']) ~= ARGV[2] then
+    return 0
+  end
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+local prefix = ARGV[1] .. '|'
+for _, field in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if string.sub(field, 1, #prefix) == prefix then
+    redis.call('HDEL', KEYS[2], field)
+  end
+end
+return 1
+"""
+
+
+def unregister_worker(client: redis.Redis, name: str, pid: Optional[int] = None) -> bool:
+    """Forget the worker ``name`` and the models it claimed; False if nothing was done.
+
+    ``pid``: only if the entry is still that process's. The beat's watchdog
+    judges a worker dead on an entry it read earlier; meanwhile ``up``'s
+    supervisor may have restarted it under the same name, and the fresh
+    process registered (``take_over``). Deleting by name then erased the
+    live worker: until its next heartbeat the farm had no worker, and the
+    controller failed the rescued job with "no live worker can take another
+    replica of it" (seen in test_supervision under load)."""
+    return bool(client.eval(_UNREGISTER, 2, WORKERS, DEPLOYMENTS, name, "" if pid is None else str(pid)))
 
 
 def deployment_field(worker: str, model_key: str) -> str:

@@ -133,7 +133,7 @@ class Watchdog(threading.Thread):
             log.warning("worker %s is gone (silent for %.0f s)", name, silent)
             for job_id in registry.running_jobs(info):
                 self.rescue(job_id, name)
-            registry.unregister_worker(self.redis, name)
+            registry.unregister_worker(self.redis, name, pid=info.get("pid"))
 
     def rescue_orphans(self) -> None:
         """Jobs handed over by a worker that restarted under its predecessor's name."""

@@ -102,6 +102,31 @@ def test_a_worker_restarted_under_its_name_hands_its_job_over(client, watchdog):
     assert client.hlen(registry.ORPHANS) == 0
 
 
+def test_a_worker_restarted_while_it_was_judged_dead_keeps_its_fresh_entry(client, watchdog, monkeypatch):
+    """The beat reads every entry, finds the old process silent, and meanwhile
+    ``up``'s supervisor restarts it under the same name and the new process
+    registers: the new entry (and what it claims) must survive the burial, and
+    the old process's job is still sent again, once."""
+    _job(client, "e" * 32)
+    stale = {"name": "cpu@vm", "pid": 300, "last_seen": time.time() - registry.STALE_S - 1, "current_job": "e" * 32}
+    registry.take_over(client, "cpu@vm", 301)  # the new process, at ready(): nothing of the old is left...
+    _worker(client, "cpu@vm", 301)
+    registry.set_deployment(client, "cpu@vm", MODEL_KEY, registry.DEPLOYING, size_bytes=1)  # ...and it loads
+    read_earlier = {"cpu@vm": stale}  # what the beat read before the new process registered
+    monkeypatch.setattr(registry, "all_workers", lambda _client: read_earlier)
+    watchdog.tick()
+    monkeypatch.undo()
+    entry = json.loads(client.hget(registry.WORKERS, "cpu@vm"))
+    assert entry["pid"] == 301, "the restarted worker's entry was erased with its dead predecessor"
+    assert registry.get_deployment(client, "cpu@vm", MODEL_KEY) is not None
+    assert _queued_ids(client) == ["e" * 32]
+    # The old entry itself is still buried: by pid, one step (and a missing entry is left alone).
+    assert not registry.unregister_worker(client, "cpu@vm", pid=300)
+    assert registry.unregister_worker(client, "cpu@vm", pid=301)
+    assert not client.hexists(registry.WORKERS, "cpu@vm") and registry.get_deployment(client, "cpu@vm", MODEL_KEY) is None
+    assert not registry.unregister_worker(client, "cpu@vm", pid=301)
+
+
 def test_jobs_nobody_serves_are_told_once_per_change(client, watchdog, settings):
     app = make_app(settings)
     from ndif_celery.celery_app import send_job
