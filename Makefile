@@ -42,6 +42,7 @@ run: install
 # Three took longer than two, with timing checks failing under the load (on that
 # AMD EPYC machine of 14.5 min, three took 13:49 against 13:55 for two, every check
 # passing, the CPUs 92 % busy: the suite is CPU-bound there, a third process gains nothing).
+# 24-25 min on a later Intel Xeon one, the cores 93 % busy throughout (tools/suite_cpu.py).
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
 
