@@ -11,7 +11,9 @@ waiting, and the other pytest process's load.
 Runs the command, and every ``--every`` seconds reads ``/proc``: each
 process's CPU time (user + system) since the last look is added to its kind
 (:func:`kind`, from its command line as it is *now*, since a service is
-forked by the CLI before it execs). Processes that were running before the
+forked by the CLI before it execs; what forks without exec, the worker's
+fork server and the zygotes and jailed children forked from it, counts as
+the worker). Processes that were running before the
 command started count only from then. At the end (or on Ctrl-C) it prints
 each kind's CPU seconds and share, the machine's busy seconds from
 ``/proc/stat`` over the same wall time, and what no look saw (processes that
@@ -39,7 +41,6 @@ KINDS = (
     (("celery", " flower"), "flower"),  # before the worker: Flower's app is workers.tasks too
     (("celery", " worker"), "worker"),
     (("workers.zygote",), "zygote"),
-    (("workers.forkserver",), "fork server"),
     (("redis-server",), "redis"),
     (("ndif_celery.cli",), "cli"),
     (("ndif-celery",), "cli"),
