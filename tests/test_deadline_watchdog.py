@@ -183,8 +183,8 @@ def test_a_kill_lands_while_the_job_waits_for_its_isolation_process(handle_class
     import ctypes
     import types
 
-    from workers.forkserver import ForkServer
-    from workers.zygote import Zygote
+    from workers.forkserver import ForkServer, ForkServerError
+    from workers.zygote import Zygote, ZygoteError
 
     wait_ready = {"zygote": Zygote, "fork server": ForkServer}[handle_class].wait_ready
     handle = types.SimpleNamespace(ready=threading.Event(), error=None)
@@ -205,3 +205,11 @@ def test_a_kill_lands_while_the_job_waits_for_its_isolation_process(handle_class
     thread.join(2)
     assert not thread.is_alive(), "the kill did not land while the job waited for its isolation process"
     assert outcome == {"raised": JobCancelled} and time.monotonic() - started < 1.0
+    # Not ready in time, or settled with an error: the handle's own error class says which.
+    with pytest.raises(ZygoteError, match=f"{handle_class} did not become ready within 0.2 s"):
+        wait_ready(types.SimpleNamespace(ready=threading.Event(), error=None), 0.2)
+    failed = types.SimpleNamespace(ready=threading.Event(), error="no such interpreter")
+    failed.ready.set()
+    with pytest.raises(ZygoteError, match="no such interpreter") as raised:
+        wait_ready(failed, 30)
+    assert type(raised.value) is {"zygote": ZygoteError, "fork server": ForkServerError}[handle_class]

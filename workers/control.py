@@ -55,20 +55,22 @@ def settled(handle: Any, message: dict) -> bool:
     return False
 
 
-def wait_settled(handle: Any, timeout: float) -> bool:
-    """The worker's side: wait until ``handle`` is settled (:func:`settled`),
-    at most ``timeout`` seconds; False if it is not by then.
+def wait_ready(handle: Any, timeout: float, error: type, what: str) -> None:
+    """The worker's side: return once ``handle`` is settled (:func:`settled`)
+    and ready; raise ``error`` naming ``what`` if it is not within ``timeout``
+    seconds, or with the reason it gave (``handle.error``).
 
-    In slices of :data:`WAIT_SLICE_S`, not one ``Event.wait(timeout)``: the
-    first untrusted job after a deploy waits here for its model's exec'd
+    Waited in slices of :data:`WAIT_SLICE_S`, not one ``Event.wait(timeout)``:
+    the first untrusted job after a deploy waits here for its model's exec'd
     zygote (seconds of imports), and ``ndif-celery kill`` of that job, an
     exception raised into this thread, would otherwise land only once the
     zygote was ready."""
     deadline = time.monotonic() + timeout
     while not handle.ready.wait(min(WAIT_SLICE_S, max(0.0, deadline - time.monotonic()))):
         if time.monotonic() >= deadline:
-            return False
-    return True
+            raise error(f"{what} did not become ready within {timeout:g} s")
+    if handle.error:
+        raise error(handle.error)
 
 
 def requests(sock: socket.socket, max_fds: int, children: set) -> Iterator[tuple[dict, list]]:

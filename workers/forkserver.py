@@ -168,10 +168,7 @@ class ForkServer:
         self._reader.start()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        if not control.wait_settled(self, timeout):
-            raise ForkServerError(f"the fork server did not become ready within {timeout:g} s")
-        if self.error:
-            raise ForkServerError(self.error)
+        control.wait_ready(self, timeout, ForkServerError, "the fork server")
 
     def spawn(self, zygote_fd: int, cpu_fd: int) -> ForkedProcess:
         """Fork a zygote that serves on ``zygote_fd`` and maps the weights

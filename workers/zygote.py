@@ -134,10 +134,7 @@ class Zygote:
         return self.model_id == id(model) and self.process.poll() is None and self.error is None
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        if not control.wait_settled(self, timeout):
-            raise ZygoteError(f"the isolation zygote did not become ready within {timeout:g} s")
-        if self.error:
-            raise ZygoteError(self.error)
+        control.wait_ready(self, timeout, ZygoteError, "the isolation zygote")
 
     def fork(self, out_fd: int, in_fd: int, policy: Any, workdir: str, cgroup: str) -> ZygoteChild:
         """Have the zygote fork a child that runs ``child.main`` on these pipes.
