@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from workers import integrity  # noqa: E402
+from workers.models import integrity  # noqa: E402
 
 
 def seconds_per_gib(check, module, gib: float, repeat: int, device: str) -> float:

@@ -1,12 +1,12 @@
 """``ndif-celery beat``: Celery beat (the periodic cleanup), the farm's watchdog and its health probes.
 
 The beat is the one farm process that runs no job, loads no model and imports
-no torch, so it is where the watchdog (``ndif_celery.watchdog``) lives: it
+no torch, so it is where the watchdog (``ndif_celery.farm.watchdog``) lives: it
 must keep looking when every worker is dead. ``celery -A ndif_celery.beat:app
 beat`` configures the same app as the workers' (``celery_app.lazy_app``: the
 schedule sends the cleanup by name) and starts the watchdog's thread when beat
 starts (``beat_init``), only in a beat process, and with ``NDIF_PROBE_INTERVAL_S``
-set the health probes' thread (``ndif_celery.probes``), leading by a lease of its own.
+set the health probes' thread (``ndif_celery.monitoring.probes``), leading by a lease of its own.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from celery.signals import beat_init
 
 from . import config
 from .celery_app import lazy_app
-from .probes import Prober
-from .watchdog import Watchdog
+from .monitoring.probes import Prober
+from .farm.watchdog import Watchdog
 
 app = lazy_app()
 
@@ -26,5 +26,5 @@ def _start_watchdog(**_) -> None:
     settings = config.load()
     Watchdog(settings).start()
     if settings.probe_interval_s > 0:
-        # The probes' traces run in a child (ndif_celery.probe_runner): the beat itself never imports torch.
+        # The probes' traces run in a child (ndif_celery.monitoring.probe_runner): the beat itself never imports torch.
         Prober(settings).start()

@@ -25,8 +25,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from .jail_layers import parse_disable, parse_require
-from .versions import parse_minimum
+from .policy.jail_layers import parse_disable, parse_require
+from .policy.client_versions import parse_minimum
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -131,7 +131,7 @@ def _web_worker_class(name: str, raw: str) -> str:
 
 
 def _jail_require(name: str, raw: str) -> tuple:
-    # Jail layers: all required unless waived ("all,-seccomp"); see ndif_celery.jail_layers.
+    # Jail layers: all required unless waived ("all,-seccomp"); see ndif_celery.policy.jail_layers.
     return parse_require(raw)
 
 
@@ -248,7 +248,7 @@ VARIABLES: tuple = (
     Var("NDIF_WORKER_METRICS_PORT", "worker_metrics_port", 9108, _int, "each worker's Prometheus `/metrics` port (0: off)"),
     Var("NDIF_WORKER_METRICS_HOST", "worker_metrics_host", "127.0.0.1", _text, "address the workers' metrics endpoints bind"),
     Var("NDIF_LOG_LEVEL", "log_level", "INFO", _upper, "log level of every process"),
-    # Synthetic health probes and usage (ndif_celery.probes, ndif_celery.usage; docs/monitoring.md).
+    # Synthetic health probes and usage (ndif_celery.monitoring.probes, ndif_celery.accounts.usage; docs/monitoring.md).
     Var("NDIF_PROBE_INTERVAL_S", "probe_interval_s", 0.0, _float, "how often the beat probes each HOT model with a real trace (0: off)"),
     Var("NDIF_PROBE_TIMEOUT_S", "probe_timeout_s", 60.0, _float, "a probe that has no answer this long fails"),
     Var("NDIF_PROBE_API_KEY", "probe_api_key", "", _stripped, "the API key the probes send (an admin key, with auth on)"),
@@ -273,11 +273,11 @@ VARIABLES: tuple = (
     Var("NDIF_REPLICA_IDLE_S", "replica_idle_s", 600.0, _float, "remove an extra replica unused for this long"),
     Var("NDIF_AUTOSCALE_BACKOFF_S", "autoscale_backoff_s", 30.0, _float, "wait after adding a replica before adding another"),
     Var("NDIF_CONTROLLER_INTERVAL_S", "controller_interval_s", 0.5, _float, "how often the farm controller looks"),
-    # Declarative deployments (ndif_celery.deployments): applied at start and when a worker joins.
+    # Declarative deployments (ndif_celery.farm.deployments): applied at start and when a worker joins.
     Var("NDIF_DEPLOYMENTS", "deployments", "", _stripped, "a deployments file (YAML/JSON) or an inline list the controller keeps deployed"),
     # Users, isolation and limits.
     Var("NDIF_AUTH", "auth", False, _bool, "require an API key on every request"),
-    # Which repos may be loaded, and which may run their own code: ndif_celery.model_policy.
+    # Which repos may be loaded, and which may run their own code: ndif_celery.policy.models.
     Var("NDIF_MODELS", "models", "", _stripped, "the repos this farm serves (fnmatch patterns; empty: see the docs)"),
     Var("NDIF_TRUST_REMOTE_CODE", "trust_remote_code", "", _stripped, "repos whose own code may run (fnmatch patterns)"),
     Var("NDIF_DEFAULT_TRUSTED", "default_trusted", True, _bool, "with auth off, run requests in the worker's process"),
@@ -299,7 +299,7 @@ VARIABLES: tuple = (
     Var("NDIF_AUTH_FAILURES_PER_MIN", "auth_failures_per_min", 60, _int, "failed lookups of never-seen keys per address per minute"),
     Var("NDIF_EXECUTION_TIMEOUT_S", "execution_timeout_s", 3600.0, _float, "a job's deadline for deserialize + run"),
     # After a deadline or a kill has answered the job, how long its thread may take to
-    # unwind before the worker replaces itself (workers.deadline).
+    # unwind before the worker replaces itself (workers.job.deadline).
     Var("NDIF_DEADLINE_GRACE_S", "deadline_grace_s", 5.0, _float, "how long a timed-out or killed job may take to unwind before its worker replaces itself"),
     Var("NDIF_JOB_MEMORY_GIB", "job_memory_bytes", 8, _gib, "address space an isolated job may add"),
     Var("NDIF_JOB_DISK_MB", "job_disk_bytes", 256, _mb, "size of an isolated job's private tmpfs"),
@@ -314,7 +314,7 @@ VARIABLES: tuple = (
     Var("NDIF_MAX_WEBSOCKETS_PER_KEY", "max_websockets_per_key", 0, _int, "`/subscribe` websockets per key (0: none)", auth_on=16),
     Var("NDIF_SOCKET_LEASE_S", "socket_lease_s", 30.0, _socket_lease,
         "how long a counted socket of a web process that stopped renewing stays counted"),
-    # The client version gate: "" = no gate; see ndif_celery.versions.
+    # The client version gate: "" = no gate; see ndif_celery.policy.client_versions.
     Var("NDIF_MIN_NNSIGHT_VERSION", "min_nnsight_version", "", parse_minimum, "oldest nnsight client served"),
     Var("NDIF_MIN_PYTHON_VERSION", "min_python_version", "", parse_minimum, "oldest client Python served (major.minor)"),
 )

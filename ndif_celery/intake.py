@@ -24,7 +24,12 @@ import redis
 import zstandard
 from celery import Celery
 
-from . import auth, config, deployments, jobs, limits, messages, model_policy, probes, queues, registry, statuses, versions, wire
+from .accounts import auth, limits
+from . import config, messages, statuses, wire
+from .farm import deployments
+from .state import jobs, queues, registry
+from .policy import models as model_policy, client_versions as versions
+from .monitoring import probes
 from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for, send_job
 from .errors import Refused
 
@@ -63,7 +68,7 @@ def accept(
     position = count(client, identity, job, queue, settings)
     park(client, job, blob, queue, position, settings)
     send_job(celery, job)
-    # The controller deploys the model if no worker holds it (``workers.controller``).
+    # The controller deploys the model if no worker holds it (``ndif_celery.farm.controller``).
     registry.wake_controller_once(client, queue)
     return job
 
@@ -72,7 +77,7 @@ def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.I
                 envelope: wire.Envelope) -> None:
     """The key and env as nnsight sends them, made canonical in ``envelope``;
     what this key may load (``model_policy``)."""
-    offered = () if identity.trusted else model_policy.offered_keys(client)
+    offered = () if identity.trusted else registry.offered_keys(client)
     envelope.model_key, envelope.env = model_policy.Policy.from_settings(settings).admit(
         envelope.model_key, envelope.env, identity.trusted, offered)
     # A deployment that lists its users (``deploy -f``: ``users``) serves only them.
@@ -81,7 +86,7 @@ def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.I
 
 def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
                 headers: Mapping[str, str], model_key: str) -> None:
-    """The health probe (``ndif_celery.probes``, its key ``NDIF_PROBE_API_KEY``) never
+    """The health probe (``ndif_celery.monitoring.probes``, its key ``NDIF_PROBE_API_KEY``) never
     deploys a model: a probe sent just as the model was evicted would load it again.
     Refused here when the model is not deployed; its owner is recorded
     (``probes.OWNER``) for the controller, which fails a probe's job left waiting
@@ -93,7 +98,7 @@ def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.I
         return
     if identity.key_id is not None:
         client.set(probes.OWNER, identity.owner, ex=86400)
-    if model_key not in model_policy.offered_keys(client):
+    if model_key not in registry.offered_keys(client):
         raise Refused("The health probe does not deploy models, and this one is not deployed now.", 409)
 
 

@@ -20,7 +20,10 @@ from typing import Any, Optional
 
 import redis
 
-from . import bounds, jobs, ledger, limits, metrics, wire
+from . import output_bounds as bounds, wire
+from .state import jobs
+from .accounts import ledger, limits
+from .monitoring import metrics
 
 # LOG limits per job when the caller names none (the worker passes its settings).
 DEFAULT_LOG_LINES_PER_S = 100.0
@@ -66,7 +69,7 @@ class StatusChannel:
         pipe=None,
     ) -> None:
         """``kind``: what sort of ERROR this is, for the ledger and metrics
-        (see ``ndif_celery.ledger``). With ``pipe`` (a pipeline the caller
+        (see ``ndif_celery.accounts.ledger``). With ``pipe`` (a pipeline the caller
         executes), the writes join it: one round trip with the caller's own.
 
         Every description is bounded (``bounds.truncate``): user code chooses

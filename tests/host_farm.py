@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ndif_celery import redis_server
+from ndif_celery.host import embedded_redis as redis_server
 from tests.netns import Host, Network
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,7 +148,7 @@ class HostFarm:
                    f"{web.name}'s web did not answer from the client host", lambda: web.log("web"))
 
     def wait_worker(self, worker: Host, timeout_s: float = 120) -> None:
-        from ndif_celery import registry
+        from ndif_celery.state import registry
 
         name = self.worker_name(worker)
         wait_until(lambda: name in self.redis(lambda r: registry.live_workers(r)), timeout_s,

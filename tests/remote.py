@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import pytest
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
-from ndif_celery import farm
+from ndif_celery.farm import actions as farm
 from tests.tiny_model import PROMPT
 
 

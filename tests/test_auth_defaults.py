@@ -26,7 +26,8 @@ import websocket
 from nnsight.intervention.backends.remote import RemoteError
 from sqlalchemy import event
 
-from ndif_celery import auth, config, db, limits
+from ndif_celery.accounts import auth, db, limits
+from ndif_celery import config
 from tests.remote import final_status, poll, slow_job, wait_status
 from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT

@@ -20,7 +20,9 @@ import httpx
 import pytest
 import redis
 
-from ndif_celery import cli, config, redis_server, registry
+from ndif_celery import cli, config
+from ndif_celery.host import embedded_redis as redis_server
+from ndif_celery.state import registry
 from tests.servers import free_ports, port_open
 from tests.stack import ROOT, Stack
 
@@ -180,7 +182,7 @@ def test_foreground_up_stops_everything_on_sigterm(tmp_path):
 
 @pytest.mark.e2e  # starts a stack in its body
 def test_foreground_up_restarts_a_service_that_dies(tmp_path):
-    """The foreground `up` is the supervisor (ndif_celery.supervisor): a worker
+    """The foreground `up` is the supervisor (ndif_celery.host.supervisor): a worker
     killed is started again and said so; `down` from elsewhere ends `up` too."""
     with _foreground_up(tmp_path) as (stack, proc, out):
         pids = stack.pids()

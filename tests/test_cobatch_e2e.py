@@ -5,7 +5,7 @@ The worker is held busy by one slow job while sixteen users submit at once
 different prompts and lengths, edits, saves, ``.source`` reads and edits, a
 skip, an early stop, ``tracer.cache()``, a block that raises, ``generate``
 with ``max_new_tokens`` and ``tracer.iter``. Then the slow job is killed and
-the next job gathers the others (``workers.batch``). Every user gets what the
+the next job gathers the others (``workers.job.gather``). Every user gets what the
 same block gives run locally: exactly (``torch.equal``), or, where its forward
 was shared with requests of other lengths (``meta["cobatch"]`` > 1), within the
 engine's stated tolerance (tests/test_cobatch.py: ``TOLERANCE``, 1e-5 absolute
@@ -32,7 +32,7 @@ import redis
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
-from ndif_celery import queues
+from ndif_celery.state import queues
 from tests import conformance
 from tests.load import compile_one_at_a_time
 from tests.remote import PollUntilDone, client_pointed_at, final_status, poll, slow_job, wait_status

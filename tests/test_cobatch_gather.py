@@ -1,4 +1,4 @@
-"""Gathering a co-batch (``workers.batch``) against a real embedded Redis: the
+"""Gathering a co-batch (``workers.job.gather``) against a real embedded Redis: the
 jobs a worker takes out of its model's queue are recorded as its own in the same
 step (``queues.take``), so a worker that dies mid-batch loses none of them: the
 beat's watchdog rescues every one (``registry.running_jobs``), whether the
@@ -13,9 +13,10 @@ import time
 
 import pytest
 
-from ndif_celery import jobs, queues, registry, wire
+from ndif_celery.state import jobs, queues, registry
+from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for, send_job
-from ndif_celery.watchdog import Watchdog
+from ndif_celery.farm.watchdog import Watchdog
 
 MODEL_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "gather/tiny"}'
 IDS = [c * 32 for c in "abcd"]

@@ -126,7 +126,8 @@ def test_the_dashboard_escapes_what_users_send(chromium, on_fs_stack, model):
 def test_with_auth_only_an_admin_key_opens_it(chromium, fs_stack, tmp_path):
     """NDIF_AUTH=1: no credentials 401 with a challenge, a key without the
     admin tag 403, an admin key 200 (a web process of its own on the same farm)."""
-    from ndif_celery import config, db
+    from ndif_celery import config
+    from ndif_celery.accounts import db
     from web.app import create_app
 
     settings = config.load({

@@ -1,6 +1,6 @@
 """The deadline watchdog in-process (fast tier, a real embedded Redis).
 
-What ``workers.deadline`` promises, without a stack: the ERROR is published at
+What ``workers.job.deadline`` promises, without a stack: the ERROR is published at
 the limit by the watchdog, even while the job's thread sleeps in C; it is the
 job's only final status (the thread's late COMPLETED is dropped); a thread
 that unwinds from the interruption keeps its worker, and one that does not is
@@ -17,10 +17,11 @@ import time
 import pytest
 import redis
 
-from ndif_celery import jobs, wire
+from ndif_celery.state import jobs
+from ndif_celery import wire
 from tests.servers import embedded_redis
-from workers import deadline
-from workers.executors import JobCancelled, JobTimedOut
+from workers.job import deadline
+from workers.job.executors import JobCancelled, JobTimedOut
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +184,8 @@ def test_a_kill_lands_while_the_job_waits_for_its_isolation_process(handle_class
     import ctypes
     import types
 
-    from workers.forkserver import ForkServer, ForkServerError
-    from workers.zygote import Zygote, ZygoteError
+    from workers.isolation.forkserver import ForkServer, ForkServerError
+    from workers.isolation.zygote import Zygote, ZygoteError
 
     wait_ready = {"zygote": Zygote, "fork server": ForkServer}[handle_class].wait_ready
     handle = types.SimpleNamespace(ready=threading.Event(), error=None)

@@ -3,7 +3,7 @@
 User code blocked where no Python exception reaches it (``time.sleep(600)``,
 libc's ``sleep`` through ctypes, a ``read`` on a pipe nobody writes) used to
 hold its client and the model's worker until it returned. Now the worker's
-watchdog (``workers.deadline``) sends the ERROR at the limit itself, then
+watchdog (``workers.job.deadline``) sends the ERROR at the limit itself, then
 interrupts the job; a trusted job stuck in C makes the worker replace itself
 (exit 75, restarted at once by ``up``'s supervisor, the model loaded again).
 Isolated jobs are killed with their child. Each case, with the real client
@@ -23,7 +23,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from ndif_celery import farm
+from ndif_celery.farm import actions as farm
 from tests.remote import client_pointed_at, kill_stuck, poll, wait_status
 from tests.stack import client_on_stack
 from tests.stack_pool import JAIL_TIMEOUT_S

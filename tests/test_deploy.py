@@ -129,7 +129,7 @@ def test_dockerignore_keeps_local_state_out_of_the_build_context():
     patterns = dockerignore_patterns()
     for rel in (".venv/bin/python", ".git/HEAD", "tests/_out/hf/x", "ndif_celery/__pycache__/cli.cpython-311.pyc"):
         assert dockerignored(rel, patterns), f"{rel} is sent to the Docker build"
-    assert not dockerignored("ndif_celery/cli.py", patterns)
+    assert not dockerignored("ndif_celery/cli/__init__.py", patterns)
 
 
 def test_every_copy_source_exists_and_the_project_is_complete(dockerfile):

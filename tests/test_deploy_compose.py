@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ndif_celery import config
-from ndif_celery.services import SERVICES
+from ndif_celery.host.services import SERVICES
 from tests.deploy_recipes import (
     COMPOSE_FILE, DOCKERFILE, ROOT, dockerfile, dockerfile_env, exec_form, load_settings, parse_cli, words,
 )
@@ -294,7 +294,7 @@ def test_minio_init_sets_an_expiry_rule_on_the_farm_bucket(compose, dockerfile, 
 def test_every_long_running_service_is_restarted_by_docker(compose):
     """Compose is these services' supervisor (``up``'s is not used): each one
     that is not a one-shot comes back after a crash, an OOM kill or a worker
-    that replaced itself (ndif_celery.supervisor.REPLACE_EXIT_CODE)."""
+    that replaced itself (ndif_celery.exit_codes.REPLACE_EXIT_CODE)."""
     for name, service in services(compose).items():
         if name == by_image(compose, "minio/mc"):
             assert service.get("restart") == "no", name  # the bucket's one-shot setup

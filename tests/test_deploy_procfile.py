@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ndif_celery.services import SERVICES
+from ndif_celery.host.services import SERVICES
 from tests.deploy_recipes import PROCFILE, ROOT, VENV_BIN, parse_cli
 from tests.servers import free_ports, port_open
 from tests.stack import _NOT_INHERITED
@@ -108,7 +108,7 @@ def _wait_ready(proc, url: str, redis_url: str, flower_url: str, log: Path, time
     import httpx
     import redis
 
-    from ndif_celery import registry
+    from ndif_celery.state import registry
 
     pending = {"web": f"{url}/ping", "flower": f"{flower_url}/healthcheck", "worker": registry.WORKERS}
     deadline = time.monotonic() + timeout

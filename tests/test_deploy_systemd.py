@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ndif_celery.services import SERVICES
+from ndif_celery.host.services import SERVICES
 from tests.deploy_recipes import ENV_EXAMPLE, INSTALLED_CLI, SYSTEMD, TARGET, VENV_BIN, load_settings, parse_cli
 
 
@@ -83,7 +83,7 @@ def test_each_unit_runs_a_real_cli_command_under_the_farm_target(name, tmp_path)
     sections = unit(SYSTEMD / name)
     assert one(sections, "Service", "EnvironmentFile") == "/etc/ndif-celery/env"
     # Its own supervisor: restarted whatever ended it, a worker that replaced
-    # itself (ndif_celery.supervisor.REPLACE_EXIT_CODE) or exited 0 included.
+    # itself (ndif_celery.exit_codes.REPLACE_EXIT_CODE) or exited 0 included.
     assert one(sections, "Service", "Restart") == "always"
     assert one(sections, "Service", "KillSignal") == "SIGTERM"
     assert one(sections, "Unit", "PartOf") == TARGET

@@ -1,4 +1,4 @@
-"""Declarative deployments (``ndif_celery.deployments``) in the fast tier: a file's
+"""Declarative deployments (``ndif_celery.farm.deployments``) in the fast tier: a file's
 every mistake named by entry and field, who may use a deployment, and apply /
 ``--sync`` / ``scale`` against a real embedded Redis with the real Celery app
 (evictions are the real messages on each worker's own queue). The farm doing
@@ -13,9 +13,12 @@ import time
 
 import pytest
 
-from ndif_celery import auth, deployments, farm, model_policy, registry
+from ndif_celery.accounts import auth
+from ndif_celery.farm import deployments, actions as farm
+from ndif_celery.policy import models as model_policy
+from ndif_celery.state import registry
 from ndif_celery.celery_app import make_app, worker_queue
-from ndif_celery.deployments import DeploymentsError
+from ndif_celery.farm.deployments import DeploymentsError
 from ndif_celery.errors import Refused
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ndif_celery import config, doctor, redis_server
+from ndif_celery import config
+from ndif_celery.host import doctor, embedded_redis as redis_server
 from tests.servers import free_ports
 from tests.stack import ROOT, Stack
 
@@ -207,7 +208,7 @@ def test_disk_check_fails_below_its_floor(tmp_path):
 
 def test_doctor_lists_each_jail_layer_this_host_has(tmp_path):
     """A throwaway child sets every layer up with the jail's own code: this host has them all."""
-    from ndif_celery.jail_layers import LAYERS
+    from ndif_celery.policy.jail_layers import LAYERS
 
     result = run_cli(bare_env(tmp_path, NDIF_DEFAULT_TRUSTED="0"), "doctor")
     found = checks(result.stdout)

@@ -13,7 +13,7 @@ import redis
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend
 
-from ndif_celery import cleanup, jobs
+from ndif_celery.state import expiry as cleanup, jobs
 from ndif_celery.store import FilesystemStore
 from tests.remote import poll, slow_job
 from tests.stack import client_on_stack

@@ -154,7 +154,7 @@ def test_cli_status_queue_and_kill(farm):
     workers = status["cluster"]["workers"]
     assert set(workers) == {W0, W1}
     assert workers[W1]["gpus"] == ["1"] and workers[W0]["gpus"] == ["0"]
-    from workers.sizing import weight_bytes
+    from ndif_celery.farm.sizing import weight_bytes
 
     assert workers[W1]["memory_used_bytes"] == weight_bytes(_key(SMALL[0]), None) <= farm.size
     assert workers[W1]["memory_free_bytes"] == workers[W1]["memory_bytes"] - workers[W1]["memory_used_bytes"]

@@ -16,7 +16,7 @@ import time
 
 import redis
 
-from ndif_celery import jobs
+from ndif_celery.state import jobs
 from web.hub import Hub
 
 

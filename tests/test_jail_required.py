@@ -18,7 +18,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from ndif_celery.jail_layers import LAYERS
+from ndif_celery.policy.jail_layers import LAYERS
 from tests.jail_fixtures import attempt
 from tests.stack import Stack
 from tests.test_security_layers import connect_unix, listen_beside, unix_socket_targets

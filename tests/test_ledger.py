@@ -13,7 +13,7 @@ import pytest
 import redis
 from nnsight.intervention.backends.remote import RemoteError
 
-from ndif_celery import ledger
+from ndif_celery.accounts import ledger
 from tests.remote import final_status
 from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT, REPO_ID
@@ -184,8 +184,8 @@ def test_since_takes_spans_and_iso_times():
 
 def test_rows_past_their_retention_are_pruned(tmp_path):
     """NDIF_LEDGER_RETENTION_DAYS: the beat's cleanup deletes older rows only."""
-    from ndif_celery import db
-    from ndif_celery.jobs import Job
+    from ndif_celery.accounts import db
+    from ndif_celery.state.jobs import Job
 
     engine = db.engine_for(f"sqlite:///{tmp_path / 'ledger.db'}")
     now = time.time()

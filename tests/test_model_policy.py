@@ -1,4 +1,4 @@
-"""The model policy (``ndif_celery/model_policy.py``): a model key is code.
+"""The model policy (``ndif_celery/policy/models.py``): a model key is code.
 
 Unit tests of the pure functions, then attacks against real stacks: raw HTTP
 with crafted model keys and envs, a job put on the broker directly (as if the
@@ -25,8 +25,9 @@ import nnsight
 import pytest
 import torch
 
-from ndif_celery import config, model_policy
-from ndif_celery.model_policy import Policy, PolicyError
+from ndif_celery import config
+from ndif_celery.policy import models as model_policy
+from ndif_celery.policy.models import Policy, PolicyError
 from tests.stack import Stack
 from tests.tiny_model import PROMPT, REPO_ID, client_model
 
@@ -165,7 +166,7 @@ def test_settings_and_operator_keys(tmp_path):
     settings = config.load({"NDIF_HOME": str(tmp_path), "NDIF_MODELS": " org/a , org/b-* ,",
                             "NDIF_TRUST_REMOTE_CODE": "org/b-1"})
     assert Policy.from_settings(settings) == Policy(models=("org/a", "org/b-*"), trust_remote_code=("org/b-1",))
-    from ndif_celery import farm
+    from ndif_celery.farm import actions as farm
 
     assert farm.model_key_for(REPO_ID) == KEY
     with pytest.raises(ValueError, match="is a path"):
@@ -331,7 +332,7 @@ def test_a_job_put_on_the_broker_directly_is_refused_by_the_worker(auth_stack, c
     """Defence in depth: the web is bypassed (a job message sent straight to the
     broker, as anyone holding the broker could). The controller and worker
     refuse the key: ERROR naming the reason, no load, no remote code."""
-    from ndif_celery import jobs, registry
+    from ndif_celery.state import jobs, registry
     from ndif_celery.celery_app import make_app, queue_for, send_job
 
     settings = config.load(auth_stack.env)
@@ -362,7 +363,7 @@ def test_a_job_put_on_the_broker_directly_is_refused_by_the_worker(auth_stack, c
 
 
 def _final(client, job_id: str, timeout_s: float = 60) -> dict:
-    from ndif_celery import jobs
+    from ndif_celery.state import jobs
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -22,7 +22,8 @@ import time
 
 import pytest
 
-from ndif_celery import jobs, messages, registry
+from ndif_celery.state import jobs, registry
+from ndif_celery import messages
 from tests import conformance, netns
 from tests.remote import poll
 from tests.host_farm import HostFarm

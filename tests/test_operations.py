@@ -25,7 +25,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from ndif_celery import db
+from ndif_celery.accounts import db
 from tests.load import COBATCH_TOLERANCE
 from tests.stack import Stack
 from tests.test_probes import Receiver
@@ -234,7 +234,7 @@ def test_a_probe_goes_red_when_the_weights_are_corrupted_and_green_after(ops):
     """The corruption is what a damaged model cache does: the checkpoint's bytes
     change on disk under an unchanged header (every float scaled by 1.5, as a bad
     sync or a disk error would leave them), and the next load reads them. The
-    trusted path's weight check (workers/integrity.py) compares against what was
+    trusted path's weight check (workers/models/integrity.py) compares against what was
     loaded, so it sees nothing: only a probe that knows the right answer does.
     The probe's reference was recorded by its first green probe, at boot."""
     import numpy

@@ -125,7 +125,8 @@ def test_a_database_outage_is_refused_with_503_and_recovers(tmp_path):
     """Auth on, PostgreSQL reached through a proxy we can cut: while it is down
     every request is refused with 503 and a reason (fail closed: nobody gets
     in unchecked); once it is back the same key works again, no restart."""
-    from ndif_celery import config, db
+    from ndif_celery import config
+    from ndif_celery.accounts import db
     from tests.servers import TcpProxy
     from tests.test_auth import _postgres_database
     from web.app import create_app

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.placement import Holding, NoRoom, WorkerView, place
+from ndif_celery.farm.placement import Holding, NoRoom, WorkerView, place
 
 MB = 1024**2
 

@@ -1,4 +1,4 @@
-"""The health probes' judgement and alerts (``ndif_celery.probes``) in the fast tier.
+"""The health probes' judgement and alerts (``ndif_celery.monitoring.probes``) in the fast tier.
 
 What a probe's answer must be (shape, finite, equal to its reference), and
 what the beat does with it against a real embedded Redis: the reference
@@ -18,7 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ndif_celery import farm, metrics, probes, registry
+from ndif_celery.farm import actions as farm
+from ndif_celery.monitoring import metrics, probes
+from ndif_celery.state import registry
 
 KEY = farm.model_key_for("org/probed")
 GOOD = {"model_key": KEY, "ok": True, "latency_s": 0.25, "worker": "w0", "shape": [1, 7, 50], "vocab": 50,
@@ -173,7 +175,8 @@ def test_reset_forgets_the_reference(redis_client, embedded_settings):
 
 
 def test_the_web_refuses_a_probe_of_a_model_not_deployed_and_records_its_owner(redis_client, embedded_settings):
-    from ndif_celery import auth, intake
+    from ndif_celery.accounts import auth
+    from ndif_celery import intake
     from ndif_celery.errors import Refused
 
     settings = dataclasses.replace(embedded_settings, probe_api_key="probe-key")
@@ -195,10 +198,11 @@ def test_the_controller_ends_probe_jobs_left_waiting_for_an_evicted_model(redis_
     stands for the probe's key, recorded as the web records it."""
     import io
 
-    from ndif_celery import jobs, wire
+    from ndif_celery.state import jobs
+    from ndif_celery import wire
     from ndif_celery.celery_app import make_app
     from web.app import create_app
-    from workers.controller import Controller
+    from ndif_celery.farm.controller import Controller
 
     web = create_app(embedded_settings).test_client()
     envelope = json.dumps({"model_key": KEY, "session_id": "", "compress": False, "env": {}})

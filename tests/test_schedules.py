@@ -1,4 +1,4 @@
-"""Scheduled pins (``ndif_celery.schedules``) in the fast tier: the times an
+"""Scheduled pins (``ndif_celery.farm.schedules``) in the fast tier: the times an
 operator types, the windows refused, and :func:`reconcile` (what the
 controller does every tick) against a real embedded Redis, with the clock
 passed in: a window pins the model, the wish it replaced comes back when it
@@ -13,8 +13,9 @@ import json
 
 import pytest
 
-from ndif_celery import deployments, farm, registry, schedules
-from ndif_celery.schedules import ScheduleError
+from ndif_celery.farm import deployments, actions as farm, schedules
+from ndif_celery.state import registry
+from ndif_celery.farm.schedules import ScheduleError
 
 NOW = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.timezone.utc).timestamp()
 KEY = farm.model_key_for("org/course")

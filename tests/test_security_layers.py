@@ -22,7 +22,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from ndif_celery.jail_layers import LAYERS
+from ndif_celery.policy.jail_layers import LAYERS
 from tests.jail_fixtures import attempt, jail, still_serving_after, worker_pid  # noqa: F401
 from tests.tiny_model import PROMPT
 

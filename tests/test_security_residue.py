@@ -249,7 +249,7 @@ def test_a_block_cannot_mint_a_url_for_another_users_result(jail, model):
 
 
 def _sign(secret: str, key: str, expires: int) -> str:
-    """ndif_celery/store.py's scheme: HMAC-SHA256 of ``key\\nexpires``."""
+    """ndif_celery/store/__init__.py's scheme: HMAC-SHA256 of ``key\\nexpires``."""
     import hashlib
     import hmac
 
@@ -260,7 +260,7 @@ def test_the_fork_servers_derived_secrets_cover_url_passwords():
     """The fork server searches memory for each secret and its derived forms:
     a URL's password (as written and unquoted) and ``user:password``, and
     secret-named environment variables; never what a needed variable holds."""
-    from workers.forkserver import derived_secrets
+    from workers.isolation.forkserver import derived_secrets
 
     needles = derived_secrets(
         ["redis://:p%40ss-word-0123@10.0.0.1:6379/0", "postgresql://ndif:db-pass-4567@db/ndif"],

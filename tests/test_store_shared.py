@@ -15,7 +15,7 @@ import threading
 import pytest
 
 from ndif_celery import config
-from ndif_celery.store_fs import MARKER, SHARED_KEY, FilesystemStore, NotShared, check_shared
+from ndif_celery.store.fs import MARKER, SHARED_KEY, FilesystemStore, NotShared, check_shared
 
 
 def _store(path) -> FilesystemStore:

@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ndif_celery import config, services
+from ndif_celery import config
+from ndif_celery.host import services
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
@@ -24,7 +25,7 @@ def test_each_service_is_known_by_its_real_command_line(tmp_path):
              for service in ("web", "worker", "beat", "flower")}
     assert kinds == {"web": "web", "worker": "worker", "beat": "beat", "flower": "flower"}
     assert suite_cpu.kind(f"{sys.executable} -m ndif_celery.cli up --detach") == "cli"
-    assert suite_cpu.kind(f"{sys.executable} -m workers.zygote 5 -1") == "zygote"
+    assert suite_cpu.kind(f"{sys.executable} -m workers.isolation.zygote 5 -1") == "zygote"
     assert suite_cpu.kind(f"{sys.executable} -m pytest -q -n 2") == "pytest"
 
 

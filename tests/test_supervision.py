@@ -19,7 +19,8 @@ import time
 import pytest
 import torch
 
-from ndif_celery import config, supervisor
+from ndif_celery import config
+from ndif_celery.host import supervisor
 from tests.remote import final_status, poll, slow_job, wait_status
 from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT, build_tiny_gpt2, client_model

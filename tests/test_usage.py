@@ -1,4 +1,4 @@
-"""Usage from the job ledger (``ndif_celery.usage``) in the fast tier: ended jobs
+"""Usage from the job ledger (``ndif_celery.accounts.usage``) in the fast tier: ended jobs
 drained from a real embedded Redis into a real SQLite ledger, each with the
 GPUs of the worker that ran it; the per-key and per-model report; the
 bounded per-key series in ``/metrics``; an older ledger database gaining the
@@ -12,7 +12,9 @@ import time
 
 import pytest
 
-from ndif_celery import db, ledger, metrics, registry, usage
+from ndif_celery.accounts import db, ledger, usage
+from ndif_celery.monitoring import metrics
+from ndif_celery.state import registry
 
 
 def _summary(job_id: str, owner: str, worker: str, run_ms: float, outcome: str = "COMPLETED",

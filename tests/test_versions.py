@@ -15,7 +15,8 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from ndif_celery import config, versions
+from ndif_celery import config
+from ndif_celery.policy import client_versions as versions
 from tests.servers import free_port
 from tests.stack import client_on_stack
 from tests.tiny_model import PROMPT

@@ -1,4 +1,4 @@
-"""The beat's watchdog (``ndif_celery.watchdog``) against a real embedded Redis,
+"""The beat's watchdog (``ndif_celery.farm.watchdog``) against a real embedded Redis,
 ticked by hand: a dead worker's job is sent again exactly once, then ended with
 ERROR; a worker restarted under its own name hands its predecessor's job over;
 jobs waiting for a model nobody serves are told so once per change; two
@@ -13,10 +13,11 @@ import time
 
 import pytest
 
-from ndif_celery import jobs, messages, queues, registry, wire
+from ndif_celery.state import jobs, queues, registry
+from ndif_celery import messages, wire
 from ndif_celery.celery_app import make_app, queue_for
-from ndif_celery import watchdog as watchdog_module
-from ndif_celery.watchdog import Watchdog, unserved_key
+from ndif_celery.farm import watchdog as watchdog_module
+from ndif_celery.farm.watchdog import Watchdog, unserved_key
 
 MODEL_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "watchdog/tiny"}'
 
@@ -161,7 +162,7 @@ def test_two_watchdogs_one_leads(client, settings):
 def test_a_job_past_its_deadline_that_its_worker_did_not_answer_gets_the_timeout_error(client, watchdog, settings):
     """User code holding the GIL starves its worker's own deadline thread: the
     beat answers, once, and a worker that answers late sends nothing."""
-    from workers import deadline
+    from workers.job import deadline
 
     job = _job(client, "c" * 32)
     worker_side = deadline.Channel(client, job, 60)
@@ -182,7 +183,7 @@ def test_a_job_past_its_deadline_that_its_worker_did_not_answer_gets_the_timeout
 
 
 def test_a_job_its_worker_answered_is_not_answered_again(client, watchdog):
-    from workers import deadline
+    from workers.job import deadline
 
     job = _job(client, "d" * 32)
     deadline.Channel(client, job, 60).send(wire.COMPLETED, "done")

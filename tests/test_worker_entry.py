@@ -6,7 +6,7 @@ environment and import no torch; the worker sets its environment at
 ``worker_init``, before torch. Each check runs in a fresh interpreter: this
 one has long imported torch.
 
-A job's ending is ``workers.job.fail``: each way a job ends badly gives the
+A job's ending is ``workers.job.life.fail``: each way a job ends badly gives the
 ERROR the client reads, with its kind.
 """
 
@@ -38,7 +38,7 @@ def test_importing_the_entry_module_loads_no_settings_no_environment_no_torch():
         "before = dict(os.environ)\n"
         "import workers.tasks as tasks\n"
         "print(json.dumps({'heavy': [m for m in ('torch', 'nnsight', 'transformers', 'workers.worker',\n"
-        "                  'workers.forkserver') if m in sys.modules], 'env_same': dict(os.environ) == before,\n"
+        "                  'workers.isolation.forkserver') if m in sys.modules], 'env_same': dict(os.environ) == before,\n"
         "                  'configured': tasks.app.configured, 'settings': tasks.this_worker.settings is not None}))",
         NDIF_WORKER_GPUS="3", NDIF_TORCH_THREADS="2",
     )
@@ -85,9 +85,9 @@ class _Channel:
 ])
 def test_every_bad_end_gives_its_error(error, kind, text):
     from ndif_celery.store import StoreUnavailable
-    from workers import job as job_life
+    from workers.job import life as job_life
     from workers.execute import RequestError
-    from workers.executors import JobCancelled, JobTimedOut
+    from workers.job.executors import JobCancelled, JobTimedOut
 
     raised = {"cancelled": JobCancelled(), "timeout": JobTimedOut(), "user": RequestError("ValueError: the user's own"),
               "store": StoreUnavailable("down"), "server": KeyError("x")}[error]
@@ -107,7 +107,7 @@ def test_a_workers_entry_stops_naming_its_job_as_soon_as_the_job_ends(embedded_s
     """Not at the next heartbeat (``registry.HEARTBEAT_S``): ``/status``, the
     watchdog and ``ndif-celery kill`` read the entry, and for up to a heartbeat
     it named a job that had ended (issue #16)."""
-    from ndif_celery import registry
+    from ndif_celery.state import registry
     from ndif_celery.celery_app import make_app
     from workers.worker import WorkerState
 

@@ -10,7 +10,7 @@ embedded Redis and the filesystem store; no Celery worker, no gunicorn.
 - the chain (``batch.next_job``): jobs at the head of the model's queue run
   one after another without a trip through Celery, in order, each once; the
   chain stops for anything else that waits for the worker;
-- the delivery thread (``workers.deliveries``): the next job runs while a
+- the delivery thread (``workers.job.deliveries``): the next job runs while a
   result is being stored; meanwhile the job is still this worker's in its
   registry entry (a dead worker's job is rescued), and ``ndif-celery kill``
   answers it once.
@@ -28,9 +28,10 @@ import pytest
 import torch
 import zstandard
 
-from ndif_celery import cleanup, jobs, queues, registry, wire
+from ndif_celery.state import expiry as cleanup, jobs, queues, registry
+from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for, send_job, worker_queue
-from ndif_celery.watchdog import Watchdog
+from ndif_celery.farm.watchdog import Watchdog
 from tests.remote import recorded_request
 from tests.tiny_model import REPO_ID, client_model
 
@@ -185,7 +186,7 @@ def test_every_job_of_a_co_batch_counts_towards_the_nth_whole_check(worker, redi
 def test_a_write_no_stamp_sees_is_caught_by_the_nth_whole_check(worker, redis):
     """The stated bound: a write through ``.data`` to a word no sample covers
     shows only in the whole fingerprint, run after the Nth trusted job."""
-    from workers import integrity
+    from workers.models import integrity
 
     key = client_model(REPO_ID).to_model_key()
     models = worker.models
@@ -272,7 +273,7 @@ def test_the_chain_stops_for_anything_else_that_waits_for_the_worker(worker, web
 
 
 def test_one_task_runs_at_most_chain_max_jobs(worker, web, redis, client_lm, monkeypatch):
-    from workers import batch
+    from workers.job import gather as batch
 
     monkeypatch.setattr(batch, "CHAIN_MAX", 2)
     ids = [submit(web, logits, client_lm) for _ in range(4)]

@@ -33,7 +33,7 @@ def logits(module, ids):
 def test_shared_weights_give_the_same_model_and_a_private_copy_on_write(resident):
     from nnsight.modeling.mixins.remotable import Remotable
 
-    from workers import shared_weights
+    from workers.isolation import shared_weights
 
     key, model = resident
     module = model._module
@@ -66,7 +66,7 @@ def test_shared_weights_give_the_same_model_and_a_private_copy_on_write(resident
 def test_the_keyed_fingerprint_catches_what_a_plain_sum_misses():
     """A GPU child can write the shared weights; an adversary who swaps two
     values keeps the plain sum, not the keyed one (whose key it never sees)."""
-    from workers import integrity
+    from workers.models import integrity
 
     module = torch.nn.Linear(64, 64)
     key = 123456789
@@ -111,7 +111,7 @@ def zygotes_of(pid: int) -> list[int]:
         except OSError:
             continue
         ppid = int(status.split("PPid:")[1].split()[0])
-        if b"workers.zygote" in cmdline and ppid == pid:
+        if b"workers.isolation.zygote" in cmdline and ppid == pid:
             found.append(int(entry))
     return found
 
@@ -155,14 +155,14 @@ def test_a_dead_zygote_is_replaced_and_the_next_job_is_right(zygote_stack, model
 
 class _ForksTheGpuWay:
     """Stands in for a zygote whose model has GPU weights: its children take
-    the CUDA child's path (``workers.child.main`` with ``before_jail``), which on a
+    the CUDA child's path (``workers.isolation.child.main`` with ``before_jail``), which on a
     GPU maps the weights and here does nothing else."""
 
     def __init__(self, model) -> None:
         self.model = model
 
     def fork(self, out_fd, in_fd, policy, workdir, cgroup):
-        from workers.child import kill_group, main as child_main
+        from workers.isolation.child import kill_group, main as child_main
 
         def child() -> None:
             child_main(self.model, policy, out_fd, in_fd, workdir, cgroup, before_jail=lambda: None)
@@ -197,7 +197,7 @@ class _ForkedFromAThread:
         return self.status
 
     def kill(self) -> None:
-        from workers.child import kill_group
+        from workers.isolation.child import kill_group
 
         kill_group(self.pid)
 
@@ -211,7 +211,7 @@ def test_the_gpu_childs_path_runs_a_request_jailed(resident, hf_home, monkeypatc
     import nnsight
     from nnsight.schema.request import RequestModel
 
-    from workers import isolate, jail
+    from workers.isolation import parent as isolate, jail
 
     blobs = []
     original = RequestModel.serialize.__func__

@@ -13,7 +13,10 @@ and checks:
   modules it imports (every import counts, even one inside a function that
   the web may never call: if it is there, one day it will be called);
 * ``ndif_celery`` (the shared core) imports neither ``workers`` nor ``web``,
-  and ``workers`` does not import ``web``.
+  and ``workers`` does not import ``web``;
+* inside ``ndif_celery`` and ``workers``, each subpackage or top module sits
+  on a layer (``LAYERS``, bottom first) and imports only its own layer or
+  those below it.
 
 Usage: ``python tools/import_graph.py [--root DIR] [--quiet]``. It prints the
 module graph (each module and the project modules it imports) and the
@@ -38,9 +41,38 @@ FORBIDDEN = {
     "workers": ("web",),
 }
 
+# Each package's layers, bottom first. A module belongs to the layer naming
+# its first part below the package (ndif_celery.state.jobs is in "state");
+# it may import modules of its own layer or of the layers below, never above.
+LAYERS = {
+    "ndif_celery": (
+        ("errors", "exit_codes", "output_bounds", "notices"),  # leaves
+        ("wire", "messages", "policy"),  # the protocol and pure rules
+        ("config", "celery_app"),  # settings and the broker app
+        ("state",),  # what every process reads and writes in Redis
+        ("store",),  # result bytes
+        ("accounts",),  # who may do what, and what they used
+        ("monitoring",),  # metrics and probes
+        ("statuses",),  # the one writer of job statuses
+        ("intake", "farm", "beat"),  # the web's door, the farm's control, the beat
+        ("host",),  # this host's processes
+        ("cli",),  # the command line
+    ),
+    "workers": (
+        ("execute", "results", "cuda", "metrics"),  # leaves shared by the worker and the child
+        ("isolation",),  # untrusted jobs' processes and the jail
+        ("models",),  # resident models
+        ("cobatch",),  # shared forwards
+        ("job",),  # a job's life on a worker
+        ("startup",),
+        ("worker",),
+        ("tasks",),  # the Celery entry point
+    ),
+}
+
 # Edges that break a rule on purpose, each with its reason (printed with the graph).
 ALLOWED = {
-    ("ndif_celery.doctor", "workers.jail"):
+    ("ndif_celery.host.doctor", "workers.isolation.jail"):
         "`ndif-celery doctor` probes the jail layers with the very code a job's child runs "
         "(jail.probe), so that what it reports is what a job gets; imported inside check_jail only",
 }
@@ -208,6 +240,37 @@ def layer_violations(graph, outside) -> list[str]:
     return sorted(problems)
 
 
+def layer_of(name: str) -> tuple[str, int] | None:
+    """(package, layer index) of a module, or None when its package has no layers."""
+    parts = name.split(".")
+    layers = LAYERS.get(parts[0])
+    if not layers or len(parts) < 2:
+        return None
+    for index, members in enumerate(layers):
+        if parts[1] in members:
+            return parts[0], index
+    return parts[0], -1
+
+
+def upward_imports(graph) -> list[str]:
+    """Each import of a module from a layer above its own (or from no layer)."""
+    problems = []
+    for name in sorted(graph):
+        mine = layer_of(name)
+        if mine is None:
+            continue
+        if mine[1] < 0:
+            problems.append(f"{name} is on no layer of {mine[0]} (add it to LAYERS)")
+            continue
+        for dep in sorted(graph[name]):
+            theirs = layer_of(dep)
+            if theirs is None or theirs[0] != mine[0] or (name, dep) in ALLOWED:
+                continue
+            if theirs[1] > mine[1]:
+                problems.append(f"{name} imports {dep} from a layer above its own")
+    return problems
+
+
 def package_edges(graph) -> dict[tuple[str, str], int]:
     edges: dict[tuple[str, str], int] = defaultdict(int)
     for name, deps in graph.items():
@@ -238,6 +301,7 @@ def main(argv=None) -> int:
     problems = [f"cycle: {' -> '.join(_a_cycle_in(members, graph))} (circle of {len(members)} modules: "
                 f"{', '.join(members)})" for members in circles(graph)]
     problems += layer_violations(graph, outside)
+    problems += upward_imports(graph)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not args.quiet:

@@ -40,7 +40,7 @@ KINDS = (
     (("celery", " beat"), "beat"),
     (("celery", " flower"), "flower"),  # before the worker: Flower's app is workers.tasks too
     (("celery", " worker"), "worker"),
-    (("workers.zygote",), "zygote"),
+    (("workers.isolation.zygote",), "zygote"),
     (("redis-server",), "redis"),
     (("ndif_celery.cli",), "cli"),
     (("ndif-celery",), "cli"),

@@ -2,7 +2,7 @@
 
 The web validates and enqueues; it never imports torch and never runs user
 code. Everything it knows about a job comes from Redis (see
-``ndif_celery.jobs``) and the result store.
+``ndif_celery.state.jobs``) and the result store.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import redis
 from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
-from ndif_celery import config, jobs
-from ndif_celery.auth import Authenticator
+from ndif_celery import config
+from ndif_celery.state import jobs
+from ndif_celery.accounts.auth import Authenticator
 from ndif_celery.celery_app import make_app
 from ndif_celery.errors import Refused
 from ndif_celery.store import FilesystemStore, open_store
-from ndif_celery.store_fs import check_shared
+from ndif_celery.store.fs import check_shared
 
 from . import dashboard, results, routes, subscribe
 

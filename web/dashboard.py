@@ -1,8 +1,8 @@
 """``GET /metrics`` (Prometheus) and ``GET /dashboard`` (one HTML page for people).
 
-Both read the farm from Redis (``ndif_celery.metrics``, ``registry``,
+Both read the farm from Redis (``ndif_celery.monitoring.metrics``, ``registry``,
 ``queues``, the health probes' results and the scheduled pins) and the recent
-jobs and usage from the ledger (``ndif_celery.ledger``, ``usage``); no
+jobs and usage from the ledger (``ndif_celery.accounts.ledger``, ``usage``); no
 torch, no build step. Every answered request is counted in Redis by
 :func:`count_request` (after_request), so every web process and host adds to
 the same ``ndif_http_requests_total``.
@@ -23,8 +23,11 @@ import time
 import redis
 from flask import Blueprint, Response, current_app, render_template_string, request
 
-from ndif_celery import db, ledger, metrics, probes, queues, registry, schedules, usage
-from ndif_celery.auth import AuthError
+from ndif_celery.accounts import db, ledger, usage
+from ndif_celery.monitoring import metrics, probes
+from ndif_celery.state import queues, registry
+from ndif_celery.farm import schedules
+from ndif_celery.accounts.auth import AuthError
 
 from .identity import identify
 
@@ -149,7 +152,7 @@ def recent_jobs(client: redis.Redis, limit: int = RECENT_JOBS) -> tuple[list[dic
 
 
 def usage_table() -> tuple[list[dict], str]:
-    """Usage per key over the last USAGE_DAYS days (``ndif_celery.usage``), and a note when the database could not be read."""
+    """Usage per key over the last USAGE_DAYS days (``ndif_celery.accounts.usage``), and a note when the database could not be read."""
     since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=USAGE_DAYS)
     try:
         report = usage.report(_ledger_engine(), since=since)

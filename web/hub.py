@@ -49,7 +49,8 @@ from typing import Callable, Optional
 
 import redis
 
-from ndif_celery import jobs, limits
+from ndif_celery.state import jobs
+from ndif_celery.accounts import limits
 from ndif_celery.notices import Notices
 
 log = logging.getLogger("ndif_celery.web.hub")

@@ -14,7 +14,7 @@ from typing import Optional
 
 from flask import current_app, request
 
-from ndif_celery import auth
+from ndif_celery.accounts import auth
 
 
 def identify(key: Optional[str] = None) -> auth.Identity:

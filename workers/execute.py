@@ -23,7 +23,7 @@ from nnsight.tracing import globals as nnsight_globals
 from nnsight.tracing.tracer import _saves, dec, inc
 from nnsight.tracing.util import clean_traceback
 
-from ndif_celery import bounds
+from ndif_celery import output_bounds as bounds
 
 
 class RequestError(Exception):

@@ -11,7 +11,7 @@ Series: ``ndif_worker_model_load_seconds{model}`` (the last load of each model),
 ``ndif_worker_execution_seconds`` (histogram: a job's time on the worker, from
 taking it to its final status), ``ndif_worker_jobs_total{outcome}``,
 ``ndif_worker_deadlines_total{kind}`` (jobs the deadline watchdog answered:
-timeout, cancelled; ``workers.deadline``), ``ndif_worker_rss_bytes``,
+timeout, cancelled; ``workers.job.deadline``), ``ndif_worker_rss_bytes``,
 ``ndif_worker_gpu_memory_bytes`` (reserved by torch
 on this worker's GPUs; 0 before CUDA is used), ``ndif_worker_resident_models``,
 plus prometheus_client's process and Python series.

@@ -5,7 +5,7 @@
    set before anything imports torch;
 2. :func:`start_fork_server` (``NDIF_ISOLATION=fork``): the fork server forked
    while the process is still clean: no Redis, store or database client
-   opened, no job run, no CUDA (``workers.forkserver``).
+   opened, no job run, no CUDA (``workers.isolation.forkserver``).
 
 Done here rather than when ``workers.tasks`` is imported: beat and Flower
 import that module too, and an import should not edit the environment.
@@ -46,8 +46,8 @@ def start_fork_server(settings: config.Settings) -> Optional[Any]:
     if settings.isolation != "fork" or not untrusted_jobs_possible(settings):
         return None
     # Imported only now, after set_environment: it imports torch (through the zygote's child side).
-    from . import forkserver
-    from .zygote import ENV_KEEP
+    from .isolation import forkserver
+    from .isolation.zygote import ENV_KEEP
 
     try:
         return forkserver.start(settings.secrets(), ENV_KEEP)
@@ -60,6 +60,6 @@ def stop_fork_server(server: Optional[Any]) -> None:
     """Stop the fork server :func:`start_fork_server` started, if any."""
     if server is None:
         return
-    from . import forkserver  # loaded already: it started the server
+    from .isolation import forkserver
 
     forkserver.stop()

@@ -4,11 +4,11 @@ Three kinds of task, all run by the worker's single pool thread, so a load,
 an eviction and a job never overlap on one worker:
 
 - ``run_job`` (on a model's queue): a job's life, as named steps in
-  ``workers.job`` (start -> execute -> deliver, or fail), its block run by an
-  executor (``workers.executors``). Nothing a job does may take the worker
+  ``workers.job.life`` (start -> execute -> deliver, or fail), its block run by an
+  executor (``workers.job.executors``). Nothing a job does may take the worker
   down or leak into the next job.
 - ``load_model`` / ``evict_model`` (on this worker's own queue) are sent by the
-  controller (``workers.controller``), which runs in every worker's background
+  controller (``ndif_celery.farm.controller``), which runs in every worker's background
   thread and decides placements for the whole farm; ``cleanup_expired`` by
   ``ndif-celery beat``.
 
@@ -38,7 +38,8 @@ from typing import Any, Optional
 from celery.signals import worker_init, worker_ready, worker_shutdown
 from celery.worker.control import control_command
 
-from ndif_celery import config, jobs
+from ndif_celery import config
+from ndif_celery.state import jobs
 from ndif_celery.celery_app import CLEANUP, EVICT_MODEL, LOAD_MODEL, RUN_JOB, lazy_app
 
 from . import startup
@@ -56,7 +57,7 @@ class ThisWorker:
     def __init__(self) -> None:
         self.settings: Optional[config.Settings] = None
         self.state: Any = None  # workers.worker.WorkerState, once made
-        self.fork_server: Any = None  # workers.forkserver.ForkServer (NDIF_ISOLATION=fork)
+        self.fork_server: Any = None  # workers.isolation.forkserver.ForkServer (NDIF_ISOLATION=fork)
         self._lock = threading.Lock()
 
     def configure(self) -> config.Settings:

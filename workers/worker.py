@@ -2,10 +2,10 @@
 
 :class:`WorkerState` holds the worker's connections (Redis, the result
 store), its resident models, its two executors, its delivery thread
-(``workers.deliveries``), the job it runs now (for ``ndif-celery kill`` and
+(``workers.job.deliveries``), the job it runs now (for ``ndif-celery kill`` and
 the watchdog) and its controller; it registers the
 worker and beats its heart. Its methods are what the Celery tasks and
-signals of ``workers.tasks`` do: run a job (``workers.job``), load and evict
+signals of ``workers.tasks`` do: run a job (``workers.job.life``), load and evict
 models, sweep expired jobs, get ready, shut down. One object, made once per
 process (``tasks.ThisWorker``), so nothing here is a module global.
 
@@ -29,18 +29,24 @@ import torch
 from celery import Celery
 from sqlalchemy.exc import SQLAlchemyError
 
-from ndif_celery import cleanup, config, db, jobs, ledger, queues, registry, statuses, wire
+from ndif_celery.state import expiry as cleanup, jobs, queues, registry
+from ndif_celery import config, statuses, wire
+from ndif_celery.accounts import db, ledger
 from ndif_celery.celery_app import queue_for
-from ndif_celery.environment import local_env
+from ndif_celery.exit_codes import EX_CONFIG
+from ndif_celery.host.environment import local_env
 from ndif_celery.store import FilesystemStore, open_store
-from ndif_celery.store_fs import NotShared, check_shared
+from ndif_celery.store.fs import NotShared, check_shared
 
-from . import batch, deadline, isolate, job as job_life, memory, metrics
-from .controller import Controller, fail_waiting
-from .deliveries import Deliveries
+from .job import gather as batch, deadline, life as job_life
+from .isolation import parent as isolate
+from .models import memory
+from . import metrics
+from ndif_celery.farm.controller import Controller, fail_waiting
+from .job.deliveries import Deliveries
 from .execute import RequestError
-from .executors import InProcess, Isolated, JobCancelled, JobTimedOut
-from .resident import ResidentModels
+from .job.executors import InProcess, Isolated, JobCancelled, JobTimedOut
+from .models.resident import ResidentModels
 from .startup import untrusted_jobs_possible
 
 log = logging.getLogger("ndif_celery.worker")
@@ -64,7 +70,7 @@ class WorkerState:
         self.deadlines = deadline.Watchdog(settings.execution_timeout_s, settings.deadline_grace_s,
                                            (JobTimedOut, JobCancelled), self.replace)
         self.in_process = InProcess(settings, self.models, self.deadlines, self.job_waiting)
-        # Results delivered while the next job runs (workers.deliveries).
+        # Results delivered while the next job runs (workers.job.deliveries).
         self.deliveries = Deliveries(lambda life, result: job_life.answer(self, life, result),
                                      lambda life: job_life.close(self, life))
         self.isolated = Isolated(settings, self.models, self.deadlines)
@@ -80,7 +86,7 @@ class WorkerState:
     # --- jobs -------------------------------------------------------------------
 
     def run(self, job: jobs.Job) -> None:
-        """One job, or a co-batch led by it (``workers.batch``: a trusted job
+        """One job, or a co-batch led by it (``workers.job.gather``: a trusted job
         with ``NDIF_COBATCH_MAX`` > 1 gathers its model's waiting trusted jobs);
         then, while the head of its model's queue is a job this worker would
         run next anyway, that job at once, without a trip through Celery
@@ -168,7 +174,7 @@ class WorkerState:
 
     def cancel(self, job_id: str, reason: type = JobCancelled) -> bool:
         """``ndif-celery kill``: a job in its executor is answered at once and
-        interrupted by the watchdog (``workers.deadline``: replaced if stuck);
+        interrupted by the watchdog (``workers.job.deadline``: replaced if stuck);
         in any other step, it is interrupted at its next Python instruction,
         unless a co-batch is being answered (an interruption would land in
         another user's delivery): then ``ndif-celery kill`` answers it itself."""
@@ -322,7 +328,7 @@ class WorkerState:
             log.critical("refusing to serve: %s", error)
             for handler in logging.getLogger().handlers:
                 handler.flush()
-            os._exit(78)  # EX_CONFIG
+            os._exit(EX_CONFIG)
 
     def shutdown(self) -> None:
         if not self.deliveries.wait_idle(SHUTDOWN_DELIVERY_S):

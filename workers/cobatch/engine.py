@@ -58,7 +58,8 @@ from nnsight.intervention.interleaver import EarlyStopException
 from nnsight.tracing import globals as nnsight_globals
 from nnsight.tracing.tracer import dec, inc
 
-from workers import execute, integrity
+from workers import execute
+from workers.models import integrity
 
 from . import batcher as cobatcher
 from . import park as parking

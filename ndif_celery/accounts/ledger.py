@@ -1,0 +1,417 @@
+"""The job ledger: one database row per ended job, kept off the hot path.
+
+When a job ends, :class:`ndif_celery.statuses.StatusChannel` pushes a compact JSON
+summary (:func:`summary`) onto the Redis list ``ndif:ledger`` in the same
+pipeline as its final status, so finishing a job never waits on the
+database. The farm controller (the leading worker, at most every ``EVERY_S``) moves the list
+into the ``job_ledger`` table (:class:`ndif_celery.accounts.db.LedgerEntry`) in
+batches (:class:`Drainer`); a row is written once per job id, however often it
+is offered. While the database is unreachable the summaries stay in Redis
+(at most ``MAX_PENDING``, the newest kept) and are written once it is back.
+
+``ndif-celery jobs`` and the dashboard read the table (:func:`recent`); both
+also see summaries still waiting in Redis.
+
+Error kinds (``error_kind``, also the ``kind`` label of ``ndif_jobs_total``):
+``user`` (the user's code or request failed), ``timeout`` (execution
+deadline), ``cancelled`` (``ndif-celery kill``), ``store`` (the result store
+was unavailable), ``server`` (a fault of ours), ``deploy`` (the model could not
+be placed or loaded), ``worker_lost`` (its worker died twice).
+
+About 400 lines in one file on purpose: the summary a job leaves, its way
+into the table and its way back out (``jobs``, the dashboard) share one row
+shape, and a change to a column touches all three.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import re
+import time
+from typing import Iterable, Optional
+
+import redis
+
+from . import usage
+from ndif_celery import wire
+
+PENDING = "ndif:ledger"
+LOCK = "ndif:ledger:lock"
+MAX_PENDING = 100_000
+BATCH = 500
+ERROR_CHARS = 500
+# A drainer that cannot reach the database waits this long at most before trying again.
+MAX_BACKOFF_S = 8.0
+
+log = logging.getLogger("ndif_celery.ledger")
+
+_TIMINGS = ("queue_ms", "deserialize_ms", "run_ms", "upload_ms")
+
+
+def first_line(description: str) -> str:
+    """What an ERROR says in one line: its first line, or for a traceback
+    the exception line (the last one), cut to ``ERROR_CHARS``."""
+    lines = [line.strip() for line in (description or "").splitlines() if line.strip()]
+    if not lines:
+        return ""
+    line = lines[-1] if lines[0].startswith("Traceback (most recent call last)") else lines[0]
+    return line[:ERROR_CHARS]
+
+
+def summary(job, status: str, description: str, meta: Optional[dict], kind: str = "",
+            now: Optional[float] = None) -> dict:
+    """The ledger's record of a job that just ended (JSON-ready, epoch seconds)."""
+    meta = meta or {}
+    finished = time.time() if now is None else now
+    entry = {
+        "job_id": job.id,
+        "owner": job.owner,
+        "model_key": job.model_key,
+        "outcome": status,
+        "error_kind": (kind or "error") if status == wire.ERROR else None,
+        "error": first_line(description) if status == wire.ERROR else None,
+        "worker": meta.get("worker"),
+        "isolated": meta.get("isolated"),
+        "attempt": job.attempt,
+        "received_at": job.received_at or None,
+        "finished_at": finished,
+        "payload_bytes": meta.get("payload_bytes", job.payload_bytes or None),
+        "result_bytes": meta.get("result_bytes"),
+    }
+    for key in _TIMINGS:
+        entry[key] = meta.get(key)
+    started = None
+    if job.received_at and isinstance(meta.get("queue_ms"), (int, float)):
+        started = job.received_at + meta["queue_ms"] / 1000.0
+    entry["started_at"] = started
+    return entry
+
+
+def push(pipe, entry: dict) -> None:
+    """Queue ``entry`` for the database in ``pipe`` (the job's final-status pipeline)."""
+    pipe.rpush(PENDING, json.dumps(entry, separators=(",", ":")))
+    pipe.ltrim(PENDING, -MAX_PENDING, -1)
+
+
+# --- into the database ------------------------------------------------------------
+
+
+def _when(value) -> Optional[datetime.datetime]:
+    if not isinstance(value, (int, float)) or value <= 0:
+        return None
+    return datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
+
+
+def _row(entry: dict, emails: dict) -> dict:
+    model_key = str(entry.get("model_key") or "")
+    return {
+        "job_id": str(entry["job_id"])[:64],
+        "owner": str(entry.get("owner") or "anonymous")[:64],
+        "email": emails.get(entry.get("owner")),
+        "model": str(wire.repo_fields(model_key).get("repo_id") or model_key)[:300],
+        "model_key": model_key,
+        "outcome": str(entry.get("outcome") or ""),
+        "error_kind": entry.get("error_kind") and str(entry["error_kind"])[:32],
+        "error": (entry.get("error") or None) and str(entry["error"])[:ERROR_CHARS],
+        "worker": entry.get("worker") and str(entry["worker"])[:200],
+        "isolated": entry.get("isolated"),
+        "attempt": int(entry.get("attempt") or 1),
+        "received_at": _when(entry.get("received_at")),
+        "started_at": _when(entry.get("started_at")),
+        "finished_at": _when(entry.get("finished_at")) or datetime.datetime.now(datetime.timezone.utc),
+        **{key: entry.get(key) for key in _TIMINGS},
+        "payload_bytes": entry.get("payload_bytes"),
+        "result_bytes": entry.get("result_bytes"),
+        "devices": entry.get("devices") if isinstance(entry.get("devices"), int) else None,
+    }
+
+
+def _devices(client: redis.Redis, entries: list[dict]) -> None:
+    """Each entry's ``devices``: the GPUs of the worker that ran it, as registered
+    (drained within seconds of the job's end, so its worker is still there)."""
+    from ndif_celery.state import registry
+
+    workers = registry.all_workers(client)
+    for entry in entries:
+        info = workers.get(entry.get("worker") or "")
+        if info is not None and "devices" not in entry:
+            entry["devices"] = len(info.get("gpus") or [])
+
+
+def _emails(session, owners: Iterable[str]) -> dict:
+    """owner ("key:<id>") -> the key's email, for the owners that are keys."""
+    from sqlalchemy import select
+
+    from .db import ApiKey, User
+
+    ids = {}
+    for owner in owners:
+        if isinstance(owner, str) and owner.startswith("key:") and owner[4:].isdigit():
+            ids[int(owner[4:])] = owner
+    if not ids:
+        return {}
+    rows = session.execute(select(ApiKey.id, User.email).join(User).where(ApiKey.id.in_(list(ids))))
+    return {ids[key_id]: email for key_id, email in rows}
+
+
+def _insert(engine, entries: list[dict]) -> None:
+    """Write ``entries``; a job id already there is left as it is."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from .db import LedgerEntry
+
+    with Session(engine) as session, session.begin():
+        emails = _emails(session, (entry.get("owner") for entry in entries))
+        rows = {}
+        for entry in entries:
+            rows.setdefault(str(entry["job_id"]), _row(entry, emails))
+        dialect = engine.dialect.name
+        if dialect in ("sqlite", "postgresql"):
+            if dialect == "sqlite":
+                from sqlalchemy.dialects.sqlite import insert
+            else:
+                from sqlalchemy.dialects.postgresql import insert
+            session.execute(insert(LedgerEntry).on_conflict_do_nothing(index_elements=["job_id"]), list(rows.values()))
+            return
+        there = set(session.scalars(select(LedgerEntry.job_id).where(LedgerEntry.job_id.in_(list(rows)))))
+        new = [row for job_id, row in rows.items() if job_id not in there]
+        if new:
+            session.execute(LedgerEntry.__table__.insert(), new)
+
+
+def _refused(error: Exception) -> bool:
+    """Whether the database refused the values (as opposed to being unreachable)."""
+    from sqlalchemy.exc import DataError, IntegrityError, OperationalError, ProgrammingError, StatementError
+
+    if isinstance(error, (DataError, IntegrityError, ProgrammingError)):
+        return True
+    # A value that could not even be bound (no database involved).
+    return (isinstance(error, StatementError) and not isinstance(error, OperationalError)
+            and isinstance(error.orig, (TypeError, ValueError)))
+
+
+def _insert_or_skip(engine, entries: list[dict]) -> None:
+    """``_insert``, except that an entry the database refuses (not an outage:
+    a value it cannot store) is logged and dropped instead of blocking the rest."""
+    try:
+        _insert(engine, entries)
+        return
+    except Exception as error:  # noqa: BLE001 - sorted below
+        if not _refused(error):
+            raise
+    for entry in entries:
+        try:
+            _insert(engine, [entry])
+        except Exception as error:  # noqa: BLE001
+            if not _refused(error):
+                raise
+            log.warning("ledger: dropping job %s, which the database refuses: %s",
+                        entry.get("job_id"), str(error).splitlines()[0][:300])
+
+
+def _parse(raw: bytes) -> Optional[dict]:
+    try:
+        entry = json.loads(raw)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) and entry.get("job_id") else None
+
+
+def drain(client: redis.Redis, engine, batch: int = BATCH, wait_s: float = 0.0, max_batches: int = 20) -> int:
+    """Move waiting summaries into the database, oldest first; return how many
+    were written. One drainer at a time (a Redis lock; ``wait_s`` is how long to
+    wait for another one to finish, 0: don't). A database error propagates and
+    leaves the batch in Redis."""
+    lock = client.lock(LOCK, timeout=120)
+    if not lock.acquire(blocking=wait_s > 0, blocking_timeout=wait_s or None):
+        return 0
+    written = 0
+    try:
+        for _ in range(max_batches):
+            raw = client.lrange(PENDING, 0, batch - 1)
+            if not raw:
+                break
+            entries = []
+            for item in raw:
+                entry = _parse(item)
+                if entry is None:
+                    log.warning("dropping a malformed ledger entry: %.200r", item)
+                else:
+                    entries.append(entry)
+            if entries:
+                _devices(client, entries)
+                _insert_or_skip(engine, entries)
+            pipe = client.pipeline()
+            usage.count(pipe, entries)  # the per-key series of /metrics, once per job written
+            pipe.ltrim(PENDING, len(raw), -1)
+            pipe.execute()
+            written += len(entries)
+            if len(raw) < batch:
+                break
+    finally:
+        try:
+            lock.release()
+        except redis.exceptions.LockError:
+            pass
+    return written
+
+
+EVERY_S = 2.0
+
+
+class Drainer:
+    """The controller's drain: cheap when nothing waits, quiet while the
+    database is down (one warning, then one line when it is back), and backing
+    off between failed tries so a dead database never slows the farm."""
+
+    def __init__(self, database_url: str) -> None:
+        self.database_url = database_url
+        self.engine = None
+        self.down_since: Optional[float] = None
+        self.failures = 0
+        self.next_try = 0.0
+
+    def __call__(self, client: redis.Redis) -> int:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        from . import db
+
+        now = time.monotonic()
+        if now < self.next_try or not client.llen(PENDING):
+            return 0
+        try:
+            if self.engine is None:
+                self.engine = db.engine_for(self.database_url)
+            written = drain(client, self.engine)
+        except (SQLAlchemyError, OSError) as error:
+            self.failures += 1
+            self.next_try = now + min(MAX_BACKOFF_S, 0.5 * 2 ** self.failures)
+            if self.down_since is None:
+                self.down_since = time.time()
+                log.warning(
+                    "ledger: the database cannot be reached (%s: %s); ended jobs wait in Redis (%s) "
+                    "and are written when it is back", type(error).__name__, str(error).splitlines()[0][:200], PENDING,
+                )
+            return 0
+        if self.down_since is not None:
+            log.warning("ledger: the database is back after %.0f s; %d waiting jobs written",
+                        time.time() - self.down_since, written)
+        self.down_since, self.failures = None, 0
+        # Batched: at most one database transaction per EVERY_S, so a busy
+        # farm's controller (which shares its process with a job) stays light.
+        self.next_try = now + EVERY_S
+        return written
+
+
+def prune(engine, retention_days: float, now: Optional[datetime.datetime] = None) -> int:
+    """Delete rows of jobs that finished more than ``retention_days`` ago (run
+    by the beat's cleanup); 0 days keeps everything. Returns how many went."""
+    from sqlalchemy import delete
+    from sqlalchemy.orm import Session
+
+    from .db import LedgerEntry
+
+    if retention_days <= 0:
+        return 0
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    cutoff = now - datetime.timedelta(days=retention_days)
+    with Session(engine) as session, session.begin():
+        return session.execute(delete(LedgerEntry).where(LedgerEntry.finished_at < cutoff)).rowcount or 0
+
+
+# --- reading ----------------------------------------------------------------------
+
+_SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_since(text: str, now: Optional[datetime.datetime] = None) -> datetime.datetime:
+    """``1h``, ``30m``, ``2d``, ``1w``, ``45s`` ago, or an ISO date/time (UTC unless it says)."""
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    match = _SPAN.match(text)
+    if match:
+        return now - datetime.timedelta(seconds=float(match.group(1)) * _UNIT_S[match.group(2)])
+    try:
+        when = datetime.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(f"--since must be like 30m, 1h, 2d or an ISO date/time, got {text!r}") from None
+    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
+
+
+def _iso(value) -> Optional[str]:
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        value = _when(value)
+    if value.tzinfo is None:  # SQLite keeps no offset; we wrote UTC
+        value = value.replace(tzinfo=datetime.timezone.utc)
+    return value.isoformat()
+
+
+def _seconds(start, end) -> Optional[float]:
+    if start is None or end is None:
+        return None
+    if isinstance(start, datetime.datetime):
+        start, end = (v if v.tzinfo else v.replace(tzinfo=datetime.timezone.utc) for v in (start, end))
+        return round((end - start).total_seconds(), 3)
+    return round(end - start, 3)
+
+
+def as_dict(row) -> dict:
+    """A ledger row as JSON-ready data (times in ISO 8601, UTC)."""
+    return {
+        "job_id": row.job_id, "owner": row.owner, "email": row.email, "model": row.model,
+        "model_key": row.model_key, "outcome": row.outcome, "error_kind": row.error_kind, "error": row.error,
+        "worker": row.worker, "isolated": row.isolated, "attempt": row.attempt,
+        "received_at": _iso(row.received_at), "started_at": _iso(row.started_at),
+        "finished_at": _iso(row.finished_at), "duration_s": _seconds(row.received_at, row.finished_at),
+        **{key: getattr(row, key) for key in _TIMINGS},
+        "payload_bytes": row.payload_bytes, "result_bytes": row.result_bytes, "devices": row.devices,
+    }
+
+
+def _matches_user(user: Optional[str], email: Optional[str], owner: str) -> bool:
+    return user is None or user in (email, owner)
+
+
+def recent(engine, user: Optional[str] = None, since: Optional[datetime.datetime] = None,
+           limit: int = 50) -> list[dict]:
+    """The newest ended jobs, newest first: of one user (an email, ``key:<id>``
+    or ``anonymous``), since a time."""
+    from sqlalchemy import or_, select
+    from sqlalchemy.orm import Session
+
+    from .db import LedgerEntry
+
+    query = select(LedgerEntry).order_by(LedgerEntry.finished_at.desc(), LedgerEntry.job_id).limit(limit)
+    if user is not None:
+        query = query.where(or_(LedgerEntry.email == user, LedgerEntry.owner == user))
+    if since is not None:
+        # In UTC, as written (SQLite keeps no offset and compares the text).
+        query = query.where(LedgerEntry.finished_at >= since.astimezone(datetime.timezone.utc))
+    with Session(engine) as session:
+        return [as_dict(row) for row in session.scalars(query)]
+
+
+def waiting(client: redis.Redis, limit: int = 50) -> list[dict]:
+    """The newest summaries not yet in the database, as rows (``pending``: true),
+    newest first."""
+    rows = []
+    for raw in reversed(client.lrange(PENDING, -limit, -1) if limit else []):
+        entry = _parse(raw)
+        if entry is None:
+            continue
+        row = _row(entry, {})
+        rows.append({
+            **{key: row[key] for key in ("job_id", "owner", "email", "model", "model_key", "outcome", "error_kind",
+                                         "error", "worker", "isolated", "attempt", *_TIMINGS, "payload_bytes",
+                                         "result_bytes")},
+            "received_at": _iso(row["received_at"]), "started_at": _iso(row["started_at"]),
+            "finished_at": _iso(row["finished_at"]),
+            "duration_s": _seconds(entry.get("received_at"), entry.get("finished_at")),
+            "pending": True,
+        })
+    return rows

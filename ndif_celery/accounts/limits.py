@@ -1,0 +1,154 @@
+"""Per-key and per-model limits, checked by the web before a job is accepted.
+
+Counters live in Redis so every web process (and host) shares them:
+
+- ``ndif:rate:<owner>:<minute>``  requests this key made in this minute (fixed window)
+- ``ndif:active:<owner>``         the key's jobs queued or running (a sorted set by
+                                   start time; a job leaves it when it ends)
+- ``ndif:sockets:<owner>``        the key's open /subscribe websockets (session id ->
+                                   lease deadline; see claim_socket)
+
+A key's own limits (``ndif-celery keys create --rate-limit --max-concurrent``)
+override the farm-wide ``NDIF_*`` defaults; 0 means no limit.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from . import auth
+from ndif_celery import config
+from ndif_celery.state import jobs, queues
+from ndif_celery.errors import Refused
+
+
+class LimitError(Refused):
+    """A limit reached: 413 payload size, 429 rate, concurrency or sockets, 503 queue full."""
+
+
+def _active_key(owner: str) -> str:
+    return f"ndif:active:{owner}"
+
+
+def check_payload(size: int, settings: config.Settings) -> None:
+    limit = settings.max_payload_bytes
+    if limit and size > limit:
+        raise LimitError(
+            f"Request payload is {size} bytes; this server accepts at most {limit} bytes "
+            "(NDIF_MAX_PAYLOAD_BYTES). Save less inside the trace, or pass large inputs by reference.",
+            413,
+        )
+
+
+def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, settings: config.Settings) -> list[int]:
+    """Refuse a request over any limit; otherwise count it against the key's
+    rate and return the lengths of the queue's lists (``queues.lists``)."""
+    now = time.time()
+    rate = identity.rate_limit_per_min if identity.rate_limit_per_min is not None else settings.rate_limit_per_min
+    concurrent = (
+        identity.max_concurrent_jobs if identity.max_concurrent_jobs is not None else settings.max_concurrent_jobs
+    )
+    window = f"ndif:rate:{identity.owner}:{int(now // 60)}"
+    pipe = client.pipeline(transaction=False)
+    pipe.incr(window)
+    pipe.expire(window, 120)
+    pipe.zremrangebyscore(_active_key(identity.owner), 0, now - settings.job_ttl_s)
+    pipe.zcard(_active_key(identity.owner))
+    for name in queues.lists(queue):
+        pipe.llen(name)
+    made, _, _, active, *depths = pipe.execute()
+    depth = sum(depths)
+    if rate and made > rate:
+        raise LimitError(
+            f"Rate limit reached: at most {rate} requests per minute for this key (NDIF_RATE_LIMIT_PER_MIN). "
+            f"Try again in {60 - int(now % 60)} s.",
+            429,
+        )
+    if concurrent and active >= concurrent:
+        raise LimitError(
+            f"Too many jobs at once: this key may have at most {concurrent} queued or running "
+            "(NDIF_MAX_CONCURRENT_JOBS). Wait for one to finish.",
+            429,
+        )
+    if settings.max_queue_depth and depth >= settings.max_queue_depth:
+        raise LimitError(
+            f"The queue for this model is full ({depth} jobs waiting; NDIF_MAX_QUEUE_DEPTH="
+            f"{settings.max_queue_depth}). Try again shortly.",
+            503,
+        )
+    return depths
+
+
+def track(pipe, job: jobs.Job) -> None:
+    """Count ``job`` as active for its key (in the intake pipeline)."""
+    pipe.zadd(_active_key(job.owner), {job.id: job.received_at})
+
+
+def release(pipe, job: jobs.Job) -> None:
+    pipe.zrem(_active_key(job.owner), job.id)
+
+
+# Open /subscribe websockets per key. Each open socket is held by a web process
+# for as long as it is open, so one key holding many can crowd out everyone's streams.
+# Counted in Redis across every web process as a sorted set per key
+# (``ndif:sockets:<owner>``: session id -> lease deadline, epoch seconds). A live
+# socket renews its lease every few seconds; a web process that dies with
+# sockets open (SIGKILL, OOM, host lost) stops renewing, and its entries lapse
+# after NDIF_SOCKET_LEASE_S and are dropped by the next claim, so nothing leaks.
+
+
+def _sockets_key(owner: str) -> str:
+    return f"ndif:sockets:{owner}"
+
+
+def claim_socket(client: redis.Redis, identity: auth.Identity, session_id: str, settings: config.Settings) -> bool:
+    """Count a new socket for the key, or refuse it (429) when the key already
+    holds ``NDIF_MAX_WEBSOCKETS_PER_KEY``. False when there is no limit (nothing counted)."""
+    limit = settings.max_websockets_per_key
+    if not limit:
+        return False
+    now = time.time()
+    key = _sockets_key(identity.owner)
+    lease_s = settings.socket_lease_s
+    # Add first, then count: two web processes racing for the last slot may
+    # both refuse, but never both admit.
+    pipe = client.pipeline(transaction=True)
+    pipe.zremrangebyscore(key, "-inf", now)
+    pipe.zadd(key, {session_id: now + lease_s})
+    pipe.zcard(key)
+    pipe.expire(key, int(lease_s * 2))
+    _, _, held, _ = pipe.execute()
+    if held > limit:
+        client.zrem(key, session_id)
+        raise LimitError(
+            f"Too many open connections: this API key already holds {limit} /subscribe websockets "
+            f"(NDIF_MAX_WEBSOCKETS_PER_KEY), each one a running blocking trace or an open session. "
+            "Let some finish (or close them), or use blocking=False, then try again.",
+            429,
+        )
+    return True
+
+
+def renew_sockets(client: redis.Redis, leases, lease_s: float) -> None:
+    """Keep live sockets counted for ``lease_s`` (``NDIF_SOCKET_LEASE_S``) more,
+    many (identity, session id) pairs in one round trip: a web process renews
+    all its counted sockets at once (``web/hub.py``)."""
+    deadline = time.time() + lease_s
+    pipe = client.pipeline(transaction=False)
+    for identity, session_id in leases:
+        key = _sockets_key(identity.owner)
+        # XX: only a socket still counted; one released meanwhile stays released.
+        pipe.zadd(key, {session_id: deadline}, xx=True)
+        pipe.expire(key, int(lease_s * 2))
+    pipe.execute()
+
+
+def release_socket(client: redis.Redis, identity: auth.Identity, session_id: str) -> None:
+    client.zrem(_sockets_key(identity.owner), session_id)
+
+
+def sockets_held(client: redis.Redis, identity: auth.Identity) -> int:
+    """Live sockets the key holds now (lapsed leases not counted)."""
+    return client.zcount(_sockets_key(identity.owner), time.time(), "+inf")

@@ -1,0 +1,196 @@
+"""``ndif-celery`` commands an operator runs against the farm, from any host
+that reaches its broker: ``deploy``, ``evict``, ``queue``, ``kill`` and
+``jobs`` (the ledger). The logic lives in :mod:`ndif_celery.farm.actions`,
+:mod:`ndif_celery.state.queues` and :mod:`ndif_celery.accounts.ledger`; these only parse,
+print and turn their errors into clean CLI errors. Registered on the group in
+:mod:`ndif_celery.cli`. Nothing of this host's stack is imported here
+(:mod:`ndif_celery.cli.common`, not ``cli_host``), and the ledger's database
+layer only by ``jobs``: ``ndif-celery kill`` should start at once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+import redis as redis_py
+
+from ndif_celery.farm import actions as farm
+from ndif_celery.state import jobs, queues
+from ndif_celery.policy import models as model_policy
+from ndif_celery.celery_app import make_app
+from .common import echo_rows, from_ledger, settings
+
+
+def connect():
+    """(settings, redis client, celery app) for the farm commands; a broker
+    that does not answer is a clean CLI error naming ``NDIF_REDIS_URL``."""
+    current = settings()
+    client = jobs.connect(current.redis_url)
+    try:
+        client.ping()
+    except (redis_py.RedisError, OSError):
+        raise click.ClickException(f"cannot reach the broker at {current.redis_url} (NDIF_REDIS_URL)") from None
+    return current, client, make_app(current)
+
+
+@click.command()
+@click.argument("model", required=False)
+@click.option("-f", "--file", "path", default=None, type=click.Path(dir_okay=False),
+              help="Deploy every entry of this deployments file (YAML or JSON) instead of MODEL.")
+@click.option("--sync", is_flag=True, help="With -f: also evict what an earlier file deployed and this one no longer lists.")
+@click.option("--pin", is_flag=True, help="Never evict it to make room for another model.")
+@click.option("--replicas", default=1, show_default=True, type=int, help="How many workers hold it.")
+@click.option("--dtype", default=None, help="Load the weights as this dtype (e.g. bfloat16).")
+@click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until every replica runs.")
+@click.option("--timeout", default=600.0, show_default=True, type=float)
+def deploy(model: Optional[str], path: Optional[str], sync: bool, pin: bool, replicas: int, dtype: Optional[str],
+           task: str, wait: bool, timeout: float) -> None:
+    """Deploy MODEL (a repo id or a full model key) and keep it deployed; or,
+    with -f FILE, every entry of a deployments file (docs/farm.md)."""
+    if (model is None) == (path is None):
+        raise click.UsageError("give either MODEL or -f FILE")
+    if sync and path is None:
+        raise click.UsageError("--sync goes with -f FILE")
+    if path is not None:
+        return _deploy_file(path, sync, wait, timeout)
+    current, client, _ = connect()
+    try:
+        key = farm.model_key_for(model, task=task)
+        # The operator may deploy any hub id, but not outside NDIF_MODELS, nor remote code outside NDIF_TRUST_REMOTE_CODE.
+        model_policy.Policy.from_settings(current).check_model(model_policy.parse(key))
+        farm.deploy(client, key, pin, replicas, dtype)
+        if wait:
+            running = farm.wait_running(client, key, replicas, timeout)
+            click.echo(f"{model}: running on {', '.join(sorted(d['worker'] for d in running))}")
+        else:
+            click.echo(f"{model}: deployment requested")
+    except (farm.FarmError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _deploy_file(path: str, sync: bool, wait: bool, timeout: float) -> None:
+    from ndif_celery.farm import deployments
+
+    current = settings()
+    try:
+        entries = deployments.load_file(path, model_policy.Policy.from_settings(current))
+    except deployments.DeploymentsError as exc:
+        raise click.ClickException(str(exc)) from None
+    for warning in deployments.warnings(entries, current.auth):
+        click.echo(f"warning: {warning}", err=True)
+    _, client, app = connect()
+    applied = deployments.apply(client, entries, sync=sync, celery_app=app)
+    for label, repos in (("added", applied.added), ("changed", applied.changed), ("unchanged", applied.unchanged)):
+        for repo in repos:
+            click.echo(f"{repo}: {label}")
+    for repo, _, workers in applied.evicted:
+        where = f" from {', '.join(sorted(workers))}" if workers else " (pinned by a schedule: when its window ends)"
+        click.echo(f"{repo}: evicted, no longer listed{where}")
+    if not wait:
+        return
+    try:
+        for entry in entries:
+            running = farm.wait_running(client, entry.model_key, entry.replicas, timeout)
+            click.echo(f"{entry.repo}: running on {', '.join(sorted(d['worker'] for d in running))}")
+        for repo, model_key, workers in applied.evicted:
+            if workers:
+                farm.wait_evicted(client, model_key, timeout)
+    except farm.FarmError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@click.argument("model")
+@click.argument("replicas", type=int)
+@click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until REPLICAS workers hold it.")
+@click.option("--timeout", default=600.0, show_default=True, type=float)
+def scale(model: str, replicas: int, task: str, wait: bool, timeout: float) -> None:
+    """Keep MODEL on REPLICAS workers: more are loaded, the extra ones evicted now."""
+    from ndif_celery.farm import deployments
+
+    current, client, app = connect()
+    try:
+        key = farm.model_key_for(model, task=task)
+        model_policy.Policy.from_settings(current).check_model(model_policy.parse(key))
+        evicted = deployments.scale(client, app, key, replicas)
+        if evicted:
+            click.echo(f"{model}: evicting the replicas on {', '.join(sorted(evicted))}")
+        if wait:
+            running = farm.wait_running(client, key, replicas, timeout)
+            farm.wait_replicas_at_most(client, key, replicas, timeout)
+            click.echo(f"{model}: {replicas} replica(s), on {', '.join(sorted(d['worker'] for d in running))}")
+        else:
+            click.echo(f"{model}: {replicas} replica(s) requested")
+    except (farm.FarmError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@click.argument("model")
+@click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--wait/--no-wait", default=True, show_default=True)
+@click.option("--timeout", default=120.0, show_default=True, type=float)
+def evict(model: str, task: str, wait: bool, timeout: float) -> None:
+    """Evict MODEL from every worker (pinned or not) and forget its deployment."""
+    _, client, app = connect()
+    try:
+        key = farm.model_key_for(model, task=task)
+        workers = farm.evict(client, app, key)
+        if not workers:
+            click.echo(f"{model}: not deployed")
+            return
+        if wait:
+            farm.wait_evicted(client, key, timeout)
+        click.echo(f"{model}: evicted from {', '.join(sorted(workers))}")
+    except (farm.FarmError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the queues as JSON.")
+def queue(as_json: bool) -> None:
+    """Depth and head wait of every model's queue."""
+    _, client, _ = connect()
+    echo_rows(queues.summary(client), as_json, _queue_line, empty="no model queues yet")
+
+
+def _queue_line(row: dict) -> str:
+    return f"{queues.model_name(row):<40} depth {row['depth']:>4}  head wait {row['head_wait_s']:>8.1f} s"
+
+
+@click.command()
+@click.argument("job_id")
+def kill(job_id: str) -> None:
+    """End JOB_ID: remove it from its queue, or cancel it where it runs."""
+    current, client, app = connect()
+    try:
+        click.echo(f"{job_id}: {farm.kill(client, app, job_id, current.job_ttl_s)}")
+    except farm.FarmError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@click.command("jobs")
+@click.option("--user", default=None, help="Only this user's jobs: an email, key:<id> or anonymous.")
+@click.option("--since", default=None, help="Only jobs that ended since: 30m, 1h, 2d, 1w or an ISO date/time.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def jobs_command(user: Optional[str], since: Optional[str], limit: int, as_json: bool) -> None:
+    """Ended jobs from the ledger (NDIF_DATABASE_URL), newest first."""
+    from ndif_celery.accounts import ledger
+
+    rows = from_ledger(settings(), since, lambda engine, since_at: ledger.recent(
+        engine, user=user, since=since_at, limit=limit), unseen="not shown")
+    echo_rows(rows, as_json, _job_line, empty="no jobs")
+
+
+def _job_line(row: dict) -> str:
+    duration = f"{row['duration_s']:.2f}s" if row["duration_s"] is not None else "-"
+    outcome = row["outcome"] + (f" ({row['error_kind']})" if row["error_kind"] else "")
+    return (f"{(row['finished_at'] or '-')[:19]}  {row['job_id']}  {(row['email'] or row['owner'])[:28]:<28} "
+            f"{row['model'][:32]:<32} {outcome:<18} {duration:>9}  {row['error'] or ''}")
+
+
+COMMANDS = [deploy, scale, evict, queue, kill, jobs_command]

@@ -1,0 +1,135 @@
+"""``ndif-celery`` commands for a farm's operations over time: ``schedule``
+(pins for a window, :mod:`ndif_celery.farm.schedules`), ``usage`` (from the job
+ledger, :mod:`ndif_celery.accounts.usage`) and ``probes`` (the health probes' last
+results, :mod:`ndif_celery.monitoring.probes`). They only parse, print and turn errors
+into clean CLI errors; registered on the group in :mod:`ndif_celery.cli`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import click
+
+from ndif_celery.farm import actions as farm, schedules
+from ndif_celery.policy import models as model_policy
+from .common import echo_rows, from_ledger, settings
+from .farm import connect
+
+
+@click.group()
+def schedule() -> None:
+    """Pin a model for a window of time (a course, a workshop, a deadline)."""
+
+
+@schedule.command("add")
+@click.argument("model")
+@click.option("--from", "start", required=True, help="now, +30m, +2h, +1d or an ISO date/time (UTC unless it says).")
+@click.option("--to", "end", required=True, help="+2h (from now) or an ISO date/time (UTC unless it says).")
+@click.option("--replicas", default=1, show_default=True, type=int, help="Workers that hold it during the window.")
+@click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+def schedule_add(model: str, start: str, end: str, replicas: int, task: str) -> None:
+    """Keep MODEL loaded and pinned from --from to --to; the controller evicts it
+    after, unless a deployment keeps it."""
+    current, client, _ = connect()
+    try:
+        key = farm.model_key_for(model, task=task)
+        parsed = model_policy.parse(key)
+        model_policy.Policy.from_settings(current).check_model(parsed)
+        entry = schedules.add(client, key, parsed.repo_id, schedules.parse_when(start, option="--from"),
+                              schedules.parse_when(end, option="--to"), replicas)
+    except (schedules.ScheduleError, model_policy.PolicyError, ValueError) as exc:
+        raise click.ClickException(str(getattr(exc, "detail", exc))) from None
+    click.echo(f"{entry['id']}: {entry['repo']} pinned from {schedules.iso(entry['start'])} "
+               f"to {schedules.iso(entry['end'])}")
+
+
+@schedule.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print the windows as JSON.")
+def schedule_list(as_json: bool) -> None:
+    """Every window, soonest first: pending, active or ended."""
+    _, client, _ = connect()
+    echo_rows(schedules.entries(client), as_json, _schedule_line, empty="no schedules")
+
+
+def _schedule_line(row: dict) -> str:
+    return (f"{row['id']}  {row['repo'][:40]:<40} {schedules.iso(row['start'])} -> {schedules.iso(row['end'])}  "
+            f"x{row['replicas']}  {row['state']}")
+
+
+@schedule.command("remove")
+@click.argument("schedule_id")
+def schedule_remove(schedule_id: str) -> None:
+    """Forget a window (an open one closes now)."""
+    _, client, _ = connect()
+    entry = schedules.remove(client, schedule_id)
+    if entry is None:
+        raise click.ClickException(f"no schedule {schedule_id[:64]!r} (see `ndif-celery schedule list`)")
+    click.echo(f"{entry['id']}: removed ({entry['repo']})")
+
+
+@click.command()
+@click.option("--since", default=None, help="Only jobs that ended since: 30m, 1h, 2d, 1w or an ISO date/time.")
+@click.option("--key", "key", default=None, help="Only this key: its id (as in `keys list`), key:<id> or anonymous.")
+@click.option("--email", default=None, help="Only the keys of this email.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def usage(since: Optional[str], key: Optional[str], email: Optional[str], as_json: bool) -> None:
+    """Jobs, errors, GPU-seconds and bytes per key and per model, from the job ledger."""
+    import json
+
+    from ndif_celery.accounts import usage as usage_report
+
+    current = settings()
+    owner = None
+    if key is not None:
+        owner = f"key:{key}" if key.isdigit() else key
+        if not (owner == "anonymous" or (owner.startswith("key:") and owner[4:].isdigit())):
+            raise click.ClickException(f"--key must be a key id, key:<id> or anonymous, got {key[:40]!r}")
+    report = from_ledger(current, since, lambda engine, since_at: usage_report.report(
+        engine, since=since_at, owner=owner, email=email), unseen="not counted")
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    click.echo(f"since {report['since'] or 'the ledger began'}")
+    header = f"{'jobs':>7} {'errors':>7} {'GPU-s':>10} {'run-s':>10} {'bytes in':>12} {'bytes out':>12}"
+    click.echo(f"\n{'key':<40} {header}")
+    for row in report["keys"]:
+        click.echo(f"{(row['email'] or '-') + ' (' + row['owner'] + ')':<40.40} {_usage_cells(row)}")
+    click.echo(f"\n{'model':<40} {header}")
+    for row in report["models"]:
+        click.echo(f"{row['model']:<40.40} {_usage_cells(row)}")
+    click.echo(f"\n{'total':<40} {_usage_cells(report['total'])}")
+
+
+def _usage_cells(row: dict) -> str:
+    return (f"{row['jobs']:>7} {row['errors']:>7} {row['gpu_seconds']:>10.3f} {row['run_seconds']:>10.3f} "
+            f"{row['bytes_in']:>12} {row['bytes_out']:>12}")
+
+
+@click.command()
+@click.option("--reset", "reset_model", default=None, metavar="MODEL",
+              help="Forget MODEL's reference values (its weights changed on purpose); the next green probe records new ones.")
+@click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def probes(reset_model: Optional[str], task: str, as_json: bool) -> None:
+    """The health probes' last result per model (NDIF_PROBE_INTERVAL_S)."""
+    from ndif_celery.monitoring import probes as health
+
+    _, client, _ = connect()
+    if reset_model is not None:
+        try:
+            key = farm.model_key_for(reset_model, task=task)
+        except model_policy.PolicyError as exc:
+            raise click.ClickException(exc.detail) from None
+        click.echo(f"{reset_model}: {health.reset(client, key)} reference(s) forgotten")
+        return
+    echo_rows(health.results(client), as_json, _probe_line, empty="no probe results (is NDIF_PROBE_INTERVAL_S set?)")
+
+
+def _probe_line(row: dict) -> str:
+    latency = f"{row['latency_s']:.3f} s" if row.get("latency_s") is not None else "-"
+    state = "ok" if row.get("ok") else f"FAILING ({row.get('failures')}x): {row.get('error')}"
+    return f"{row['repo'][:40]:<40} {schedules.iso(row['at'])}  {latency:>9}  {state}"
+
+
+COMMANDS = [schedule, usage, probes]

@@ -1,0 +1,163 @@
+"""Scheduled pins: a model pinned for a window (a course, a workshop, a paper deadline).
+
+``ndif-celery schedule add MODEL --from ... --to ...`` stores a window in the
+Redis hash ``ndif:schedules`` (id -> JSON {id, model_key, repo, start, end,
+replicas, created_at}, epoch seconds). The farm controller calls
+:func:`reconcile` every tick: while a window is open, the model's wish in
+``ndif:desired`` is pinned (``schedule``: the open windows' ids; ``before``:
+the wish it replaced, or None), so the controller loads it and never evicts
+it, and ``/status`` shows it pinned; when the last window on it closes, the
+wish it replaced comes back, or, when there was none, the wish goes and the
+controller evicts the model. A window that ended stays listed (``ended``) for
+:data:`KEEP_ENDED_S`.
+
+An operator command that rewrites the wish meanwhile (``deploy``, ``deploy
+-f``) becomes the new ``before``: the next tick pins it again until the window
+closes. Times are UTC; a window is at most :data:`MAX_WINDOW_S` long and
+there are at most :data:`MAX_SCHEDULES`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import time
+import uuid
+from typing import Optional
+
+import redis
+
+from ndif_celery.state import registry
+
+SCHEDULES = "ndif:schedules"
+MAX_SCHEDULES = 1000
+MAX_WINDOW_S = 366 * 86400
+KEEP_ENDED_S = 86400
+PENDING, ACTIVE, ENDED = "pending", "active", "ended"
+
+_SPAN = re.compile(r"^\+\s*(\d+(?:\.\d+)?)\s*([smhdw])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+class ScheduleError(ValueError):
+    """A window that cannot be scheduled; the message says why."""
+
+
+def parse_when(text: str, now: Optional[float] = None, option: str = "--from") -> float:
+    """``now``, ``+30s``/``+15m``/``+2h``/``+1d``/``+1w`` from now, or an ISO date/time (UTC unless it says)."""
+    now = time.time() if now is None else now
+    value = (text or "").strip()
+    if value == "now":
+        return now
+    match = _SPAN.match(value)
+    if match:
+        return now + float(match.group(1)) * _UNIT_S[match.group(2)]
+    try:
+        when = datetime.datetime.fromisoformat(value)
+    except ValueError:
+        raise ScheduleError(f"{option} must be now, +<n><s|m|h|d|w> (e.g. +2h) or an ISO date/time "
+                            f"(2026-12-02T09:00), got {text[:60]!r}") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return when.timestamp()
+
+
+def check_window(start: float, end: float, now: Optional[float] = None) -> None:
+    now = time.time() if now is None else now
+    if end <= start:
+        raise ScheduleError(f"the window ends ({iso(end)}) before it starts ({iso(start)})")
+    if end <= now:
+        raise ScheduleError(f"the window ended already ({iso(end)}; now {iso(now)})")
+    if end - start > MAX_WINDOW_S:
+        raise ScheduleError(f"the window is {(end - start) / 86400:.0f} days long; at most "
+                            f"{MAX_WINDOW_S // 86400} (pin the model with `ndif-celery deploy --pin` instead)")
+
+
+def iso(epoch: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def state(entry: dict, now: Optional[float] = None) -> str:
+    now = time.time() if now is None else now
+    if now < entry["start"]:
+        return PENDING
+    return ACTIVE if now < entry["end"] else ENDED
+
+
+def add(client: redis.Redis, model_key: str, repo: str, start: float, end: float, replicas: int = 1,
+        now: Optional[float] = None) -> dict:
+    """Store a window (checked); wake the controller. Returns the entry."""
+    check_window(start, end, now)
+    if not 1 <= replicas <= 64:
+        raise ScheduleError(f"--replicas must be from 1 to 64, got {replicas}")
+    if client.hlen(SCHEDULES) >= MAX_SCHEDULES:
+        raise ScheduleError(f"{MAX_SCHEDULES} schedules are stored already; remove some (`ndif-celery schedule remove`)")
+    entry = {"id": uuid.uuid4().hex[:8], "model_key": model_key, "repo": repo, "start": start, "end": end,
+             "replicas": replicas, "created_at": time.time() if now is None else now}
+    client.hset(SCHEDULES, entry["id"], json.dumps(entry))
+    registry.wake_controller(client, "schedule")
+    return entry
+
+
+def remove(client: redis.Redis, schedule_id: str) -> Optional[dict]:
+    """Forget a window (an open one closes at the controller's next tick); the entry, or None."""
+    raw = client.hget(SCHEDULES, schedule_id[:64])
+    if raw is None:
+        return None
+    client.hdel(SCHEDULES, schedule_id[:64])
+    registry.wake_controller(client, "schedule")
+    return json.loads(raw)
+
+
+def entries(client: redis.Redis, now: Optional[float] = None) -> list[dict]:
+    """Every stored window, soonest first, each with its ``state``."""
+    now = time.time() if now is None else now
+    rows = []
+    for raw in client.hvals(SCHEDULES):
+        try:
+            entry = json.loads(raw)
+            rows.append({**entry, "state": state(entry, now)})
+        except (ValueError, KeyError, TypeError):
+            continue
+    return sorted(rows, key=lambda e: (e["start"], e["id"]))
+
+
+def reconcile(client: redis.Redis, now: Optional[float] = None) -> list[str]:
+    """Pin the models whose windows are open; restore (or drop) the wishes of
+    those whose last window closed. Returns the model keys to evict now: the
+    ones no wish keeps once their window closed. Also forgets windows ended
+    more than :data:`KEEP_ENDED_S` ago."""
+    now = time.time() if now is None else now
+    open_windows: dict[str, list] = {}
+    stale = []
+    for entry in entries(client, now):
+        if entry["state"] == ACTIVE:
+            open_windows.setdefault(entry["model_key"], []).append(entry)
+        elif entry["state"] == ENDED and now - entry["end"] > KEEP_ENDED_S:
+            stale.append(entry["id"])
+    wishes = registry.desired(client)
+    released = []
+    pipe = client.pipeline()
+    for model_key, windows in open_windows.items():
+        ids = sorted(w["id"] for w in windows)
+        wish = wishes.get(model_key)
+        before = wish.get("before") if wish and wish.get("schedule") else wish
+        replicas = max([w["replicas"] for w in windows] + [(before or {}).get("replicas", 1)])
+        pinned = {"pinned": True, "replicas": replicas, "dtype": (before or {}).get("dtype"),
+                  "source": "schedule", "schedule": ids, "before": before}
+        if (before or {}).get("users"):
+            pinned["users"] = before["users"]
+        if pinned != wish:
+            pipe.hset(registry.DESIRED, model_key, json.dumps(pinned))
+    for model_key, wish in wishes.items():
+        if wish.get("schedule") and model_key not in open_windows:
+            if wish.get("before"):
+                pipe.hset(registry.DESIRED, model_key, json.dumps(wish["before"]))
+            else:
+                pipe.hdel(registry.DESIRED, model_key)
+                released.append(model_key)
+    if stale:
+        pipe.hdel(SCHEDULES, *stale)
+    pipe.execute()
+    return released

@@ -1,0 +1,94 @@
+"""How much memory a model will take, decided before it is loaded.
+
+Exact where the weights are on disk: the safetensors headers of the cached
+checkpoint list every tensor's shape, so the element count costs a few small
+reads and no torch graph. Otherwise nnsight's own estimate (the hub's
+parameter count, or the architecture built on the meta device). Then padded
+for activations and runtime overhead, as placement needs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Optional
+
+from ndif_celery.state import registry
+from ndif_celery import wire
+
+
+class SizingError(Exception):
+    pass
+
+
+def padded(size_bytes: int, factor: float, extra: int) -> int:
+    return math.ceil(size_bytes * (1 + factor) + extra)
+
+
+def weight_bytes(model_key: str, dtype: Optional[str], redis_client=None) -> int:
+    """Bytes of the weights as they will be held (``dtype``, or the checkpoint's)."""
+    cache_field = f"{model_key}|{dtype or ''}"
+    if redis_client is not None:
+        cached = redis_client.hget(registry.SIZES, cache_field)
+        if cached is not None:
+            return int(cached)
+    size = _from_local_checkpoint(model_key, dtype)
+    if size is None:
+        size = _from_nnsight(model_key, dtype or "float32")
+    if redis_client is not None:
+        redis_client.hset(registry.SIZES, cache_field, size)
+    return size
+
+
+def _from_local_checkpoint(model_key: str, dtype: Optional[str]) -> Optional[int]:
+    fields = wire.repo_fields(model_key)
+    snapshot = _snapshot_dir(fields["repo_id"], fields.get("revision"))
+    if snapshot is None:
+        return None
+    files = sorted(snapshot.glob("*.safetensors"))
+    if not files:
+        return None
+    from nnsight.modeling.mixins.remotable import bytes_per_element
+
+    total = 0
+    for path in files:
+        for name, info in _safetensors_header(path).items():
+            if name == "__metadata__":
+                continue
+            elements = math.prod(info["shape"])
+            if dtype:
+                total += math.ceil(elements * bytes_per_element(dtype))
+            else:
+                begin, end = info["data_offsets"]
+                total += end - begin
+    return total
+
+
+def _snapshot_dir(repo_id: str, revision: Optional[str]) -> Optional[Path]:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached: size it another way (never as a local path: model_policy)
+        return None
+
+
+def _safetensors_header(path: Path) -> dict:
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def _from_nnsight(model_key: str, dtype: str) -> int:
+    from nnsight.modeling.mixins.remotable import Remotable
+
+    try:
+        return Remotable.estimate_bytes(model_key, dtype)
+    except Exception as error:  # noqa: BLE001 - reported to every waiting client
+        repo = wire.repo_fields(model_key)["repo_id"]
+        raise SizingError(
+            f"Could not load model {repo!r} ({model_key}): it is not in this farm's model cache "
+            f"and could not be sized from the hub ({type(error).__name__}: {error})"
+        ) from None

@@ -1,0 +1,111 @@
+"""The services of a farm: what each one runs, in what environment.
+
+One table for every way a service is started: ``ndif-celery up`` (through
+:mod:`ndif_celery.host.stack`, which owns their processes), and ``ndif-celery
+web|worker|beat|flower|redis`` in the foreground for a Procfile, systemd or a
+container (:func:`exec_service`), so a service runs the same command with the
+same environment however it is supervised. Apart from the stack because a
+multi-host farm uses this and none of the stack's process handling.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+from ndif_celery import config
+from ndif_celery.celery_app import worker_argv
+from .embedded_redis import RedisServerNotFound, redis_argv, redis_dir
+
+# The directory that holds the ndif_celery, web and workers packages. Children
+# run from here so ``web.app`` and ``workers.tasks`` import even when the
+# project is used from a checkout without being installed.
+ROOT = Path(__file__).resolve().parents[2]
+
+SERVICES = ("redis", "web", "worker", "beat", "flower")
+CELERY_APP = "workers.tasks:app"
+BEAT_APP = "ndif_celery.beat:app"
+
+
+class StackError(RuntimeError):
+    """A stack operation failed; the message is meant for the user as is."""
+
+
+def default_services(settings: config.Settings) -> list[str]:
+    """The services of a single-host stack, in start order.
+
+    Redis only when no ``NDIF_REDIS_URL`` names one; it starts first because
+    everything else talks to it, and so stops last.
+    """
+    services = ["web", "worker", "beat", "flower"]
+    return (["redis"] + services) if settings.embedded_redis else services
+
+
+def command(settings: config.Settings, service: str, worker_name: Optional[str] = None) -> list[str]:
+    """The command line of one service.
+
+    Python services run as ``sys.executable -m ...`` so they use the same
+    interpreter (and virtual environment) as the CLI, whatever is on ``PATH``.
+    """
+    if service == "redis":
+        return redis_argv(settings)
+    if service == "web":
+        return [sys.executable, "-m", "gunicorn", "-c", "python:web.gunicorn_conf", "web.app:create_app()"]
+    if service == "worker":
+        return [sys.executable, "-m", "celery", "-A", CELERY_APP, *worker_argv(settings, worker_name)]
+    if service == "beat":
+        # Its schedule file under NDIF_HOME; one beat per farm (a second is
+        # safe: the watchdog it runs leads by a lease). Its app is
+        # ndif_celery.beat's, which adds the watchdog (ndif_celery.farm.watchdog).
+        return [
+            sys.executable, "-m", "celery", "-A", BEAT_APP, "beat",
+            f"--schedule={settings.home / 'run' / 'beat-schedule'}", f"--loglevel={settings.log_level}",
+        ]
+    if service == "flower":
+        return [
+            sys.executable, "-m", "celery", "-A", CELERY_APP, "flower",
+            f"--port={settings.flower_port}", f"--address={settings.flower_host}",
+        ]
+    raise StackError(f"unknown service {service!r}; the services are {', '.join(SERVICES)}")
+
+
+def child_env(settings: config.Settings, base: Optional[dict] = None) -> dict:
+    """The environment of every service: the caller's, plus where the stack lives.
+
+    Everything passes through (``HF_HOME``, ``HF_HUB_OFFLINE``, every
+    ``NDIF_*``). ``NDIF_HOME`` and ``NDIF_REDIS_URL`` are set explicitly so all
+    services agree on them even when they were defaulted or given relative to
+    the caller's directory (services run from :data:`ROOT`); with
+    ``NDIF_REDIS_URL`` set, no service would ever start a Redis of its own.
+    """
+    env = dict(os.environ if base is None else base)
+    env["NDIF_HOME"] = str(settings.home)
+    env["NDIF_REDIS_URL"] = settings.redis_url
+    if env.get("NDIF_RESULTS_DIR"):
+        env["NDIF_RESULTS_DIR"] = str(settings.results_dir.resolve())
+    # Logs go to files; unbuffered output keeps a crash's last words in them.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def exec_service(settings: config.Settings, service: str, worker_name: Optional[str] = None) -> None:
+    """Replace this process with one service, for a supervisor (Procfile, systemd).
+
+    Same command, environment and directory as under ``up``, but in the
+    foreground of the caller and with no state file: the supervisor owns it.
+    """
+    try:
+        argv = command(settings, service, worker_name)
+    except RedisServerNotFound as exc:
+        raise StackError(str(exc)) from None
+    if service == "redis":
+        redis_dir(settings).mkdir(parents=True, exist_ok=True)
+    if service == "beat":
+        (settings.home / "run").mkdir(parents=True, exist_ok=True)  # its schedule file
+    env = child_env(settings)
+    os.chdir(ROOT)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], argv, env)

@@ -1,0 +1,1 @@
+"""ndif_celery.monitoring."""

@@ -1,0 +1,124 @@
+"""``python -m ndif_celery.monitoring.probe_runner``: the health probe's client, in a process of its own.
+
+The beat (``ndif_celery.monitoring.probes``) must not import torch, and the real nnsight
+client does (it builds the model's meta graph and serializes the trace), so
+the probe's traces run here, in a child the beat starts once and keeps: one
+torch import per beat, not one per probe. It is exactly a user's client:
+``nnsight.CONFIG.API.HOST`` is the farm's public endpoint (``NDIF_API_URL``,
+from ``NDIF_PROBE_HOST``), the key is ``NDIF_PROBE_API_KEY``, and the model is
+built from the key the farm deployed (``to_model_key()`` must give it back).
+
+Protocol: one JSON line out when ready (``{"ready": true}``), then for each
+JSON line in (``{"model_key", "timeout_s"}``) one JSON line out: ``ok``
+(the trace answered), ``latency_s``, ``worker``, ``shape`` and ``vocab`` (the
+logits' shape and the config's vocabulary), ``finite``, and ``values``: the
+last position's first :data:`VALUES` logits, their mean and standard
+deviation over the whole vocabulary, for the beat to compare with the
+reference it keeps. A trace with no answer within its timeout is reported and
+this process exits (its stuck thread with it); the beat starts another.
+
+Only ``ndif_celery.monitoring.probes`` starts it, by module name: nothing imports it, so
+the import graph's layers (tools/import_graph.py) are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+PROMPT = "The health probe of an ndif-celery farm asks"
+VALUES = 32
+
+
+def _model(cache: dict, model_key: str):
+    """The client model for ``model_key`` (built once), as a user would make it."""
+    if model_key in cache:
+        return cache[model_key]
+    import nnsight.modeling.huggingface as hf
+    from nnsight.modeling.transformers import TransformersModel
+    from transformers import AutoTokenizer
+
+    from ndif_celery.policy import models as model_policy
+
+    key = model_policy.parse(model_key)
+    # The farm's key is canonical already: no hub call to canonicalise the id (offline hosts).
+    hf._ID_CACHE[key.repo_id] = key.repo_id
+    tokenizer = AutoTokenizer.from_pretrained(key.repo_id, revision=key.revision)
+    model = TransformersModel(key.repo_id, revision=key.revision, task=key.task, tokenizer=tokenizer)
+    if model.to_model_key() != model_key:
+        raise RuntimeError(f"the client builds {model.to_model_key()!r}, not the deployed key")
+    cache[model_key] = model
+    return model
+
+
+def probe(cache: dict, model_key: str) -> dict:
+    import torch
+
+    model = _model(cache, model_key)
+    started = time.monotonic()
+    with model.trace(PROMPT, remote=True) as tracer:
+        logits = model.output.logits.save()
+    latency = time.monotonic() - started
+    logits = logits.detach().to(torch.float64)
+    last = logits[0, -1] if logits.dim() == 3 else logits.reshape(-1)
+    vocab = getattr(model.config, "vocab_size", None)
+    return {
+        "model_key": model_key, "ok": True, "latency_s": round(latency, 4),
+        "worker": (getattr(tracer.backend, "meta", None) or {}).get("worker"),
+        "shape": list(logits.shape), "vocab": vocab,
+        "finite": bool(torch.isfinite(logits).all()),
+        "values": [*last[:VALUES].tolist(), float(last.mean()), float(last.std())],
+    }
+
+
+_PROTOCOL = None
+
+
+def _emit(result: dict) -> None:
+    _PROTOCOL.write(json.dumps(result) + "\n")
+    _PROTOCOL.flush()
+
+
+def main() -> None:
+    global _PROTOCOL
+    # The protocol keeps the real stdout; anything the client prints (its job
+    # status lines) goes to stderr, the beat's log, and cannot break a line.
+    _PROTOCOL = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    import nnsight
+
+    nnsight.CONFIG.API.HOST = os.environ["NDIF_PROBE_HOST"]
+    nnsight.CONFIG.API.APIKEY = os.environ.get("NDIF_PROBE_API_KEY") or None
+    cache: dict = {}
+    _emit({"ready": True})
+    for line in sys.stdin:
+        request = json.loads(line)
+        model_key, timeout_s = request["model_key"], float(request["timeout_s"])
+        result: dict = {}
+
+        def run() -> None:
+            try:
+                result.update(probe(cache, model_key))
+            except Exception as error:  # noqa: BLE001 - every failure is a probe result
+                text = str(error).strip().splitlines()
+                result.update(model_key=model_key, ok=False,
+                              error=f"{type(error).__name__}: {text[-1][:300] if text else ''}")
+
+        started = time.monotonic()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            _emit({"model_key": model_key, "ok": False, "latency_s": round(time.monotonic() - started, 3),
+                   "error": f"no answer within {timeout_s:.0f} s (NDIF_PROBE_TIMEOUT_S)"})
+            os._exit(3)
+        result.setdefault("latency_s", round(time.monotonic() - started, 3))
+        _emit(result)
+
+
+if __name__ == "__main__":
+    main()

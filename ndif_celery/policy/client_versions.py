@@ -1,0 +1,98 @@
+"""The client version gate: ``NDIF_MIN_NNSIGHT_VERSION`` and ``NDIF_MIN_PYTHON_VERSION``.
+
+The nnsight client stamps every ``POST /request`` with the headers
+``nnsight-version`` (its installed version, or ``""`` when nnsight runs from a
+source tree) and ``python-version`` (the whole ``sys.version``). With a minimum
+set, an older or non-reporting client is refused with 400 and NDIF's own
+messages; unset (or empty), that check is off. Python is compared on
+major.minor only. ``/subscribe`` is not gated (NDIF does not gate it, and the
+client sends no version headers there).
+
+Torch-free: the web imports this.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional
+
+from packaging.version import InvalidVersion, Version
+
+from ndif_celery.errors import Refused
+
+NNSIGHT_HEADER = "nnsight-version"
+PYTHON_HEADER = "python-version"
+
+_MAJOR_MINOR = re.compile(r"^\s*(\d+)\.(\d+)")
+
+
+class VersionRefused(Refused, ValueError):
+    """A client below a configured minimum: 400 with NDIF's ``detail`` (``errors.Refused``)."""
+
+    status = 400
+
+
+def parse_minimum(name: str, raw: str) -> str:
+    """A configured minimum as given, or ``""`` (off); a malformed one is a
+    configuration error, raised at startup rather than as a 500 per request."""
+    raw = (raw or "").strip()
+    if not raw:
+        return ""
+    try:
+        Version(raw)
+    except InvalidVersion:
+        raise ValueError(f"{name} must be a version such as 0.8.1 (or unset), got {raw!r}") from None
+    return raw
+
+
+def python_major_minor(sys_version: str) -> Optional[str]:
+    """``"3.11"`` from a ``sys.version`` string such as ``"3.11.9 (main, ...) [GCC ...]"``."""
+    match = _MAJOR_MINOR.match(sys_version or "")
+    return f"{int(match.group(1))}.{int(match.group(2))}" if match else None
+
+
+def _require_reported(what: str, client_version: Optional[str]) -> None:
+    """NDIF's refusal of a request that did not say its ``what`` version at all."""
+    if not client_version:
+        raise VersionRefused(
+            f"Client {what} version was not provided. This usually means an "
+            "outdated nnsight; please `pip install --upgrade nnsight` and retry."
+        )
+
+
+def check_nnsight(client_version: Optional[str], minimum: str) -> None:
+    if not minimum:
+        return
+    _require_reported("nnsight", client_version)
+    try:
+        client = Version(client_version)
+    except InvalidVersion:
+        raise VersionRefused(f"Malformed nnsight version '{client_version}'.") from None
+    if client < Version(minimum):
+        raise VersionRefused(
+            f"Client nnsight version {client_version} is below the minimum supported {minimum}. "
+            "Please `pip install --upgrade nnsight`."
+        )
+
+
+def check_python(client_version: Optional[str], minimum: str) -> None:
+    """Like ``check_nnsight`` in shape, apart on purpose: python is compared on
+    major.minor of a ``sys.version`` string, nnsight on its full version, and
+    each answers with NDIF's own wording."""
+    if not minimum:
+        return
+    _require_reported("python", client_version)
+    major_minor = python_major_minor(client_version)
+    if major_minor is None:
+        raise VersionRefused(f"Malformed python version '{client_version}'.")
+    floor = Version(minimum)
+    if Version(major_minor) < Version(f"{floor.major}.{floor.minor}"):
+        raise VersionRefused(
+            f"Client python version {major_minor} is below the minimum supported {minimum}. Please update python."
+        )
+
+
+def check_client(headers, min_nnsight: str, min_python: str) -> None:
+    """Gate one request on its headers (any mapping with ``.get``); nnsight first, as NDIF."""
+    check_nnsight(headers.get(NNSIGHT_HEADER), min_nnsight)
+    check_python(headers.get(PYTHON_HEADER), min_python)

@@ -1,0 +1,289 @@
+"""Which models this farm loads, for whom, and in exactly what form.
+
+A model key is code. nnsight's ``Remotable.from_model_key`` imports the class
+the key names and turns every JSON field of its suffix into a loader argument
+(``cls(repo_id, revision=..., **rest)`` -> ``from_pretrained(**rest)``), so a
+key the server accepted as sent could make a worker import a repo's own Python
+(``trust_remote_code``) in the worker process, outside every jail, read a local
+directory as a "repo", or pass any ``from_pretrained`` keyword; and every extra
+field was a new deployment of the same repo (loads, evictions, downloads with
+the operator's hub token). The per-request ``env`` is a loader too: ``peft``
+names an adapter to fetch and attach, ``attn_implementation`` may name a hub
+kernel repo to download and run.
+
+So a key is *parsed* into the fields nnsight 0.8.1 really sends
+(``HuggingFaceModel._remoteable_model_key`` + ``TransformersModel``'s task),
+each checked for type and shape, and rebuilt as one canonical string; anything
+else is refused naming the field. Who may load what is then the operator's
+(``NDIF_MODELS``, ``NDIF_TRUST_REMOTE_CODE``). The web applies this at intake;
+the controller and the worker apply it again before sizing and loading, so a
+key that reaches the broker some other way is refused there too, and the
+worker only ever loads the canonical key this module rebuilt.
+
+Pure functions and no torch: the web imports it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from ndif_celery.wire import WireError, check_model_key
+
+# The one class nnsight 0.8.1 keys its transformers models by: LanguageModel
+# and VisionLanguageModel key themselves as TransformersModel (_remoteable_class).
+TRANSFORMERS_MODEL = "nnsight.modeling.transformers.TransformersModel"
+MODEL_CLASSES = (TRANSFORMERS_MODEL,)
+
+# The suffix fields the client sends, in the order it sends them.
+KEY_FIELDS = ("repo_id", "revision", "trust_remote_code", "task")
+ENV_FIELDS = ("attn_implementation", "peft")
+
+# The hub's rules for a repo id: `name` or `owner/name`, each part of letters,
+# digits, `-`, `_`, `.`, not starting or ending with `-`/`.`, no `--` or `..`,
+# at most 96 characters in all (huggingface_hub.utils.validate_repo_id).
+_HUB_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9_])?"
+_HUB_ID = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
+MAX_REPO_ID_CHARS = 96
+# A branch, tag, `refs/pr/N` or a commit sha, as git allows them (no `..`,
+# `//`, `@{`, leading `-` or `/`, trailing `/`, `.` or `.lock`).
+_REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
+MAX_REVISION_CHARS = 128
+
+# transformers' pipeline tasks (transformers.pipelines.SUPPORTED_TASKS and
+# TASK_ALIASES in 5.x; tests/test_model_policy.py checks this list still covers
+# the installed transformers), plus `translation_xx_to_yy`. A closed list keeps
+# the task from multiplying one repo into unbounded deployments.
+TASKS = frozenset({
+    "any-to-any", "audio-classification", "automatic-speech-recognition", "decision", "depth-estimation",
+    "document-question-answering", "feature-extraction", "fill-mask", "image-classification",
+    "image-feature-extraction", "image-segmentation", "image-text-to-text", "keypoint-matching",
+    "mask-generation", "object-detection", "table-question-answering", "text-classification",
+    "text-generation", "text-to-audio", "token-classification", "video-classification",
+    "zero-shot-audio-classification", "zero-shot-classification", "zero-shot-image-classification",
+    "zero-shot-object-detection",
+    # aliases and names older transformers knew
+    "sentiment-analysis", "ner", "text-to-speech", "summarization", "translation", "text2text-generation",
+    "question-answering", "image-to-text", "visual-question-answering", "image-to-image", "conversational",
+})
+_TRANSLATION = re.compile(r"^translation_[a-z]{2,3}_to_[a-z]{2,3}$")
+
+# Attention implementations transformers ships (ALL_ATTENTION_FUNCTIONS, plus
+# eager, each also as `paged|<name>`). Never a hub kernel repo (`org/name`):
+# transformers would download and run it.
+ATTENTION = frozenset({"eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3",
+                       "flash_attention_4"})
+
+
+class PolicyError(WireError):
+    """A key or env this farm will not load: 422 for a malformed field, 403 for
+    one that is well formed but not allowed."""
+
+
+@dataclass(frozen=True)
+class ModelKey:
+    """A model key reduced to what nnsight sends, every field checked."""
+
+    cls: str
+    repo_id: str
+    revision: Optional[str]
+    task: str
+    trust_remote_code: bool = False
+
+    @property
+    def key(self) -> str:
+        """The canonical key: byte for byte what nnsight 0.8.1's ``to_model_key``
+        builds for this model, so the client's own key is already canonical."""
+        suffix: dict = {"repo_id": self.repo_id, "revision": self.revision}
+        if self.trust_remote_code:
+            suffix["trust_remote_code"] = True
+        suffix["task"] = self.task
+        return f"{self.cls}:{json.dumps(suffix)}"
+
+
+def parse(model_key: str) -> ModelKey:
+    """Check ``model_key`` field by field; raise PolicyError (422) naming what is wrong.
+
+    The strict reading of a key, at intake and before any load; ``wire.repo_fields``
+    and ``wire.repo_id`` are the lenient one, for display of keys already queued."""
+    try:
+        check_model_key(model_key)  # shape, length, nnsight.modeling.* class
+    except PolicyError:
+        raise
+    except WireError as error:
+        raise PolicyError(error.detail, error.status) from None
+    cls, _, suffix = model_key.partition(":")
+    if cls not in MODEL_CLASSES:
+        raise PolicyError(f"Model class {cls!r} is not served here: this server builds {', '.join(MODEL_CLASSES)} "
+                          "models (nnsight's TransformersModel, LanguageModel, VisionLanguageModel).")
+    try:
+        data = json.loads(suffix)
+    except json.JSONDecodeError:
+        raise PolicyError("The model_key's checkpoint part must be the JSON object nnsight builds "
+                          '({"repo_id": ..., "revision": ..., "task": ...}).') from None
+    if not isinstance(data, dict):
+        raise PolicyError("The model_key's checkpoint part must be a JSON object, not "
+                          f"{type(data).__name__}.")
+    extra = sorted(set(data) - set(KEY_FIELDS))
+    if extra:
+        raise PolicyError(f"Field {extra[0]!r} is not allowed in a model_key: it would reach the model loader. "
+                          f"A model_key holds only {', '.join(KEY_FIELDS)} (as nnsight builds it).")
+    if "repo_id" not in data:
+        raise PolicyError("The model_key has no 'repo_id'.")
+    repo_id = check_repo_id(data["repo_id"], "repo_id")
+    revision = data.get("revision")
+    if revision is not None:
+        revision = check_revision(revision)
+    trust = data.get("trust_remote_code", False)
+    if not isinstance(trust, bool):
+        raise PolicyError("'trust_remote_code' in the model_key must be true or false.")
+    if "task" not in data:
+        raise PolicyError("The model_key has no 'task' (nnsight's TransformersModel always sends one).")
+    task = check_task(data["task"])
+    return ModelKey(cls=cls, repo_id=repo_id, revision=revision, task=task, trust_remote_code=trust)
+
+
+def check_repo_id(value: object, field: str) -> str:
+    """A hub id, never a path: ``name`` or ``owner/name`` in the hub's characters,
+    and nothing that exists as a local path (transformers would load that)."""
+    if not isinstance(value, str):
+        raise PolicyError(f"'{field}' must be a string (a Hugging Face hub id), not {type(value).__name__}.")
+    shown = value[:120]
+    if len(value) > MAX_REPO_ID_CHARS:
+        raise PolicyError(f"'{field}' {shown!r} is too long for a hub id (at most {MAX_REPO_ID_CHARS} characters).")
+    if value.startswith(("/", "~", ".")) or ".." in value or "\\" in value:
+        raise PolicyError(f"'{field}' {shown!r} is a path; this server loads hub ids ('owner/name') only.")
+    if not _HUB_ID.match(value) or "--" in value or value.endswith(".git"):
+        raise PolicyError(f"'{field}' {shown!r} is not a Hugging Face hub id ('name' or 'owner/name': letters, "
+                          "digits, '-', '_', '.'; no '--' or '..').")
+    if os.path.lexists(value):
+        raise PolicyError(f"'{field}' {value!r} names a local path on this server; hub ids only.")
+    return value
+
+
+def check_revision(value: object) -> str:
+    if not isinstance(value, str):
+        raise PolicyError(f"'revision' must be a string or null, not {type(value).__name__}.")
+    bad = (
+        not value or len(value) > MAX_REVISION_CHARS or not _REVISION.match(value)
+        or ".." in value or "//" in value or "@{" in value or value.endswith(("/", ".", ".lock"))
+    )
+    if bad:
+        raise PolicyError(f"'revision' {value[:140]!r} is not a git branch, tag or commit "
+                          f"(at most {MAX_REVISION_CHARS} characters).")
+    return value
+
+
+def check_task(value: object) -> str:
+    if not isinstance(value, str) or not (value in TASKS or _TRANSLATION.match(value)):
+        shown = value[:80] if isinstance(value, str) else value
+        raise PolicyError(f"'task' {shown!r} is not a transformers pipeline task this server knows "
+                          "(e.g. 'text-generation').")
+    return value
+
+
+def check_env(env: dict) -> dict:
+    """The request's ``env`` reduced to what nnsight's TransformersModel sends:
+    ``attn_implementation`` (a name transformers ships, never a hub kernel repo)
+    and ``peft`` (an adapter's hub id, never a path)."""
+    extra = sorted(set(env) - set(ENV_FIELDS))
+    if extra:
+        raise PolicyError(f"Field {str(extra[0])[:80]!r} is not allowed in the request's env: "
+                          f"only {', '.join(ENV_FIELDS)}.")
+    clean: dict = {}
+    if "attn_implementation" in env:  # null: an older client, the model keeps its own
+        attn = env["attn_implementation"]
+        base = attn.removeprefix("paged|") if isinstance(attn, str) else None
+        if attn is not None and base not in ATTENTION:
+            shown = attn[:80] if isinstance(attn, str) else type(attn).__name__
+            raise PolicyError(f"'attn_implementation' {shown!r} is not one this server runs "
+                              f"({', '.join(sorted(ATTENTION))}, or 'paged|' one of them).")
+        clean["attn_implementation"] = attn
+    peft = env.get("peft")
+    if peft is not None:
+        clean["peft"] = check_repo_id(peft, "peft")
+    return clean
+
+
+def _patterns(raw: str) -> tuple:
+    return tuple(p.strip() for p in raw.split(",") if p.strip())
+
+
+def matches(repo_id: str, patterns: Iterable[str]) -> bool:
+    """Whether a repo id matches one of the operator's fnmatch patterns (case-sensitive)."""
+    return any(fnmatch.fnmatchcase(repo_id, pattern) for pattern in patterns)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The operator's rules (``NDIF_MODELS``, ``NDIF_TRUST_REMOTE_CODE``)."""
+
+    models: tuple = ()  # empty: any hub id for trusted keys, deployed ones only for untrusted
+    trust_remote_code: tuple = ()  # empty: no repo may run its own code
+
+    @classmethod
+    def from_settings(cls, settings) -> "Policy":
+        return cls(models=_patterns(settings.models), trust_remote_code=_patterns(settings.trust_remote_code))
+
+    def check_model(self, key: ModelKey) -> None:
+        """What no key may do, trusted, untrusted or the operator's own: a repo
+        outside a non-empty NDIF_MODELS, remote code outside NDIF_TRUST_REMOTE_CODE."""
+        if self.models and not matches(key.repo_id, self.models):
+            raise PolicyError(f"Model {key.repo_id!r} is not served here (this farm's NDIF_MODELS does not list it).",
+                              403)
+        if key.trust_remote_code and not matches(key.repo_id, self.trust_remote_code):
+            raise PolicyError(
+                f"trust_remote_code is refused for {key.repo_id!r}: this server runs a repo's own Python code only "
+                "for repos its operator lists in NDIF_TRUST_REMOTE_CODE. Load the model without "
+                "trust_remote_code=True, or ask the operator.", 403)
+
+    def untrusted_may_deploy(self, key: ModelKey) -> bool:
+        """An untrusted key may trigger a first deploy only of a repo NDIF_MODELS lists."""
+        return bool(self.models) and matches(key.repo_id, self.models)
+
+    def check_peft(self, env: dict) -> None:
+        peft = env.get("peft")
+        if peft and self.models and not matches(peft, self.models):
+            raise PolicyError(f"PEFT adapter {peft!r} is not served here (this farm's NDIF_MODELS does not list it).",
+                              403)
+
+    def admit(self, model_key: str, env: dict, trusted: bool, offered: Iterable[str] = ()) -> tuple[str, dict]:
+        """Intake: ``(canonical key, clean env)`` or PolicyError. ``offered`` is
+        the keys deployed now or wished by the operator (what an untrusted key
+        may use without deploying anything new)."""
+        key = parse(model_key)
+        self.check_model(key)
+        clean_env = check_env(env)
+        self.check_peft(clean_env)
+        if not trusted and not self.untrusted_may_deploy(key) and key.key not in set(offered):
+            raise PolicyError(
+                f"Model {key.repo_id!r} (revision {key.revision!r}, task {key.task!r}) is not deployed on this farm, "
+                "and untrusted keys cannot deploy new models. Use a model listed as deployed in /status, "
+                "or ask the operator to deploy it (ndif-celery deploy) or list it in NDIF_MODELS.", 403)
+        return key.key, clean_env
+
+    def loadable(self, model_key: str) -> str:
+        """Before sizing or loading (controller, worker): the canonical key to
+        load, or PolicyError. A key that is not already canonical did not come
+        through the web's intake: refused rather than re-interpreted."""
+        key = parse(model_key)
+        if key.key != model_key:
+            raise PolicyError(f"Model key {model_key[:300]!r} is not in canonical form ({key.key!r}); not loaded.")
+        self.check_model(key)
+        return key.key
+
+
+def is_model_snapshot(snapshot: "os.PathLike[str] | str") -> bool:
+    """A cached snapshot that is a loadable model: a ``config.json`` naming a
+    model type or architecture (a PEFT adapter has only ``adapter_config.json``)."""
+    path = os.path.join(os.fspath(snapshot), "config.json")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("model_type") or config.get("architectures"))

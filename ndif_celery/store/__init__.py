@@ -1,0 +1,61 @@
+"""Where finished results live until the client downloads them.
+
+Two backends with the same small interface:
+
+* :class:`FilesystemStore` keeps results as files under a directory and hands
+  out URLs to the web app (``/results/<key>``) signed with an HMAC, so the web
+  app can serve them without a database lookup. This is the default: one host,
+  nothing else to run.
+* :class:`S3Store` keeps results in a bucket of any S3 server (MinIO first) and
+  hands out presigned GET URLs, so downloads never pass through the web app.
+  This is what a farm spread over several hosts uses.
+
+Both take the same keys: relative, ``/``-separated names without ``..`` or
+hidden components. The rule is the filesystem's (a key must never escape the
+result directory), applied to S3 too so a key that works on one backend works
+on the other.
+
+Missing results raise :class:`FileNotFoundError` from ``get`` on both
+backends; a backend that cannot be reached raises :class:`StoreUnavailable`.
+
+This module chooses the backend (:func:`open_store`) and names the public
+types; each backend is its own module (``store_fs``, ``store_s3``) over what
+they share (``store_common``: the key rule and the error).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Union
+
+from .base import Data, StoreUnavailable, check_key
+from .fs import FilesystemStore
+from .s3 import S3Store
+
+if TYPE_CHECKING:
+    from ndif_celery.config import Settings
+
+__all__ = ["Data", "FilesystemStore", "S3Store", "Store", "StoreUnavailable", "check_key", "open_store"]
+
+
+Store = Union[FilesystemStore, S3Store]
+
+
+def open_store(settings: "Settings") -> Store:
+    """The store the settings describe: S3 when an object store URL is set."""
+    if settings.uses_s3:
+        return S3Store(
+            endpoint_url=settings.object_store_url,
+            public_url=settings.object_store_public_url,
+            access_key=settings.object_store_access_key,
+            secret_key=settings.object_store_secret_key,
+            bucket=settings.object_store_bucket,
+            region=settings.object_store_region,
+            verify=settings.object_store_verify,
+            url_ttl_s=settings.result_url_ttl_s,
+        )
+    return FilesystemStore(
+        settings.results_dir,
+        settings.api_url,
+        settings.secret_key,
+        settings.result_url_ttl_s,
+    )

@@ -1,0 +1,269 @@
+"""Executors: where a job's block runs, each owning its deadline.
+
+A job's life (``workers.job.life``) does not care where the user's code runs: it
+hands the payload to an executor and gets the result bytes back, or an
+exception that ``job.fail`` turns into the ERROR the client reads. Two
+executors, behind one small interface:
+
+- ``run(model, job, blob, channel, meta) -> bytes``: run the block, fill
+  ``meta`` with what the client may see about the run;
+- ``after(job)``: after the answer is sent, before the next job: check the
+  weights the job could have touched;
+- ``prepare_next(model_key)``: make the next job on the model cheaper.
+
+:class:`InProcess` (trusted keys) runs in this worker's own process, against
+the resident model itself; its deadline is the worker's watchdog
+(``workers.job.deadline``), which sends the ERROR at the limit itself, then
+interrupts the job's thread with :class:`JobTimedOut` (the way ``ndif-celery
+kill`` interrupts it with :class:`JobCancelled`), and replaces the worker if
+the thread is stuck in C where no exception reaches it. :class:`Isolated` (untrusted keys) runs a fresh
+jailed child per request (``workers.isolation.parent``), forked by the model's zygote
+(``workers.isolation.zygote``: an exec'd interpreter with ``NDIF_ISOLATION=zygote``, or
+a fork of the fork server with ``=fork``), never by this worker, which holds
+secrets and what earlier jobs left in its memory; its deadline is the
+isolation policy's, which bounds every wait on the child (the watchdog stands
+behind it, ``deadline.ISOLATED_MARGIN_S`` later). The policy (what the
+jail lets the child read, as whom, with which limits) is built here too.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import sys
+import time
+from typing import Callable
+
+from huggingface_hub import constants as hf_constants
+
+from ndif_celery import config, statuses
+from ndif_celery.state import jobs
+
+from workers import cobatch, execute, results
+from . import deadline
+from workers.isolation import forkserver, parent as isolate, jail
+from workers.models.resident import ResidentModels
+from workers.isolation.zygote import ZygoteError
+
+log = logging.getLogger("ndif_celery.worker")
+
+# A killed child is gone in milliseconds; one that is not is stuck in the kernel.
+REAP_WAIT_S = 30.0
+
+
+class JobCancelled(BaseException):
+    """Raised in the job's thread by ``ndif-celery kill``; BaseException so user
+    code's ``except Exception`` cannot swallow it."""
+
+
+class JobTimedOut(BaseException):
+    """Raised in the job's thread at its execution deadline (trusted path)."""
+
+
+def ms_since(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 1)
+
+
+class InProcess:
+    """Trusted: run in this process, against the resident model itself; one job
+    (:meth:`run`) or a co-batch of them (:meth:`run_together`), through the
+    co-batching engine's one trusted path (``cobatch.run_alone``, ``run_batch``)."""
+
+    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.Watchdog,
+                 job_waiting: Callable[[str], bool] = lambda model_key: False) -> None:
+        self.timeout_s = settings.execution_timeout_s
+        self.cobatch_max, self.cobatch_pad = settings.cobatch_max, settings.cobatch_pad
+        self.models = models
+        self.watchdog = watchdog  # the worker's: answers at the deadline, interrupts, replaces if stuck
+        self.job_waiting = job_waiting  # whether a job waits for this model (then the whole check may wait)
+
+    def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
+        with self.watchdog.watch(job.id, channel, meta, self.timeout_s), deadline.backstop(self._last_resort()):
+            meta["isolated"] = False
+            outcome = cobatch.run_alone(model, cobatch.Request(job.id, blob, job.compress, job.env, channel.log), "")
+            if outcome.deserialize_ms is not None:
+                meta["deserialize_ms"] = outcome.deserialize_ms
+            if outcome.error is not None:
+                raise outcome.error
+            return results.encode(outcome.saved, job.compress)
+
+    def run_together(self, model, runs: list[tuple]) -> list:
+        """A co-batch: ``runs`` is (job, blob, channel, meta) per job, every one
+        trusted and of one model. One watch covers them all (one deadline, the
+        job limit: at it every job of the batch gets its timeout ERROR); each
+        job's result bytes, or the exception that is its answer, in order."""
+        (lead, _, lead_channel, lead_meta), *others = runs
+        others = [(job.id, channel, meta) for job, _, channel, meta in others]
+        with self.watchdog.watch(lead.id, lead_channel, lead_meta, self.timeout_s, others), \
+                deadline.backstop(self._last_resort()):
+            requests = [cobatch.Request(job.id, blob, job.compress, job.env, channel.log)
+                        for job, blob, channel, _ in runs]
+            outcomes = cobatch.run_batch(model, requests, self.cobatch_max, self.cobatch_pad,
+                                         restore=lambda: self._restored(lead.model_key))
+            answers: list = []
+            for (job, _, _, meta), outcome in zip(runs, outcomes):
+                meta["isolated"] = False
+                meta.update(outcome.meta)
+                if outcome.error is not None:
+                    answers.append(outcome.error)
+                    continue
+                try:
+                    answers.append(results.encode(outcome.saved, job.compress))
+                except Exception as error:  # noqa: BLE001 - one job's result, one job's answer
+                    answers.append(error)
+            return answers
+
+    def _last_resort(self) -> float:
+        return self.timeout_s + self.watchdog.grace_s + deadline.BACKSTOP_MARGIN_S
+
+    def _restored(self, model_key: str):
+        """A co-batch's stamps showed a write: the whole check (a reload where a
+        weight changed), and the model to go on with."""
+        why, restored = self.models.check_written(model_key)
+        if restored:
+            log.warning("a co-batch on %s changed %d weight tensors; model reloaded", model_key, len(restored))
+        elif why:
+            log.warning("a co-batch on %s wrote a weight (%s); its values are as loaded", model_key, why)
+        return self.models.get(model_key)
+
+    def after(self, job: jobs.Job, jobs_run: int = 1) -> None:
+        """After the job (or the co-batch of ``jobs_run`` it led), before the
+        next: the stamps of every weight, and the whole plain check when they
+        show a write, when no job waits, or every ``NDIF_TRUSTED_CHECK_EVERY``-th
+        job (``ResidentModels.check_after_trusted``); a change reloads the model."""
+        started = time.perf_counter()
+        try:
+            waiting = self.job_waiting(job.model_key)
+        except Exception:  # noqa: BLE001 - the broker away: check now, as if idle
+            waiting = False
+        why, restored = self.models.check_after_trusted(job.model_key, idle=not waiting, jobs=jobs_run)
+        if restored:
+            log.warning("job %s changed %d weight tensors; model reloaded (checked: %s)", job.id, len(restored), why)
+        elif why:
+            log.debug("job %s: whole weight check intact (%s, %.0f ms)", job.id, why, ms_since(started))
+
+    def prepare_next(self, model_key: str) -> None:
+        """Nothing to prepare: the model itself runs the next job."""
+
+
+class Isolated:
+    """Untrusted: a fresh jailed child per request, forked by the model's zygote."""
+
+    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.Watchdog) -> None:
+        self.settings = settings
+        self.models = models
+        self.watchdog = watchdog  # the backstop behind the policy's deadline
+        # What an isolated job may read, and whether it can run as nobody:
+        # learnt once, when the worker is ready (learn_host).
+        self.readable: tuple = ()
+        self.as_nobody = True
+
+    def learn_host(self) -> None:
+        """Read once from this host: the paths the jail leaves readable (the
+        interpreter, the packages, the HF cache) and whether user ``nobody``
+        can read the interpreter's prefixes."""
+        self.readable = tuple(jail.readable_paths((hf_constants.HF_HUB_CACHE,)))
+        self.as_nobody = jail.readable_by_others(sys.base_prefix) and jail.readable_by_others(sys.prefix)
+
+    def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
+        meta["isolated"] = True
+        zygote = self.zygote(job.model_key)
+        # Armed once the zygote is ready (its start is not the job's time), as isolate.run's own deadline is.
+        backstop_s = self.settings.execution_timeout_s + deadline.ISOLATED_MARGIN_S
+        with self.watchdog.watch(job.id, channel, meta, backstop_s):
+            outcome = isolate.run(model, blob, job.compress, job.env, self.policy(zygote), channel.log,
+                                  zygote=zygote)
+        # Only what isolate vouches for (the child's jail layers and timings, checked
+        # by isolate.child_meta; its own isolated_ms and spare): never a key of ours.
+        meta.update({key: value for key, value in outcome.meta.items()
+                     if key in isolate.OUTCOME_META and key not in meta})
+        meta["isolation"] = zygote.mode
+        return outcome.data
+
+    def zygote(self, model_key: str):
+        """The model's zygote (started on first use): exec'd (NDIF_ISOLATION=zygote)
+        or forked from the fork server (=fork). None can be had: the job is refused."""
+        try:
+            server = None
+            if self.settings.isolation == "fork":
+                server = forkserver.current()
+                if server is None:
+                    raise forkserver.ForkServerError("this worker has no fork server (it starts with the Celery "
+                                                     "worker, when untrusted jobs can come)")
+            zygote = self.models.zygote(model_key, fork_server=server)
+            zygote.wait_ready()
+        except ZygoteError as error:
+            self.models.drop_zygote(model_key)  # the next job tries a fresh one
+            raise execute.RequestError(f"This worker could not start its isolation process, so it did not run "
+                                       f"your job: {error}. Ask the operator (see docs/security.md).",
+                                       kind="server") from None
+        return zygote
+
+    def start_zygote(self, model_key: str) -> None:
+        """Right after a load, when untrusted jobs can come: started now, ready by
+        the first untrusted job (an exec'd one takes seconds of imports)."""
+        server = forkserver.current() if self.settings.isolation == "fork" else None
+        self.models.zygote(model_key, fork_server=server)
+
+    def policy(self, zygote=None) -> isolate.Policy:
+        settings = self.settings
+        readable = self.readable
+        if zygote is not None and zygote.cuda:
+            readable = readable + _gpu_readable()
+        return isolate.Policy(
+            timeout_s=settings.execution_timeout_s,
+            memory_bytes=settings.job_memory_bytes,
+            disk_bytes=settings.job_disk_bytes,
+            secrets=settings.secrets(),
+            max_result_bytes=settings.max_result_bytes,
+            readable=readable,
+            as_nobody=self.as_nobody,
+            jail_waived=settings.jail_waived,
+            jail_disabled=settings.jail_disabled,
+            cgroup_root=settings.jail_cgroup_root,
+            # Hidden from the child's view (its UNIX sockets included), on top of Landlock.
+            hidden=(str(settings.home), str(settings.results_dir)),
+        )
+
+    def after(self, job: jobs.Job, jobs_run: int = 1) -> None:
+        """After every untrusted job, however it ended (success, user error,
+        timeout, cancel, a crashed child, a server fault), before the next job:
+        the keyed weight check, where a child could have written the weights (a
+        GPU model: CUDA IPC has no read-only mapping) or the operator asked for it
+        (NDIF_VERIFY_UNTRUSTED). A child not dead in time, or a check that fails,
+        evicts the model: it is not served unverified."""
+        if not self.models.checks_untrusted(job.model_key):
+            return
+        started = time.perf_counter()
+        if not isolate.wait_reaped(REAP_WAIT_S):
+            log.error("untrusted job %s: its child was not reaped within %g s; evicting %s unverified",
+                      job.id, REAP_WAIT_S, job.model_key)
+            self.models.evict(job.model_key)
+            return
+        restored = self.models.check_after_untrusted(job.model_key)
+        if restored:
+            log.warning("untrusted job %s changed %d weight tensors (%s); model reloaded", job.id, len(restored),
+                        ", ".join(restored[:5]))
+        else:
+            log.info("untrusted job %s: keyed weight check intact (%.0f ms)", job.id, ms_since(started))
+
+    def prepare_next(self, model_key: str) -> None:
+        """After an untrusted job: fork and jail the next one's child now, while
+        idle (``isolate.Spare``). Best effort: a failure here only costs speed."""
+        model = self.models.get(model_key)
+        if model is None:
+            return
+        try:
+            zygote = self.models.current_zygote(model_key)
+            if zygote is None:
+                return
+            isolate.prepare(model, self.policy(zygote), zygote=zygote)
+        except Exception:  # noqa: BLE001
+            log.exception("could not prepare a spare isolated process")
+
+
+def _gpu_readable() -> tuple:
+    """What a CUDA child may still read once locked in: the driver's device
+    nodes and its /proc and /sys entries (not tested on a GPU yet)."""
+    return tuple(glob.glob("/dev/nvidia*")) + tuple(p for p in ("/proc/driver/nvidia", "/sys") if os.path.exists(p))

@@ -1,0 +1,258 @@
+"""A job's life on a worker, as named steps (rq's prepare / perform / handle).
+
+::
+
+    start ──► announce ──► execute ──► deliver          COMPLETED   (execute + deliver: perform)
+                              │            │
+                              └────────────┴──► fail    ERROR, the one place an
+                                                        exception becomes what the client reads
+    finish (always, after the answer): end, weight checks, metrics, payload deleted
+    then, for an isolated job: the next child prepared while idle
+
+- :func:`start` takes what the job needs in one Redis round trip (its latest
+  status, its payload, the model's deployment), skips a job that already
+  ended, sends the job back to its queue when the model is gone, and queues
+  on a second round trip this worker's claim and the model's "last used";
+  :func:`announce` sends RUNNING on that same round trip.
+- :func:`execute` hands the payload to the job's executor
+  (``workers.job.executors``: in this process for a trusted key, a jailed child
+  for an untrusted one), each owning its deadline, and enforces the result
+  limit.
+- :func:`deliver` sends the result inline on the websocket, or through the
+  store as a URL.
+- :func:`fail` maps every way a job can end badly (cancel, timeout, the
+  user's error, the store away, a server fault) to its ERROR.
+- :func:`finish` runs whatever happened; :func:`close` is its part per job.
+
+Keeping the model busy (issue #15): once a job's result is encoded, nothing
+left of its life needs the model. :func:`hand_over` gives its
+:func:`deliver` (or :func:`fail`) and :func:`close` to the worker's delivery
+thread (``workers.job.deliveries``; in order, one hand-off waiting at most, a
+result over 16 MiB delivered here as before), so :func:`finish` (the weight
+check: cheap stamps, the whole fingerprint only when due,
+``ResidentModels.check_after_trusted``) is all that stands between this
+job's forward and the next: ``WorkerState.run`` then takes the head of the
+model's queue itself (``batch.next_job``) instead of returning to Celery.
+The job's :func:`deliver` runs while the next job starts and runs.
+
+A trusted job may lead a co-batch (``workers.job.gather``): its ``perform`` gathers
+its model's waiting trusted jobs, starts and announces each with these same
+steps, runs them together, and hands every job's answer over at once; the
+lead's :func:`finish` comes last.
+
+Nothing a job does may take the worker down or leak into the next job.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from ndif_celery.state import expiry as cleanup, jobs, registry
+from ndif_celery import messages, statuses, wire
+from ndif_celery.celery_app import send_job
+from ndif_celery.store import StoreUnavailable
+
+from . import deadline
+from workers import metrics, results
+from workers.execute import RequestError, result_too_big
+from .executors import JobCancelled, JobTimedOut, ms_since
+
+log = logging.getLogger("ndif_celery.worker")
+
+
+@dataclass
+class Life:
+    """One job as it runs: what :func:`start` gathered, what the steps add."""
+
+    job: jobs.Job
+    model: Any
+    blob: Optional[bytes]
+    executor: Any  # executors.InProcess or executors.Isolated
+    channel: statuses.StatusChannel
+    pipe: Any  # the second round trip (claim, last used, RUNNING), sent by announce
+    started: float = field(default_factory=time.time)
+    meta: dict = field(default_factory=dict)
+    outcome: str = wire.ERROR  # until the result is delivered
+    handed: bool = False  # answered and closed by the worker's delivery thread (workers.job.deliveries)
+    jobs_run: int = 1  # the jobs of the co-batch it led (workers.job.gather), itself included
+
+
+def perform(worker, life: Life) -> None:
+    """The job's work once it runs: :func:`execute`, then :func:`deliver`
+    (through :func:`hand_over`: off the forward's path)."""
+    data = execute(worker, life)
+    hand_over(worker, [(life, data)])
+
+
+def run(worker, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -> None:
+    """A job's whole life on ``worker`` (a ``workers.worker.WorkerState``).
+
+    ``perform``: its work once RUNNING; ``workers.job.gather.perform`` instead for a
+    job that may lead a co-batch (it answers the other jobs of the batch
+    itself, and raises what is this job's answer, as :func:`perform` does)."""
+    try:
+        life = start(worker, job)
+        if life is None:
+            return
+        try:
+            announce(worker, life)
+            perform(worker, life)
+        except (JobCancelled, JobTimedOut, Exception) as error:  # noqa: BLE001 - every end is answered
+            fail(worker, life, error)
+        finally:
+            finish(worker, life)
+        if life.meta.get("isolated"):
+            life.executor.prepare_next(job.model_key)
+    except (JobCancelled, JobTimedOut):
+        pass  # an interruption that landed just as the job ended; it has already answered
+
+
+def start(worker, job: jobs.Job) -> Optional[Life]:
+    """What the job needs to start, in one round trip; None when this worker
+    is not to run it (it already ended, or the model is gone)."""
+    pipe = worker.redis.pipeline(transaction=False)
+    pipe.get(jobs.status_key(job.id))
+    pipe.get(jobs.payload_key(job.id))
+    pipe.hget(registry.DEPLOYMENTS, registry.deployment_field(worker.name, job.model_key))
+    latest, blob, deployment = pipe.execute()
+    if jobs.ended(latest):
+        # A copy of a job that already ended (redelivered after its first
+        # worker died and it was run again, or cancelled while queued).
+        log.info("job %s already ended; not running it again", job.id)
+        return None
+    model = worker.models.get(job.model_key)
+    if model is None:
+        # Evicted between the broker handing us the job and now: back to the
+        # queue, for whichever worker holds (or will hold) the model.
+        send_job(worker.app, job)
+        registry.wake_controller(worker.redis, "requeued")
+        return None
+    settings = worker.settings
+    # Its final status sent once: by this thread or by the deadline's watchdog (workers.job.deadline).
+    channel = deadline.Channel(worker.redis, job, settings.job_ttl_s, settings.log_lines_per_s,
+                               settings.log_bytes_per_job)
+    life = Life(job, model, blob, worker.executor_for(job), channel, worker.redis.pipeline(transaction=False))
+    life.meta.update(job_id=job.id, worker=worker.name, queue_ms=round((life.started - job.received_at) * 1000, 1))
+    # One more round trip (sent by announce): this worker runs the job (for the
+    # watchdog), the model was just used (so a placement decided meanwhile will
+    # not evict it), and RUNNING for the client.
+    worker.begin(job.id, life.pipe)
+    life.pipe.hset(registry.DEPLOYMENTS, *registry.touched(deployment, worker.name, job.model_key))
+    return life
+
+
+def announce(worker, life: Life) -> None:
+    """RUNNING, on the round trip :func:`start` queued; a payload gone
+    (expired while queued) ends the job instead."""
+    if life.blob is None:
+        life.pipe.execute()
+        raise RequestError(f"The payload of job {life.job.id} is gone (it expires after "
+                                   f"{worker.settings.job_ttl_s} s); please resend.")
+    life.channel.send(wire.RUNNING, "Your job has started running.", pipe=life.pipe)
+    life.pipe.execute()
+
+
+def execute(worker, life: Life) -> bytes:
+    """Run the block through the job's executor; its result bytes, within the result limit."""
+    run_started = time.perf_counter()
+    data = life.executor.run(life.model, life.job, life.blob, life.channel, life.meta)
+    return within_limit(worker, life, data, ms_since(run_started))
+
+
+def within_limit(worker, life: Life, data: bytes, run_ms: float) -> bytes:
+    """The run's figures in the job's meta; ``data`` unless it is over the result limit."""
+    meta = life.meta
+    meta["run_ms"] = run_ms
+    meta["result_bytes"] = len(data)
+    meta["payload_bytes"] = life.job.payload_bytes
+    limit = worker.settings.max_result_bytes
+    if limit and len(data) > limit:
+        raise result_too_big(len(data), limit)
+    return data
+
+
+def deliver(worker, life: Life, data: bytes) -> None:
+    """Inline on the websocket when small and someone listens, else through the
+    store as a URL (which ``GET /response/<id>`` also returns)."""
+    job, meta, channel = life.job, life.meta, life.channel
+    description = "Your job has been completed."
+    if job.session_id and len(data) <= worker.settings.max_inline_bytes:
+        meta["inline"] = True
+        latest = wire.response_json(
+            job.id, wire.COMPLETED, description + " Its result was delivered over the websocket.", meta=meta
+        )
+        if channel.send_binary(results.completed_frame(job.id, description, data, meta), latest):
+            return
+        # Nobody listens any more (the client went away): keep the result for a poll.
+    key = cleanup.result_key(job.id)
+    upload_started = time.perf_counter()
+    worker.store.put(key, data)
+    meta["upload_ms"] = ms_since(upload_started)
+    meta["inline"] = False
+    channel.send(wire.COMPLETED, description, data=worker.store.url(key), meta=meta)
+
+
+def hand_over(worker, answers: list) -> None:
+    """Each ``(life, result bytes or the exception that is its answer)``
+    answered (:func:`answer`) and closed, in order, by the worker's delivery
+    thread (``workers.job.deliveries``), so the next job starts meanwhile; in this
+    thread instead when a result is too big to hold while the next one is made."""
+    if all(isinstance(a, BaseException) or worker.deliveries.takes(a) for _, a in answers):
+        worker.deliveries.hand(answers)
+        for life, _ in answers:
+            life.handed = True
+        return
+    for life, result in answers:
+        answer(worker, life, result)
+
+
+def answer(worker, life: Life, result) -> None:
+    """The job's result delivered (COMPLETED), or ``result``, an exception, failed."""
+    try:
+        if isinstance(result, BaseException):
+            raise result
+        deliver(worker, life, result)
+        life.outcome = wire.COMPLETED
+    except (JobCancelled, JobTimedOut, Exception) as error:  # noqa: BLE001 - every end is answered
+        fail(worker, life, error)
+
+
+def fail(worker, life: Life, error: BaseException) -> None:
+    """The ERROR the client sees, for every way a job can end badly. Called
+    while ``error`` is being handled (``log.exception`` logs it)."""
+    job, meta, channel = life.job, life.meta, life.channel
+    if isinstance(error, JobCancelled):
+        channel.send(wire.ERROR, "Your job was cancelled by the operator.", meta=meta, kind="cancelled")
+    elif isinstance(error, JobTimedOut):
+        channel.send(wire.ERROR, messages.timed_out(worker.settings.execution_timeout_s), meta=meta, kind="timeout")
+    elif isinstance(error, RequestError):
+        channel.send(wire.ERROR, str(error), meta=meta, kind=error.kind)
+    elif isinstance(error, StoreUnavailable):
+        log.error("job %s: %s", job.id, error)
+        channel.send(wire.ERROR, f"Your job ran, but the result store is unavailable so its result could not be "
+                     f"kept; please resend it shortly. ({error})", meta=meta, kind="store")
+    else:  # a server fault still ends the job visibly
+        log.exception("job %s failed on the server", job.id)
+        channel.send(wire.ERROR, f"Server error while running your job: {type(error).__name__}: {error}",
+                     meta=meta, kind="server")
+
+
+def finish(worker, life: Life) -> None:
+    """However the job ended, after its answer and before the next job (after
+    every job of its co-batch): the worker free, the weight checks, then :func:`close`."""
+    worker.end()
+    life.executor.after(life.job, life.jobs_run)  # the weight checks, before the next job's forward
+    if not life.handed:  # else the delivery thread closes it, once delivered
+        close(worker, life)
+
+
+def close(worker, life: Life) -> None:
+    """What every answered job leaves behind: its metrics, and its payload deleted."""
+    try:
+        metrics.job_ended(life.outcome, time.time() - life.started)
+    except Exception:  # noqa: BLE001 - metrics never fail a job
+        log.warning("worker metrics failed", exc_info=True)
+    worker.redis.delete(jobs.payload_key(life.job.id))
