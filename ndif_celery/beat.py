@@ -16,7 +16,7 @@ from celery.signals import beat_init
 from . import config
 from .celery_app import lazy_app
 from .monitoring.probes import Prober
-from .farm.watchdog import Watchdog
+from .farm.watchdog import FarmWatchdog
 
 app = lazy_app()
 
@@ -24,7 +24,7 @@ app = lazy_app()
 @beat_init.connect
 def _start_watchdog(**_) -> None:
     settings = config.load()
-    Watchdog(settings).start()
+    FarmWatchdog(settings).start()
     if settings.probe_interval_s > 0:
         # The probes' traces run in a child (ndif_celery.monitoring.probe_runner): the beat itself never imports torch.
         Prober(settings).start()

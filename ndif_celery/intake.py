@@ -78,7 +78,7 @@ def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.I
     """The key and env as nnsight sends them, made canonical in ``envelope``;
     what this key may load (``model_policy``)."""
     offered = () if identity.trusted else registry.offered_keys(client)
-    envelope.model_key, envelope.env = model_policy.Policy.from_settings(settings).admit(
+    envelope.model_key, envelope.env = model_policy.ModelPolicy.from_settings(settings).admit(
         envelope.model_key, envelope.env, identity.trusted, offered)
     # A deployment that lists its users (``deploy -f``: ``users``) serves only them.
     deployments.check_access(client, identity, envelope.model_key)

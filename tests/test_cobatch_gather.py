@@ -16,7 +16,7 @@ import pytest
 from ndif_celery.state import jobs, queues, registry
 from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for, send_job
-from ndif_celery.farm.watchdog import Watchdog
+from ndif_celery.farm.watchdog import FarmWatchdog
 
 MODEL_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "gather/tiny"}'
 IDS = [c * 32 for c in "abcd"]
@@ -68,7 +68,7 @@ def test_a_worker_dead_mid_batch_has_every_job_rescued(redis_client, app, embedd
     assert _waiting_ids(redis_client) == []
     stale = dict(registry.all_workers(redis_client)["w@dead"], last_seen=time.time() - registry.STALE_S - 1)
     redis_client.hset(registry.WORKERS, "w@dead", json.dumps(stale))
-    Watchdog(embedded_settings, redis_client, app, name="test-watchdog").tick()
+    FarmWatchdog(embedded_settings, redis_client, app, name="test-watchdog").tick()
     again = queues.waiting(redis_client, queue_for(MODEL_KEY))
     assert sorted(entry.job.id for entry in again) == sorted(IDS[:3])
     assert all(entry.job.attempt == 2 for entry in again)
@@ -82,5 +82,5 @@ def test_a_worker_restarted_mid_batch_hands_every_job_over(redis_client, app, em
     queues.remove(redis_client, queue_for(MODEL_KEY), IDS[0])
     registry.take_over(redis_client, "cpu@host", 200)
     assert {k.decode() for k in redis_client.hkeys(registry.ORPHANS)} == set(IDS[:2])
-    Watchdog(embedded_settings, redis_client, app, name="test-watchdog").tick()
+    FarmWatchdog(embedded_settings, redis_client, app, name="test-watchdog").tick()
     assert sorted(_waiting_ids(redis_client)) == sorted(IDS[:2])

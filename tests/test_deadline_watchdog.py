@@ -62,7 +62,7 @@ def _run_in_thread(watchdog, job, channel, seconds, body):
 
 def test_a_thread_sleeping_in_c_gets_its_error_at_the_limit_and_is_reported_stuck(client):
     stuck = []
-    watchdog = deadline.Watchdog(0.5, 0.5, (JobTimedOut, JobCancelled), lambda job_id, why: stuck.append(job_id))
+    watchdog = deadline.DeadlineWatchdog(0.5, 0.5, (JobTimedOut, JobCancelled), lambda job_id, why: stuck.append(job_id))
     job, channel = _job(client, "stuck")
     started = time.monotonic()
     thread, outcome = _run_in_thread(watchdog, job, channel, 0.5, lambda: time.sleep(3))
@@ -84,7 +84,7 @@ def test_a_thread_sleeping_in_c_gets_its_error_at_the_limit_and_is_reported_stuc
 
 def test_a_thread_that_unwinds_keeps_its_worker_and_sends_one_final_status(client):
     stuck = []
-    watchdog = deadline.Watchdog(0.3, 1.0, (JobTimedOut, JobCancelled), lambda job_id, why: stuck.append(job_id))
+    watchdog = deadline.DeadlineWatchdog(0.3, 1.0, (JobTimedOut, JobCancelled), lambda job_id, why: stuck.append(job_id))
     job, channel = _job(client, "unwinds")
 
     def python_loop():
@@ -101,7 +101,7 @@ def test_a_thread_that_unwinds_keeps_its_worker_and_sends_one_final_status(clien
 
 
 def test_a_kill_answers_at_once_and_a_late_result_is_dropped(client):
-    watchdog = deadline.Watchdog(60, 5, (JobTimedOut, JobCancelled), lambda job_id, why: None)
+    watchdog = deadline.DeadlineWatchdog(60, 5, (JobTimedOut, JobCancelled), lambda job_id, why: None)
     job, channel = _job(client, "killed")
     thread, outcome = _run_in_thread(watchdog, job, channel, 60, lambda: [time.sleep(0.01) for _ in range(300)])
     time.sleep(0.2)
@@ -116,7 +116,7 @@ def test_a_kill_answers_at_once_and_a_late_result_is_dropped(client):
 
 
 def test_a_job_that_answers_first_is_not_interrupted(client):
-    watchdog = deadline.Watchdog(0.3, 0.3, (JobTimedOut, JobCancelled), lambda job_id, why: None)
+    watchdog = deadline.DeadlineWatchdog(0.3, 0.3, (JobTimedOut, JobCancelled), lambda job_id, why: None)
     job, channel = _job(client, "quick")
     thread, outcome = _run_in_thread(watchdog, job, channel, 0.3, lambda: None)
     thread.join(2)
@@ -146,7 +146,7 @@ def _batch_in_thread(watchdog, members, seconds, body):
 
 
 def test_a_co_batch_past_its_deadline_gets_every_jobs_error_once(client):
-    watchdog = deadline.Watchdog(0.5, 2.0, (JobTimedOut, JobCancelled), lambda job_id, why: None)
+    watchdog = deadline.DeadlineWatchdog(0.5, 2.0, (JobTimedOut, JobCancelled), lambda job_id, why: None)
     members = [_job(client, f"batch{i}") for i in range(3)]
     thread, outcome = _batch_in_thread(watchdog, members, 0.5, lambda: [time.sleep(0.05) for _ in range(100)])
     thread.join(5)
@@ -158,7 +158,7 @@ def test_a_co_batch_past_its_deadline_gets_every_jobs_error_once(client):
 
 
 def test_a_kill_of_one_job_of_a_co_batch_answers_it_alone(client):
-    watchdog = deadline.Watchdog(30, 2.0, (JobTimedOut, JobCancelled), lambda job_id, why: None)
+    watchdog = deadline.DeadlineWatchdog(30, 2.0, (JobTimedOut, JobCancelled), lambda job_id, why: None)
     members = [_job(client, f"kill{i}") for i in range(3)]
     release = threading.Event()
     thread, outcome = _batch_in_thread(watchdog, members, 30, lambda: release.wait(10))

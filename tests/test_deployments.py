@@ -76,7 +76,7 @@ def test_a_bad_file_is_refused_naming_the_entry_and_field(text, says):
 
 
 def test_the_farms_model_policy_and_size_bounds_apply():
-    policy = model_policy.Policy(models=("org/*",))
+    policy = model_policy.ModelPolicy(models=("org/*",))
     with pytest.raises(DeploymentsError, match=r"entry 2 \(other/x\): Model 'other/x' is not served here"):
         deployments.parse("- repo: org/a\n- repo: other/x\n", "f", policy)
     many = "".join(f"- repo: org/m{i}\n" for i in range(deployments.MAX_ENTRIES + 1))

@@ -231,7 +231,7 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
     with torch.no_grad():
         before = model._module(ids).logits
     models.resident(key).share()  # the weights in a MAP_SHARED file, as for a zygote
-    policy = isolate.Policy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
+    policy = isolate.IsolationPolicy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
                             readable=tuple(jail.readable_paths((str(hf_home / "hub"),))))
     with pytest.raises(RequestError, match="after editing the weights"):
         isolate.run(model, blob_of(attack), False, {}, policy, lambda line: None, zygote=_GpuWayForker(model))

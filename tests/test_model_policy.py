@@ -27,7 +27,7 @@ import torch
 
 from ndif_celery import config
 from ndif_celery.policy import models as model_policy
-from ndif_celery.policy.models import Policy, PolicyError
+from ndif_celery.policy.models import ModelPolicy, PolicyError
 from tests.stack import Stack
 from tests.tiny_model import PROMPT, REPO_ID, client_model
 
@@ -129,7 +129,7 @@ def test_the_env_nnsight_sends_passes():
 
 
 def test_who_may_load_what():
-    open_farm, listed = Policy(), Policy(models=("ndif-celery/*",), trust_remote_code=("ndif-celery/custom-*",))
+    open_farm, listed = ModelPolicy(), ModelPolicy(models=("ndif-celery/*",), trust_remote_code=("ndif-celery/custom-*",))
     other = _key(repo_id="someone/else", revision=None, task="text-generation")
     # NDIF_MODELS empty: trusted keys any hub id; untrusted only what is deployed (or the operator deployed).
     assert open_farm.admit(other, {}, trusted=True) == (other, {})
@@ -156,16 +156,16 @@ def test_who_may_load_what():
 
 
 def test_the_worker_loads_only_canonical_keys():
-    assert Policy().loadable(KEY) == KEY
+    assert ModelPolicy().loadable(KEY) == KEY
     spaced = KEY.replace('", "', '",  "')
     with pytest.raises(PolicyError, match="not in canonical form"):
-        Policy().loadable(spaced)
+        ModelPolicy().loadable(spaced)
 
 
 def test_settings_and_operator_keys(tmp_path):
     settings = config.load({"NDIF_HOME": str(tmp_path), "NDIF_MODELS": " org/a , org/b-* ,",
                             "NDIF_TRUST_REMOTE_CODE": "org/b-1"})
-    assert Policy.from_settings(settings) == Policy(models=("org/a", "org/b-*"), trust_remote_code=("org/b-1",))
+    assert ModelPolicy.from_settings(settings) == ModelPolicy(models=("org/a", "org/b-*"), trust_remote_code=("org/b-1",))
     from ndif_celery.farm import actions as farm
 
     assert farm.model_key_for(REPO_ID) == KEY

@@ -17,7 +17,7 @@ from ndif_celery.state import jobs, queues, registry
 from ndif_celery import messages, wire
 from ndif_celery.celery_app import make_app, queue_for
 from ndif_celery.farm import watchdog as watchdog_module
-from ndif_celery.farm.watchdog import Watchdog, unserved_key
+from ndif_celery.farm.watchdog import FarmWatchdog, unserved_key
 
 MODEL_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "watchdog/tiny"}'
 
@@ -34,7 +34,7 @@ def client(redis_client):
 
 @pytest.fixture
 def watchdog(settings, client):
-    return Watchdog(settings, client, make_app(settings), name="test-watchdog")
+    return FarmWatchdog(settings, client, make_app(settings), name="test-watchdog")
 
 
 def _job(client, job_id: str, attempt: int = 1) -> jobs.Job:
@@ -151,8 +151,8 @@ def test_jobs_nobody_serves_are_told_once_per_change(client, watchdog, settings)
 
 
 def test_two_watchdogs_one_leads(client, settings):
-    first = Watchdog(settings, client, make_app(settings), name="first")
-    second = Watchdog(settings, client, make_app(settings), name="second")
+    first = FarmWatchdog(settings, client, make_app(settings), name="first")
+    second = FarmWatchdog(settings, client, make_app(settings), name="second")
     assert first.lead() and not second.lead()
     assert first.lead(), "the leader keeps its lease"
     client.delete("ndif:watchdog:leader")  # the leader died and its lease ran out

@@ -31,7 +31,7 @@ import zstandard
 from ndif_celery.state import expiry as cleanup, jobs, queues, registry
 from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for, send_job, worker_queue
-from ndif_celery.farm.watchdog import Watchdog
+from ndif_celery.farm.watchdog import FarmWatchdog
 from tests.remote import recorded_request
 from tests.tiny_model import REPO_ID, client_model
 
@@ -365,7 +365,7 @@ def test_a_worker_dead_while_delivering_has_the_job_rescued(redis, settings):
     redis.hset(registry.WORKERS, "w@dead", json.dumps({"name": "w@dead", "pid": 1, "current_job": None, "batch": [],
                                                        "delivering": [job.id],
                                                        "last_seen": time.time() - registry.STALE_S - 1}))
-    Watchdog(settings, redis, make_app(settings), name="test-watchdog").tick()
+    FarmWatchdog(settings, redis, make_app(settings), name="test-watchdog").tick()
     assert [e.job.id for e in queues.waiting(redis, queue_for("m"))] == [job.id]
 
 

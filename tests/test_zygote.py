@@ -228,7 +228,7 @@ def test_the_gpu_childs_path_runs_a_request_jailed(resident, hf_home, monkeypatc
     assert blobs and pid == os.getpid()
 
     _, model = resident
-    policy = isolate.Policy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
+    policy = isolate.IsolationPolicy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
                             readable=tuple(jail.readable_paths((str(hf_home / "hub"),))))
     spare = isolate.Spare(model, policy, zygote=_ForksTheGpuWay(model))
     try:

@@ -67,7 +67,7 @@ class WorkerState:
         self.models = ResidentModels(verify_untrusted=settings.verify_untrusted,
                                      trusted_check_every=settings.trusted_check_every)
         # The deadline of every job, and `ndif-celery kill`: answers, interrupts, replaces this process if stuck.
-        self.deadlines = deadline.Watchdog(settings.execution_timeout_s, settings.deadline_grace_s,
+        self.deadlines = deadline.DeadlineWatchdog(settings.execution_timeout_s, settings.deadline_grace_s,
                                            (JobTimedOut, JobCancelled), self.replace)
         self.in_process = InProcess(settings, self.models, self.deadlines, self.job_waiting)
         # Results delivered while the next job runs (workers.job.deliveries).

@@ -59,7 +59,7 @@ def deploy(model: Optional[str], path: Optional[str], sync: bool, pin: bool, rep
     try:
         key = farm.model_key_for(model, task=task)
         # The operator may deploy any hub id, but not outside NDIF_MODELS, nor remote code outside NDIF_TRUST_REMOTE_CODE.
-        model_policy.Policy.from_settings(current).check_model(model_policy.parse(key))
+        model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
         farm.deploy(client, key, pin, replicas, dtype)
         if wait:
             running = farm.wait_running(client, key, replicas, timeout)
@@ -75,7 +75,7 @@ def _deploy_file(path: str, sync: bool, wait: bool, timeout: float) -> None:
 
     current = settings()
     try:
-        entries = deployments.load_file(path, model_policy.Policy.from_settings(current))
+        entries = deployments.load_file(path, model_policy.ModelPolicy.from_settings(current))
     except deployments.DeploymentsError as exc:
         raise click.ClickException(str(exc)) from None
     for warning in deployments.warnings(entries, current.auth):
@@ -114,7 +114,7 @@ def scale(model: str, replicas: int, task: str, wait: bool, timeout: float) -> N
     current, client, app = connect()
     try:
         key = farm.model_key_for(model, task=task)
-        model_policy.Policy.from_settings(current).check_model(model_policy.parse(key))
+        model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
         evicted = deployments.scale(client, app, key, replicas)
         if evicted:
             click.echo(f"{model}: evicting the replicas on {', '.join(sorted(evicted))}")

@@ -113,7 +113,7 @@ def _check_deployments(current: config.Settings) -> None:
     from ndif_celery.policy import models as model_policy
 
     try:
-        entries = deployments.from_setting(current.deployments, model_policy.Policy.from_settings(current))
+        entries = deployments.from_setting(current.deployments, model_policy.ModelPolicy.from_settings(current))
     except deployments.DeploymentsError as exc:
         raise click.ClickException(str(exc)) from None
     for warning in deployments.warnings(entries, current.auth):

@@ -35,7 +35,7 @@ def schedule_add(model: str, start: str, end: str, replicas: int, task: str) -> 
     try:
         key = farm.model_key_for(model, task=task)
         parsed = model_policy.parse(key)
-        model_policy.Policy.from_settings(current).check_model(parsed)
+        model_policy.ModelPolicy.from_settings(current).check_model(parsed)
         entry = schedules.add(client, key, parsed.repo_id, schedules.parse_when(start, option="--from"),
                               schedules.parse_when(end, option="--to"), replicas)
     except (schedules.ScheduleError, model_policy.PolicyError, ValueError) as exc:

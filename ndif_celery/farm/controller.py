@@ -149,7 +149,7 @@ class Controller(threading.Thread):
             return
         try:
             entries = deployments.from_setting(self.settings.deployments,
-                                               model_policy.Policy.from_settings(self.settings))
+                                               model_policy.ModelPolicy.from_settings(self.settings))
         except deployments.DeploymentsError as error:
             self.notices.warn("NDIF_DEPLOYMENTS", f"{error} (not applied)")
             return
@@ -165,7 +165,7 @@ class Controller(threading.Thread):
         for jobs that reached the broker without the web: a key it refuses, or an
         untrusted-only queue for a model neither deployed by the operator nor
         listed in NDIF_MODELS, fails its jobs and loads nothing."""
-        policy = model_policy.Policy.from_settings(self.settings)
+        policy = model_policy.ModelPolicy.from_settings(self.settings)
         try:
             policy.loadable(model_key)
             key = model_policy.parse(model_key)
@@ -216,7 +216,7 @@ class Controller(threading.Thread):
         dtype = wish.get("dtype")
         repo = wire.repo_fields(model_key)["repo_id"]
         try:
-            model_policy.Policy.from_settings(self.settings).loadable(model_key)  # before sizing reads any config
+            model_policy.ModelPolicy.from_settings(self.settings).loadable(model_key)  # before sizing reads any config
         except model_policy.PolicyError as error:
             return self.cannot(fail_queue, f"Could not deploy: {error.detail}", model_key)
         try:

@@ -89,7 +89,7 @@ class Entry:
 # --- reading and checking ---------------------------------------------------------
 
 
-def load_file(path: "str | Path", policy: Optional[model_policy.Policy] = None, where: str = "") -> list[Entry]:
+def load_file(path: "str | Path", policy: Optional[model_policy.ModelPolicy] = None, where: str = "") -> list[Entry]:
     """The checked entries of the file at ``path`` (``where`` names it in errors; default: the path)."""
     path = Path(path).expanduser()
     try:
@@ -102,7 +102,7 @@ def load_file(path: "str | Path", policy: Optional[model_policy.Policy] = None, 
     return parse(text, where or str(path), policy)
 
 
-def from_setting(value: str, policy: Optional[model_policy.Policy] = None) -> list[Entry]:
+def from_setting(value: str, policy: Optional[model_policy.ModelPolicy] = None) -> list[Entry]:
     """``NDIF_DEPLOYMENTS``: an inline list (it starts with ``[`` or ``{``) or a file path; empty: none."""
     value = (value or "").strip()
     if not value:
@@ -112,7 +112,7 @@ def from_setting(value: str, policy: Optional[model_policy.Policy] = None) -> li
     return load_file(value, policy, where=f"NDIF_DEPLOYMENTS={value}")
 
 
-def parse(text: str, where: str = "deployments", policy: Optional[model_policy.Policy] = None) -> list[Entry]:
+def parse(text: str, where: str = "deployments", policy: Optional[model_policy.ModelPolicy] = None) -> list[Entry]:
     """The checked entries of a YAML or JSON document (JSON is YAML); ``where``
     names it in errors. ``policy``: also refuse repos the farm's NDIF_MODELS /
     NDIF_TRUST_REMOTE_CODE refuse."""
@@ -150,7 +150,7 @@ def parse(text: str, where: str = "deployments", policy: Optional[model_policy.P
     return entries
 
 
-def _entry(raw: object, where: str, policy: Optional[model_policy.Policy]) -> Entry:
+def _entry(raw: object, where: str, policy: Optional[model_policy.ModelPolicy]) -> Entry:
     if not isinstance(raw, dict):
         raise DeploymentsError(f"{where}: expected a mapping with at least `repo`, got {type(raw).__name__}")
     repo = raw.get("repo")

@@ -70,7 +70,7 @@ def unserved_key(job_id: str) -> str:
     return f"ndif:job:{job_id}:unserved"
 
 
-class Watchdog(threading.Thread):
+class FarmWatchdog(threading.Thread):
     """One copy per beat process; the lease makes one of them act."""
 
     def __init__(self, settings: config.Settings, redis_client=None, app=None, name: Optional[str] = None) -> None:

@@ -219,14 +219,14 @@ def matches(repo_id: str, patterns: Iterable[str]) -> bool:
 
 
 @dataclass(frozen=True)
-class Policy:
+class ModelPolicy:
     """The operator's rules (``NDIF_MODELS``, ``NDIF_TRUST_REMOTE_CODE``)."""
 
     models: tuple = ()  # empty: any hub id for trusted keys, deployed ones only for untrusted
     trust_remote_code: tuple = ()  # empty: no repo may run its own code
 
     @classmethod
-    def from_settings(cls, settings) -> "Policy":
+    def from_settings(cls, settings) -> "ModelPolicy":
         return cls(models=_patterns(settings.models), trust_remote_code=_patterns(settings.trust_remote_code))
 
     def check_model(self, key: ModelKey) -> None:

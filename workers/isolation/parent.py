@@ -59,13 +59,13 @@ log = logging.getLogger("ndif_celery.worker")
 
 
 @dataclass
-class Outcome:
+class ChildOutcome:
     data: Any  # bytes-like
     meta: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
-class Policy:
+class IsolationPolicy:
     timeout_s: float
     memory_bytes: int
     disk_bytes: int
@@ -92,7 +92,7 @@ class Spare:
     fork would have been made.
     """
 
-    def __init__(self, model: Any, policy: Policy, zygote: Any) -> None:
+    def __init__(self, model: Any, policy: IsolationPolicy, zygote: Any) -> None:
         if zygote is None:  # the worker itself is never the parent: it holds secrets and earlier jobs
             raise ValueError("an isolated child is forked by its model's zygote")
         self.model_id = id(model)
@@ -117,12 +117,12 @@ class Spare:
         self.out_fd, self.in_fd = out_read, in_write
         self.fork_ms = round((time.perf_counter() - started) * 1000, 1)
 
-    def fits(self, model: Any, policy: Policy, zygote: Any) -> bool:
+    def fits(self, model: Any, policy: IsolationPolicy, zygote: Any) -> bool:
         return (self.model_id == id(model) and self.policy == policy and self.zygote is zygote
                 and self.forked.status is None)
 
     def run(self, blob: bytes, compress: bool, env: dict, log: Callable[[str], None],
-            deadline: float | None = None) -> Outcome:
+            deadline: float | None = None) -> ChildOutcome:
         """Hand the request to the child and collect what it sends back, all by
         ``deadline`` (``time.monotonic()``; default: the policy's timeout from now)."""
         if deadline is None:
@@ -155,7 +155,7 @@ _spare: "Spare | None" = None
 _spare_lock = threading.Lock()
 
 
-def _take_spare(model: Any, policy: Policy, zygote: Any) -> "Spare | None":
+def _take_spare(model: Any, policy: IsolationPolicy, zygote: Any) -> "Spare | None":
     global _spare
     with _spare_lock:
         spare, _spare = _spare, None
@@ -165,7 +165,7 @@ def _take_spare(model: Any, policy: Policy, zygote: Any) -> "Spare | None":
     return spare
 
 
-def prepare(model: Any, policy: Policy, zygote: Any) -> None:
+def prepare(model: Any, policy: IsolationPolicy, zygote: Any) -> None:
     """Make a spare for the next request on ``model`` (replacing any other).
 
     Called by the job's own thread after a job has ended, so no torch work runs
@@ -195,8 +195,8 @@ def discard(zygote: Any = None) -> None:
         spare.close()
 
 
-def run(model: Any, blob: bytes, compress: bool, env: dict, policy: Policy, log: Callable[[str], None],
-        zygote: Any) -> Outcome:
+def run(model: Any, blob: bytes, compress: bool, env: dict, policy: IsolationPolicy, log: Callable[[str], None],
+        zygote: Any) -> ChildOutcome:
     """Run one request in a jailed child (the spare if one fits, else a new one)
     forked by ``zygote``; return its result bytes or raise RequestError."""
     started = time.perf_counter()
@@ -235,8 +235,8 @@ def wait_reaped(timeout_s: float) -> bool:
     return not reaper.is_alive() and spare.forked.status is not None
 
 
-def _collect(forked: Any, fd: int, policy: Policy, log: Callable[[str], None],
-             deadline: float | None = None) -> Outcome:
+def _collect(forked: Any, fd: int, policy: IsolationPolicy, log: Callable[[str], None],
+             deadline: float | None = None) -> ChildOutcome:
     """Read the child's frames until its result or its error, by ``deadline``.
 
     Each frame's header is checked before its body is buffered (``_check``),
@@ -282,10 +282,10 @@ def _collect(forked: Any, fd: int, policy: Policy, log: Callable[[str], None],
         raise RequestError(error)
     if result is None:
         raise RequestError(_died(_wait_for(forked, deadline, policy), policy))
-    return Outcome(result, meta)
+    return ChildOutcome(result, meta)
 
 
-def _check(forked, kind: bytes, length: int, policy: Policy) -> None:
+def _check(forked, kind: bytes, length: int, policy: IsolationPolicy) -> None:
     """Refuse a frame header the worker's own child code never sends: an
     unknown kind, or a body over its kind's limit. The child is killed."""
     if kind == b"R":
@@ -305,12 +305,12 @@ def _check(forked, kind: bytes, length: int, policy: Policy) -> None:
             f"over the {bounds.human_bytes(limit)} such a frame may carry, so it was stopped.")
 
 
-def _timed_out(forked, policy: Policy) -> RequestError:
+def _timed_out(forked, policy: IsolationPolicy) -> RequestError:
     forked.kill()
     return RequestError(messages.timed_out(policy.timeout_s), kind="timeout")
 
 
-def _wait_for(forked, deadline: float, policy: Policy) -> int:
+def _wait_for(forked, deadline: float, policy: IsolationPolicy) -> int:
     """The child's exit status, waited for in short slices until ``deadline``;
     at the deadline its process group is killed and the job times out. (A
     child that closed its pipe and sleeps must not hold the worker.)"""
@@ -323,7 +323,7 @@ def _wait_for(forked, deadline: float, policy: Policy) -> int:
             return status
 
 
-def _write_until(forked, fd: int, data, deadline: float, policy: Policy) -> None:
+def _write_until(forked, fd: int, data, deadline: float, policy: IsolationPolicy) -> None:
     """Write all of ``data`` to the child's (non-blocking) request pipe by
     ``deadline``: a child that stops reading cannot block the worker."""
     view = memoryview(data)
@@ -348,7 +348,7 @@ def _write_until(forked, fd: int, data, deadline: float, policy: Policy) -> None
 _LAYER_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _MAX_LAYERS = 32
 _CHILD_TIMINGS = ("deserialize_ms", "run_ms", "encode_ms")
-#: Every key an Outcome's meta may hold (the child's, then isolate.run's own).
+#: Every key an ChildOutcome's meta may hold (the child's, then isolate.run's own).
 OUTCOME_META = ("jail", "child", "isolated_ms", "spare")
 
 
@@ -381,7 +381,7 @@ def _scalar(value) -> bool:
         isinstance(value, str) and len(value) <= 200)
 
 
-def _died(status: int, policy: Policy) -> str:
+def _died(status: int, policy: IsolationPolicy) -> str:
     if os.WIFSIGNALED(status):
         sig = signal.Signals(os.WTERMSIG(status)).name
         hint = {

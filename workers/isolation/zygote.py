@@ -39,7 +39,7 @@ from typing import Any, Optional
 from . import control_channel as control, jail
 from .child import kill_group
 from .child import main as child_main
-from .parent import Policy
+from .parent import IsolationPolicy
 
 READY_TIMEOUT_S = 300.0  # imports and the skeleton; a big model's config is quick, imports are not
 _PREPROCESSORS = ("tokenizer", "image_processor", "feature_extractor", "processor")
@@ -255,7 +255,7 @@ def _serve(sock: socket.socket, model: Any, header: dict) -> None:
     cuda = bool(header["shared"]["cuda"])
     children: set = set()
     for request, fds in control.requests(sock, 2, children):
-        policy = Policy(**{**request["policy"], "secrets": tuple(request["policy"]["secrets"]),
+        policy = IsolationPolicy(**{**request["policy"], "secrets": tuple(request["policy"]["secrets"]),
                            "readable": tuple(request["policy"]["readable"])})
         out_fd, in_fd = fds
         pid = os.fork()

@@ -7,7 +7,7 @@ long torch op, a ``read`` on a pipe, ``libc.pause``) kept the worker, and its
 client, waiting far past ``NDIF_EXECUTION_TIMEOUT_S``. Here the *answer* no
 longer depends on the job's thread:
 
-1. at the deadline (or when the operator kills the job) the :class:`Watchdog`,
+1. at the deadline (or when the operator kills the job) the :class:`DeadlineWatchdog`,
    a thread of its own, publishes the job's ERROR itself, at once;
 2. then it raises :class:`~workers.job.executors.JobTimedOut` (or
    ``JobCancelled``) in the job's thread, again every :data:`RETRY_S` (user
@@ -157,7 +157,7 @@ class Watch:
         return [m for m in ((self.job_id, self.channel, self.meta), *self.others) if m[0] not in self.cancelled]
 
 
-class Watchdog:
+class DeadlineWatchdog:
     """One thread per worker process, watching the job its pool thread runs.
 
     ``errors``: (timed out, cancelled) exception classes to raise in the job's

@@ -70,7 +70,7 @@ class InProcess:
     (:meth:`run`) or a co-batch of them (:meth:`run_together`), through the
     co-batching engine's one trusted path (``cobatch.run_alone``, ``run_batch``)."""
 
-    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.Watchdog,
+    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.DeadlineWatchdog,
                  job_waiting: Callable[[str], bool] = lambda model_key: False) -> None:
         self.timeout_s = settings.execution_timeout_s
         self.cobatch_max, self.cobatch_pad = settings.cobatch_max, settings.cobatch_pad
@@ -150,7 +150,7 @@ class InProcess:
 class Isolated:
     """Untrusted: a fresh jailed child per request, forked by the model's zygote."""
 
-    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.Watchdog) -> None:
+    def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.DeadlineWatchdog) -> None:
         self.settings = settings
         self.models = models
         self.watchdog = watchdog  # the backstop behind the policy's deadline
@@ -206,12 +206,12 @@ class Isolated:
         server = forkserver.current() if self.settings.isolation == "fork" else None
         self.models.zygote(model_key, fork_server=server)
 
-    def policy(self, zygote=None) -> isolate.Policy:
+    def policy(self, zygote=None) -> isolate.IsolationPolicy:
         settings = self.settings
         readable = self.readable
         if zygote is not None and zygote.cuda:
             readable = readable + _gpu_readable()
-        return isolate.Policy(
+        return isolate.IsolationPolicy(
             timeout_s=settings.execution_timeout_s,
             memory_bytes=settings.job_memory_bytes,
             disk_bytes=settings.job_disk_bytes,

@@ -28,7 +28,7 @@ removal, so the beat's watchdog rescues every one (``registry.running_jobs``):
 each is run again once, alone, or ended (docs/reliability.md).
 
 Deadlines: one watch covers the whole batch, at the job limit
-(``deadline.Watchdog.watch`` with ``others``); at it every job of the batch
+(``deadline.DeadlineWatchdog.watch`` with ``others``); at it every job of the batch
 gets its timeout ERROR. ``ndif-celery kill`` of one job of a running batch
 answers that job alone; the others run on.
 """
