@@ -8,16 +8,21 @@ waiting, and the other pytest process's load.
 
     python tools/suite_cpu.py [--every 0.25] [--out cpu.json] -- make test
 
-Runs the command, and every ``--every`` seconds reads ``/proc``: each
-process's CPU time (user + system) since the last look is added to its kind
+Runs the command, and every ``--every`` seconds reads ``/proc``: each of
+the command's processes has its CPU time (user + system) since the last look
+added to its kind
 (:func:`kind`, from its command line as it is *now*, since a service is
 forked by the CLI before it execs; what forks without exec, the worker's
 fork server and the zygotes and jailed children forked from it, counts as
-the worker). Processes that were running before the
-command started count only from then. At the end (or on Ctrl-C) it prints
-each kind's CPU seconds and share, the machine's busy seconds from
-``/proc/stat`` over the same wall time, and what no look saw (processes that
-lived and died between two looks, the sampler's own blind spot). Linux only.
+the worker). The command's processes are those whose environment holds
+this run's ``SUITE_CPU_RUN`` mark (it survives forks, execs and daemons
+that detach) and those whose parent is one of them when first seen (a
+zygote or a jailed child, started with a cleaned environment); so other
+work on the machine does not count. At the end (or on Ctrl-C) it prints
+the command's CPU seconds, each kind's share, and the machine's busy
+seconds from ``/proc/stat`` over the same wall time; the gap is other work
+and what no look saw (a process that lived and died between two looks, or
+the CPU a process spent after its last look). Linux only.
 The command's exit status is this script's.
 """
 
@@ -69,8 +74,19 @@ def _busy_s() -> float:
     return (sum(fields) - fields[3] - fields[4]) / HZ
 
 
+MARK = "SUITE_CPU_RUN"
+
+
+def _marked(pid: str, mark: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as environ:
+            return mark in environ.read().split(b"\0")
+    except OSError:
+        return False
+
+
 def _look() -> dict:
-    """(pid, start time) -> (CPU seconds, command line) of every process now."""
+    """(pid, start time) -> (CPU seconds, command line, parent pid) of every process now."""
     seen = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -83,38 +99,52 @@ def _look() -> dict:
         except OSError:
             continue  # gone meanwhile
         fields = raw[raw.rindex(")") + 2:].split()  # after "pid (comm) "
-        seen[(pid, fields[19])] = ((int(fields[11]) + int(fields[12])) / HZ, cmdline)
+        seen[(pid, fields[19])] = ((int(fields[11]) + int(fields[12])) / HZ, cmdline, fields[1])
     return seen
 
 
 class Sampler:
-    def __init__(self) -> None:
+    """Adds up the CPU of the processes that carry ``mark`` or descend from one."""
+
+    def __init__(self, mark: str) -> None:
+        self.mark = mark.encode()
         self.by_kind: collections.Counter = collections.Counter()
-        self.last = {key: cpu for key, (cpu, _) in _look().items()}  # what ran before: counted from now
+        self.ours: dict = {}  # (pid, start time) -> whether it is the command's
+        self.last: dict = {}
         self.busy0, self.wall0 = _busy_s(), time.monotonic()
+
+    def _is_ours(self, key: tuple, ppid: str, now: dict) -> bool:
+        if key not in self.ours:
+            parents = [k for k in now if k[0] == ppid]
+            self.ours[key] = _marked(key[0], self.mark) or any(self.ours.get(k, False) for k in parents)
+        return self.ours[key]
 
     def look(self) -> None:
         now = _look()
-        for key, (cpu, cmdline) in now.items():
-            self.by_kind[kind(cmdline)] += cpu - self.last.get(key, 0.0)
-        self.last = {key: cpu for key, (cpu, _) in now.items()}
+        # parents first, so that a child seen in the same look as its parent is judged after it
+        for key in sorted(now, key=lambda k: int(k[1])):
+            cpu, cmdline, ppid = now[key]
+            if self._is_ours(key, ppid, now):
+                self.by_kind[kind(cmdline)] += cpu - self.last.get(key, 0.0)
+        self.last = {key: cpu for key, (cpu, _, _) in now.items()}
+        self.ours = {key: ours for key, ours in self.ours.items() if key in now}
 
     def report(self) -> dict:
         seen = sum(self.by_kind.values())
         busy = _busy_s() - self.busy0
         return {"wall_s": round(time.monotonic() - self.wall0, 1), "busy_s": round(busy, 1),
-                "cores": os.cpu_count(), "unseen_s": round(max(0.0, busy - seen), 1),
+                "cores": os.cpu_count(), "total_s": round(seen, 1), "unseen_s": round(max(0.0, busy - seen), 1),
                 "by_kind": {name: round(cpu, 1) for name, cpu in self.by_kind.most_common()}}
 
 
 def table(report: dict) -> str:
-    busy = report["busy_s"] or 1.0
-    lines = [f"wall {report['wall_s']:.0f} s, busy {report['busy_s']:.0f} CPU-s of "
-             f"{report['wall_s'] * report['cores']:.0f} on {report['cores']} cores"]
+    total = report["total_s"] or 1.0
+    lines = [f"wall {report['wall_s']:.0f} s, the command's CPU {report['total_s']:.0f} s; the machine busy "
+             f"{report['busy_s']:.0f} CPU-s of {report['wall_s'] * report['cores']:.0f} on {report['cores']} cores"]
     for name, cpu in report["by_kind"].items():
-        lines.append(f"{cpu:9.1f} CPU-s {100 * cpu / busy:5.1f} %  {name}")
-    lines.append(f"{report['unseen_s']:9.1f} CPU-s {100 * report['unseen_s'] / busy:5.1f} %  "
-                 "(no look saw it: short-lived processes, kernel)")
+        lines.append(f"{cpu:9.1f} CPU-s {100 * cpu / total:5.1f} %  {name}")
+    lines.append(f"{report['unseen_s']:9.1f} CPU-s          "
+                 "(no look counted it: other work on the machine, short-lived processes, kernel)")
     return "\n".join(lines)
 
 
@@ -127,8 +157,9 @@ def main(argv: Optional[list] = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given (put it after --)")
-    sampler = Sampler()
-    proc = subprocess.Popen(command)
+    mark = f"{os.getpid()}-{time.time_ns()}"
+    sampler = Sampler(f"{MARK}={mark}")
+    proc = subprocess.Popen(command, env={**os.environ, MARK: mark})
     try:
         while proc.poll() is None:
             time.sleep(args.every)
