@@ -58,7 +58,7 @@ def cached_repos(settings: config.Settings | None = None) -> list[str]:
     those it allows, so ``/status`` never offers what the farm would refuse."""
     from ndif_celery.policy import models as model_policy
 
-    policy = model_policy.Policy.from_settings(settings) if settings is not None else model_policy.Policy()
+    policy = model_policy.ModelPolicy.from_settings(settings) if settings is not None else model_policy.ModelPolicy()
     try:
         from huggingface_hub import scan_cache_dir
 

@@ -147,7 +147,7 @@ class ResidentModels:
             self._residents[model_key].size_bytes = size_bytes
             return 0.0
         try:  # again here, whoever sent the load: never a key the policy refuses
-            canonical = model_policy.Policy.from_settings(config.load()).loadable(model_key)
+            canonical = model_policy.ModelPolicy.from_settings(config.load()).loadable(model_key)
         except model_policy.PolicyError as error:
             raise RequestError(f"Could not load model: {error.detail}", kind="deploy") from None
         started = time.monotonic()
