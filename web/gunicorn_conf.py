@@ -7,7 +7,7 @@ greenlet pair and a mailbox (a few KiB), and all of a process's sockets share
 one Redis pub/sub connection (``web/hub.py``); gunicorn monkey-patches the
 worker before it imports the app, so Flask, flask-sock, simple-websocket and
 redis-py cooperate unchanged. ``gthread`` (a thread per open socket, the old
-model) stays selectable; docs/architecture.md says why gevent is the default
+model) stays selectable; docs/jobs.md ("The web tier waits cheaply") says why gevent is the default
 and docs/performance.md shows the measurements.
 
 Each open socket is a file descriptor: the master raises its ``RLIMIT_NOFILE``

@@ -1,14 +1,15 @@
 """The ``ndif-celery`` command: one click group, its commands in five modules.
 
 - :mod:`ndif_celery.cli.host`: this host's stack and services (``up``,
-  ``down``, ``status``, ``logs``, ``version``, ``doctor``, and ``web``,
-  ``worker``, ``beat``, ``flower``, ``redis`` in the foreground);
+  ``down``, ``status``, ``logs``, and ``web``, ``worker``, ``beat``,
+  ``flower``, ``redis`` in the foreground);
 - :mod:`ndif_celery.cli.checks`: ``version`` and ``doctor`` (apart for their
   imports: sqlalchemy, the result stores, huggingface_hub);
 - :mod:`ndif_celery.cli.farm`: the farm, from any host that reaches its broker
   (``deploy``, ``scale``, ``evict``, ``queue``, ``kill``, ``jobs``);
 - :mod:`ndif_celery.cli.ops`: operations over time (``schedule``, ``usage``, ``probes``);
-- :mod:`ndif_celery.cli.keys`: ``keys create|list|revoke``.
+- :mod:`ndif_celery.cli.keys`: ``keys create|list|revoke``;
+- :mod:`ndif_celery.cli.common`: the settings and listing helpers they share, nothing heavy.
 
 ``python -m ndif_celery.cli`` is the same command (the tests and the stack
 run it that way).

@@ -1,1 +1,18 @@
-"""ndif_celery.state."""
+"""What every process reads and writes in Redis: job state, the farm's registry, the queues, expiry.
+
+One package for the shared keys, so the web, the workers, the beat and the CLI
+name and read them one way. Bottom first:
+
+- ``jobs``: the bottom of job state: key names, ``Job`` (the Celery message),
+  the Redis client, the latest status; imports nothing of the project but
+  ``wire``. Not ``workers.job``, which is a job's life on a worker.
+- ``registry``: the farm's shared picture: live workers (heartbeats),
+  deployments, operator wishes, the jobs each worker runs, ``/status``.
+- ``queues``: what waits in each per-model queue, read from the broker;
+  ``take`` removes a co-batch's jobs and records them as the worker's, in one Lua step.
+- ``expiry``: the sweep the beat schedules (results and job state past
+  ``NDIF_JOB_TTL_S``) and the "has expired" answer a late poll gets.
+
+Publishing a status is one layer up, in ``ndif_celery.statuses``, because a
+final status also touches limits, the ledger and the metrics.
+"""

@@ -19,8 +19,8 @@ Missing results raise :class:`FileNotFoundError` from ``get`` on both
 backends; a backend that cannot be reached raises :class:`StoreUnavailable`.
 
 This module chooses the backend (:func:`open_store`) and names the public
-types; each backend is its own module (``store_fs``, ``store_s3``) over what
-they share (``store_common``: the key rule and the error).
+types; each backend is its own module (``fs``, ``s3``) over what they share
+(``base``: the key rule, the byte view and the error).
 """
 
 from __future__ import annotations

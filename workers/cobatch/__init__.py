@@ -6,7 +6,7 @@ nnsight's own interleaving into one batched forward, and finished one by one,
 so each user gets exactly their own saves, logs, errors and ``meta``. A
 request that cannot share safely runs alone, through today's trusted path, and
 ``meta["cobatch_solo"]`` says why. The design, its guards and what it refuses
-are in docs/architecture.md ("Co-batching"); the feasibility study behind it
+are in docs/cobatching.md; the feasibility study behind it
 is /work/shared/cobatch/README.md.
 
 Public entry::

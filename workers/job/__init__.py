@@ -1,1 +1,19 @@
-"""workers.job."""
+"""A job's life on a worker: named steps, where the block runs, its deadline, its delivery.
+
+Not ``ndif_celery.state.jobs``, which holds a job's keys and message in Redis.
+Bottom first (docs/jobs.md tells the whole pipeline):
+
+- ``deadline``: deadlines that always fire: ``DeadlineWatchdog``, one thread per
+  worker that publishes the timeout ERROR, interrupts the job's thread and
+  replaces a stuck worker; ``Channel``, a job's one final status, claimed across
+  processes; ``backstop``, the C-level last resort. Not ``ndif_celery.farm.watchdog``'s
+  ``FarmWatchdog``, the beat's rescuer of dead workers' jobs.
+- ``deliveries``: the worker's delivery thread: results stored or sent inline,
+  COMPLETED published, jobs closed, while the next job's forward runs.
+- ``executors``: where a block runs, each owning its deadline: ``InProcess``
+  (trusted keys, in this process) and ``Isolated`` (untrusted keys, a zygote's jailed child).
+- ``life``: ``Life`` and the steps: start, announce, execute, deliver or fail,
+  hand over, finish, close; the one place an exception becomes the client's ERROR.
+- ``gather``: a co-batch's life: a trusted lead takes its model's waiting
+  trusted jobs and runs them together; ``next_job`` runs the queue's head without Celery.
+"""
