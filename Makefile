@@ -49,9 +49,9 @@ XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscop
 test: install
 	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
-# The end-to-end tier (real stacks, marked e2e by tests/conftest.py) is left out.
+# The fast tier: tests/unit and tests/inprocess; the end-to-end tier (tests/e2e, real stacks) is left out.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not e2e" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests/unit tests/inprocess $(PYTEST_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache tests/_out

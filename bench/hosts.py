@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/hosts.py [--clients 4,16] [--requests 48] [--rounds 2] [--out PATH]
 
-Six hosts as network namespaces (``tests/host_farm.py``: a broker host with
+Six hosts as network namespaces (``tests/support/host_farm.py``: a broker host with
 Redis, the S3-protocol store and beat; two web hosts; two worker hosts holding
 the model; a client host), every service started from the CLI, one gunicorn
 process per web host. For each number of clients, ``--requests`` blocking

@@ -1,6 +1,6 @@
 """The models the bench runs on, built offline as Hugging Face cache entries.
 
-- ``tiny``: the test suite's tiny random GPT-2 (``tests/tiny_model.py``), plus a
+- ``tiny``: the test suite's tiny random GPT-2 (``tests/support/tiny_model.py``), plus a
   second copy under another repo id (another seed) for the cold start, so the
   main model stays deployed while the cold one is evicted and loaded again.
 - ``llama-1b``: a ~1.1B-parameter Llama (TinyLlama's shape) with random

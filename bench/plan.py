@@ -19,7 +19,8 @@ OUT_DIR = ROOT / "bench" / "_out"
 TIME_WORKLOADS = ("small_trace", "every_layer", "generate", "session", "big_result")
 ALL = TIME_WORKLOADS + ("cold_start", "isolation", "throughput", "cobatch", "capacity")
 # Co-batched values against the local solo run: torch.equal where no padding is involved, else within
-# the engine's stated tolerance (tests/test_cobatch.py's TOLERANCE and docstring; a smoke test keeps them equal).
+# the engine's stated tolerance (tests/support/load.py's COBATCH_TOLERANCE, measured in
+# tests/inprocess/test_cobatch.py; a smoke test keeps them equal).
 COBATCH_TOLERANCE = 1e-5
 TITLES = {
     "small_trace": "small trace: one forward pass, one hidden state saved",

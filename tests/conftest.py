@@ -7,13 +7,13 @@ read these variables once, at their own import):
   without them loading sits in retry backoff for minutes);
 * ``HF_HOME`` = ``tests/_out/hf`` (gitignored), unless ``HF_HOME`` already points
   at a folder holding the tiny model;
-* the tiny model is built there once (`tiny_model.build_tiny_gpt2` is idempotent
+* the tiny model is built there once (`tests.support.tiny_model.build_tiny_gpt2` is idempotent
   and safe against concurrent builders).
 
 Fixtures: ``hf_home`` (the folder), ``tiny_model_factory`` (build more tiny
 models under it), ``model`` (the shared client model on ``REPO_ID``).
 Constants (``PROMPT``, ``HIDDEN``, ``VOCAB``, ``N_LAYER``, ``REPO_ID``) live in
-``tiny_model`` and are re-exported here and by ``conformance``.
+``tests.support.tiny_model`` and are re-exported here and by ``tests.support.conformance``.
 """
 
 from __future__ import annotations
@@ -24,15 +24,8 @@ from pathlib import Path
 
 import pytest
 
-TESTS_DIR = Path(__file__).resolve().parent
-OUT_DIR = TESTS_DIR / "_out"
-
-# `import tiny_model` / `conformance` and `from tests.x import ...` both work.
-for _path in (TESTS_DIR, TESTS_DIR.parent):
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from tiny_model import (  # noqa: E402
+from tests.support.paths import E2E_DIR, OUT_DIR
+from tests.support.tiny_model import (
     HIDDEN,
     N_LAYER,
     PROMPT,
@@ -98,68 +91,15 @@ def model():
     return client_model(REPO_ID)
 
 
-# --- the real stack ---------------------------------------------------------------
-
-
-@pytest.fixture(scope="session")
-def stack_pool(tmp_path_factory, hf_home):
-    """Real stacks (redis, gunicorn web, celery worker, flower) started through
-    the CLI on first use, one per kind, stopped at the end of the session."""
-    from tests.stack_pool import StackPool
-
-    pool = StackPool(
-        tmp_path_factory.mktemp("stacks"),
-        {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
-    )
-    yield pool
-    pool.close()
-
-
-@pytest.fixture(scope="session")
-def fs_stack(stack_pool):
-    return stack_pool.get("fs")
-
-
-@pytest.fixture
-def on_fs_stack(fs_stack):
-    """The client pointed at the default stack (inline results, filesystem store)."""
-    from tests.remote import client_pointed_at
-
-    with client_pointed_at(fs_stack.url):
-        yield fs_stack
-
-
-def _variant_params():
-    from tests.remote import VARIANTS
-
-    return [pytest.param(v, id=v.id) for v in VARIANTS]
-
-
-@pytest.fixture(scope="session", params=_variant_params())
-def variant(request, stack_pool):
-    """One way of reaching the farm; the client is pointed at its stack."""
-    v = request.param
-    stack = stack_pool.get(v.stack)
-    from tests.remote import client_pointed_at
-
-    with client_pointed_at(stack.url, compress=v.compress):
-        yield v
-
-
-@pytest.fixture
-def stack_for_variant(variant, stack_pool):
-    return stack_pool.get(variant.stack)
-
-
 # --- an embedded Redis for the fast tier's in-process tests ------------------------
 
 
 @pytest.fixture(scope="module")
 def embedded_settings(tmp_path_factory, request):
     """Settings of a real embedded redis-server of this module's own
-    (``tests.servers.embedded_redis``): the fast tier's in-process tests (the
+    (``tests.support.servers.embedded_redis``): the fast tier's in-process tests (the
     intake, the watchdogs) drive the real code against a real Redis."""
-    from tests.servers import embedded_redis
+    from tests.support.servers import embedded_redis
 
     with embedded_redis(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])) as settings:
         yield settings
@@ -189,76 +129,78 @@ def local_results(model, tmp_path_factory):
     return results
 
 
-# --- test tiers ----------------------------------------------------------------------
+# --- test tiers ---------------------------------------------------------------------
 #
-# Two tiers, one marker: `e2e` is every test that starts a real multi-process
-# stack (embedded Redis + gunicorn + Celery worker + Flower) or another real
-# server process (moto, a PostgreSQL proxy, chromium, honcho). Everything else
-# is the fast tier (`make test-fast`, `pytest -m "not e2e"`): unit tests and
-# in-process integration (Flask's test client, an embedded Redis, the worker's
-# job function called directly). A test is e2e when any of these holds:
+# The tier follows from the path. Everything under tests/e2e/ starts (or shares)
+# a real multi-process stack (embedded Redis + gunicorn + Celery worker + Flower)
+# or another real server process (moto, a PostgreSQL proxy, chromium, honcho)
+# and is marked ``e2e`` here. tests/unit/ and tests/inprocess/ are the fast tier
+# (`make test-fast`): unit tests and in-process integration (Flask's test
+# client, an embedded Redis, the worker's job function called directly).
 #
-# * it uses (directly or through another fixture) one of E2E_FIXTURES: the
-#   shared stacks of tests/stack_pool.py and tests/jail_fixtures.py, and the
-#   module-level fixtures that start their own Stack or server;
-# * its module is in E2E_MODULES (every test of it drives a stack);
-# * it carries ``@pytest.mark.e2e`` itself (it starts a stack in its body).
-#
-# A fast-tier test that starts a stack or moto anyway fails at once, naming this
-# fix (``tests.servers.refuse_in_fast_tier``), so the fast tier stays fast.
+# A fast-tier test that starts a stack or moto anyway fails at once, naming the
+# fix (``tests.support.servers.refuse_in_fast_tier``), so the fast tier stays fast.
 
-E2E_FIXTURES = frozenset({
-    # tests/stack_pool.py and the fixtures above
-    "stack_pool", "fs_stack", "on_fs_stack", "variant", "stack_for_variant",
-    # tests/jail_fixtures.py
-    "jail", "worker_pid", "still_serving_after",
-    # module fixtures that start a Stack (test_cli, test_doctor, test_limits,
-    # test_auth*, test_expiry, test_farm*, test_reliability, test_outages,
-    # test_model_policy, test_integrity) or a server process (moto, chromium)
-    "stack", "farm", "auth_stack", "listed_stack", "verifying_stack", "moto", "s3", "chromium",
-})
 
-E2E_MODULES = frozenset({
-    "test_auth", "test_bench_smoke", "test_capacity", "test_conformance_remote", "test_dashboard", "test_e2e_api",
-    "test_expiry", "test_farm", "test_farm_replicas", "test_jail_required", "test_limits", "test_load",
-    "test_many_requests", "test_outages", "test_reliability", "test_deadlines", "test_operations", "test_multi_host",
-})
+def in_e2e_tier(path) -> bool:
+    """Whether a test file is in the end-to-end tier: under tests/e2e/."""
+    return Path(path).resolve().is_relative_to(E2E_DIR)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before the test's fixtures: a fast-tier test that starts a stack or a
-    server process fails, naming the fix (``tests.servers.refuse_in_fast_tier``)."""
-    from tests import servers
+    server process fails, naming the fix (``tests.support.servers.refuse_in_fast_tier``)."""
+    from tests.support import servers
 
-    servers.FAST_TIER_TEST = "" if item.get_closest_marker("e2e") else item.nodeid
+    servers.FAST_TIER_TEST = "" if in_e2e_tier(item.path) else item.nodeid
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _module(item) in E2E_MODULES or E2E_FIXTURES.intersection(item.fixturenames):
+        if in_e2e_tier(item.path):
             item.add_marker(pytest.mark.e2e)
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_module(item), len(rank)))  # stable: a module's own order is kept
+    durations = config.cache.get(DURATIONS_KEY, {}) if config.cache is not None else {}
+    if durations:
+        # Stable: a module's own order is kept, and so is the order of modules without a time.
+        items.sort(key=lambda item: -durations.get(_module(item), 0.0))
 
 
-def _module(item) -> str:
-    return item.module.__name__.rpartition(".")[2] if item.module else ""
-
-
-# --- order: the longest modules first ----------------------------------------------
+# --- order: the longest modules first ------------------------------------------------
 #
 # ``make test`` shares the modules out among pytest-xdist processes (``--dist
 # loadscope``: a module at a time, in collection order). A long module picked
-# last runs alone at the end while the other processes idle, so the longest
-# go first. Ranked by their time in a full two-process run (test_deadlines,
-# about 2.5 minutes, first); a module not listed keeps its place after them.
+# last runs alone at the end while the other processes idle, so the longest go
+# first: each run records every module's time (setup, call and teardown of its
+# tests) in pytest's cache (.pytest_cache), and the next run orders the modules
+# by it, longest first. With no times recorded the collection order is kept.
 
-LONGEST_FIRST = (
-    "test_deadlines", "test_bench_smoke", "test_conformance_remote", "test_security", "test_multi_host",
-    "test_cobatch_e2e", "test_auth_defaults", "test_operations", "test_capacity", "test_auth", "test_reliability",
-    "test_farm", "test_security_channels", "test_cli", "test_doctor", "test_model_policy", "test_supervision",
-    "test_ledger", "test_limits", "test_conformance_local", "test_integrity", "test_jail_required", "test_expiry",
-    "test_farm_replicas", "test_e2e_api", "test_dashboard", "test_outages", "test_cobatch",
-)
+DURATIONS_KEY = "ndif/module_durations"
 
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+class _ModuleDurations:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        module = report.nodeid.split("::", 1)[0]
+        self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session) -> None:
+        cache = session.config.cache
+        if cache is None or not self.seconds:
+            return
+        durations = cache.get(DURATIONS_KEY, {})
+        durations.update({module: round(s, 2) for module, s in self.seconds.items()})
+        cache.set(DURATIONS_KEY, durations)
+
+
+def pytest_configure(config):
+    # Recorded by the controlling process only: an xdist worker's reports reach it too.
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_ModuleDurations(), "ndif-module-durations")

@@ -1,0 +1,168 @@
+"""Auth on (``NDIF_AUTH=1``), on SQLite and on PostgreSQL: keys made with the
+CLI, requests without a key, with a revoked key, and for another key's job are
+refused with NDIF's messages; with a valid key everything works, and the key
+decides whether a job runs in-process (trusted) or isolated."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import nnsight
+import pytest
+import torch
+from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
+
+from tests.support.remote import poll
+from tests.support.servers import postgres_database
+from tests.support.stack import client_on_stack
+from tests.support.tiny_model import PROMPT
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def stack(request, tmp_path_factory, hf_home):
+    env = {"NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0"}
+    drop = None
+    if request.param == "postgresql":
+        env["NDIF_DATABASE_URL"], drop = postgres_database()
+    try:
+        with client_on_stack(tmp_path_factory.mktemp(f"auth-{request.param}"), hf_home, env) as stack:
+            yield stack
+    finally:
+        if drop:
+            drop()
+
+
+def make_key(stack, email, *flags) -> str:
+    result = stack.cli("keys", "create", "--email", email, *flags)
+    assert result.returncode == 0, result.stderr
+    key = result.stdout.strip().splitlines()[-1]
+    uuid.UUID(key)  # alone on its last line, and a UUID as NDIF's are
+    return key
+
+
+@pytest.fixture
+def use_key(monkeypatch):
+    def use(key):
+        monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", key)
+
+    return use
+
+
+def _trace(model):
+    with model.trace(PROMPT, remote=True) as tracer:
+        hidden = model.transformer.h[1].output.save()
+    return hidden, tracer.backend.meta
+
+
+def test_no_key_is_refused(stack, model, use_key):
+    use_key(None)
+    with pytest.raises(Exception, match="Missing or invalid API key"):
+        _trace(model)  # refused at the websocket handshake
+    with pytest.raises(RemoteError, match="Missing or invalid API key"):
+        with model.trace(PROMPT, remote=True, blocking=False):
+            model.output.logits.save()
+
+
+def test_malformed_and_unknown_keys_are_refused(stack, model, use_key):
+    use_key("not-a-uuid")
+    with pytest.raises(RemoteError, match="Invalid API key format: 'not-a-uuid'"):
+        with model.trace(PROMPT, remote=True, blocking=False):
+            model.output.logits.save()
+    use_key(str(uuid.uuid4()))
+    with pytest.raises(RemoteError, match="Invalid API key."):
+        with model.trace(PROMPT, remote=True, blocking=False):
+            model.output.logits.save()
+
+
+def test_valid_keys_work_and_decide_trust(stack, model, use_key):
+    with model.trace(PROMPT):
+        local = model.transformer.h[1].output.save()
+    untrusted, trusted = make_key(stack, "ada@example.org"), make_key(stack, "grace@example.org", "--trusted")
+    use_key(untrusted)
+    hidden, meta = _trace(model)
+    assert torch.equal(hidden, local) and meta["isolated"] is True
+    assert nnsight.whoami() == {"email": "ada@example.org", "tags": []}
+    use_key(trusted)
+    hidden, meta = _trace(model)
+    assert torch.equal(hidden, local) and meta["isolated"] is False
+    assert nnsight.whoami() == {"email": "grace@example.org", "tags": ["trusted"]}
+    listed = json.loads(stack.cli("keys", "list", "--json").stdout)
+    assert {row["email"] for row in listed} >= {"ada@example.org", "grace@example.org"}
+    assert all(untrusted not in json.dumps(row) for row in listed), "keys list must not show keys"
+
+
+def test_a_revoked_key_is_refused(stack, model, use_key):
+    key = make_key(stack, "revoked@example.org")
+    use_key(key)
+    _trace(model)
+    assert stack.cli("keys", "revoke", key).returncode == 0
+    with pytest.raises(RemoteError, match="Invalid API key."):
+        with model.trace(PROMPT, remote=True, blocking=False):
+            model.output.logits.save()
+
+
+def test_another_keys_job_is_out_of_reach(stack, model, use_key):
+    owner, other = make_key(stack, "owner@example.org"), make_key(stack, "other@example.org")
+    use_key(owner)
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        logits = model.output.logits.save()  # noqa: F841
+    job_id = tracer.backend.job_id
+    thief = RemoteBackend(model.to_model_key(), blocking=False, job_id=job_id, api_key=other)
+    with pytest.raises(httpx.HTTPStatusError) as caught:
+        thief()
+    assert caught.value.response.status_code == 403
+    assert "another API key" in caught.value.response.json()["detail"]
+    response = httpx.get(f"{stack.url}/response/{job_id}")
+    assert response.status_code == 401, "a job id alone is not a bearer token"
+    mine = RemoteBackend(model.to_model_key(), blocking=False, job_id=job_id, api_key=owner)
+    assert poll(mine)["logits"].shape[-1] > 0
+
+
+def test_a_session_opened_by_one_key_cannot_carry_anothers_job(stack, model):
+    import websocket
+
+    owner, other = make_key(stack, "ws-owner@example.org"), make_key(stack, "ws-other@example.org")
+    ws = websocket.create_connection(f"ws{stack.url[4:]}/subscribe", header={"ndif-api-key": owner})
+    try:
+        session_id = json.loads(ws.recv())["session_id"]
+        envelope = {"model_key": model.to_model_key(), "session_id": session_id, "compress": False, "env": {}}
+        response = httpx.post(
+            f"{stack.url}/request", data={"data": json.dumps(envelope)},
+            files={"blob": ("request", b"x", "application/octet-stream")}, headers={"ndif-api-key": other},
+        )
+        assert response.status_code == 403
+        assert "session_id was not opened by this API key" in response.json()["detail"]
+    finally:
+        ws.close()
+
+
+def _recording_start(model):
+    """A non-blocking job that saves when (server time) it began running."""
+    import time
+
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        model.transformer.h[0].output.save()
+        began = nnsight.save(time.time())  # noqa: F841
+    return tracer.backend
+
+
+def test_a_priority_key_is_served_before_the_queue(stack, model, use_key):
+    """Four jobs wait behind a running one; the last, from a key tagged
+    ``priority``, runs first, and is told position 1 when it is queued."""
+    from tests.support.remote import slow_job, wait_status
+
+    ordinary = make_key(stack, "queue@example.org", "--trusted")
+    vip = make_key(stack, "first@example.org", "--trusted", "--priority")  # both made before the clock runs
+    use_key(ordinary)
+    blocker = slow_job(model, 100)  # 5 s: the queue forms behind it
+    wait_status(stack.url, blocker.job_id, "RUNNING", headers={"ndif-api-key": blocker.api_key})
+    normal = [_recording_start(model) for _ in range(3)]
+    use_key(vip)
+    first = _recording_start(model)
+    queued = httpx.get(f"{stack.url}/response/{first.job_id}", headers={"ndif-api-key": first.api_key}).json()
+    began = {backend.job_id: poll(backend)["began"] for backend in [first, *normal]}
+    assert queued["status"] == "QUEUED" and "(position 1)" in queued["description"], queued
+    assert began[first.job_id] < min(began[b.job_id] for b in normal), began
+    assert sorted(began[b.job_id] for b in normal) == [began[b.job_id] for b in normal]  # the rest in order

@@ -1,0 +1,1 @@
+"""End to end: the CLI on one host: up/down/status, doctor, supervision, the Procfile under honcho."""

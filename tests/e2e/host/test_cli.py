@@ -1,0 +1,316 @@
+"""The ``ndif-celery`` CLI, run for real: subprocesses, a temporary NDIF_HOME,
+free loopback ports, the real embedded Redis, gunicorn web, Celery worker and
+Flower. Nothing here needs a Redis, PostgreSQL or RabbitMQ of the machine.
+The pieces that need no stack are tests/inprocess/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import redis
+
+from ndif_celery.state import registry
+from tests.support.servers import port_open
+from tests.support.stack import ROOT, Stack
+
+SERVICES = ("redis", "web", "worker", "beat", "flower")
+
+
+def running(pid: int) -> bool:
+    """Whether a process runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group (gunicorn's workers share the master's)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rfind(")") + 2:].split()
+            if fields[2] == str(pgid) and fields[0] not in "ZX":
+                members.append(int(entry.name))
+    return members
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def assert_all_gone(stack: Stack, pids: dict[str, int]) -> None:
+    for service, pid in pids.items():
+        assert not running(pid), f"{service} (pid {pid}) still runs"
+        assert not group_members(pid), f"{service}'s process group {pid} still has {group_members(pid)}"
+    for port in (stack.api_port, stack.redis_port, stack.flower_port):
+        assert not port_open(port), f"port {port} still accepts connections"
+    assert not (stack.home / "run" / "stack.json").exists()
+
+
+# -- one detached stack, shared by the tests below in order (the last stops it) --
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    stack = Stack(tmp_path_factory.mktemp("cli") / "home")
+    stack.start()
+    yield stack
+    stack.discard()
+
+
+def test_up_detach_answers_ping(stack):
+    response = httpx.get(f"{stack.url}/ping", timeout=10)
+    assert response.status_code == 200, response.text
+
+
+def test_a_worker_registered_before_up_returned(stack):
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        assert client.hlen(registry.WORKERS) >= 1
+    finally:
+        client.close()
+
+
+def test_status_lists_every_service_running(stack):
+    result = stack.cli("status")
+    assert result.returncode == 0, result.stderr
+    pids = stack.pids()
+    lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
+    for service in SERVICES:
+        assert service in lines, result.stdout
+        assert str(pids[service]) in lines[service] and "running" in lines[service], result.stdout
+    assert "answers" in lines["api"] and "not answering" not in lines["api"], result.stdout
+
+
+def test_flower_answers_http(stack):
+    assert httpx.get(f"{stack.flower_url}/healthcheck", timeout=10).status_code == 200
+    assert httpx.get(f"{stack.flower_url}/", timeout=30).status_code == 200
+
+
+def test_up_twice_refuses_and_leaves_the_stack_alone(stack):
+    before = stack.pids()
+    result = stack.cli("up", "--detach")
+    assert result.returncode != 0
+    assert "already running; run `ndif-celery down`" in result.stderr
+    assert stack.pids() == before
+    assert all(running(pid) for pid in before.values())
+    assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == 200
+
+
+def test_down_stops_every_service(stack):
+    pids = stack.pids()
+    assert set(pids) == set(SERVICES)
+    result = stack.stop()
+    assert result.returncode == 0, result.stderr
+    for service in SERVICES:
+        assert f"{service}: stopped" in result.stdout, result.stdout
+    assert_all_gone(stack, pids)
+
+    status = stack.cli("status")
+    assert status.returncode == 0
+    for service in SERVICES:
+        assert any(line.startswith(service) and "stopped" in line for line in status.stdout.splitlines())
+    assert "not answering" in status.stdout
+    again = stack.cli("down")
+    assert again.returncode == 0 and "not running" in again.stdout
+
+
+# -- the foreground `up` --
+
+
+@contextlib.contextmanager
+def _foreground_up(tmp_path: Path) -> Iterator[tuple[Stack, subprocess.Popen, Path]]:
+    """A stack under a foreground `up` (its output in ``up.out``), ready;
+    afterwards `up` and everything of the stack killed, however the test ended."""
+    stack = Stack(tmp_path / "home")
+    out = tmp_path / "up.out"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "ndif_celery.cli", "up"], cwd=ROOT, env=stack.env,
+                                stdout=f, stderr=subprocess.STDOUT)
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"`up` exited {proc.returncode}:\n{out.read_text()}\n{stack.logs()}")
+        return "is up at" in out.read_text()
+
+    try:
+        wait_until(ready, 180, "`ndif-celery up` to report ready")
+        yield stack, proc, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        stack.discard()
+
+
+def test_foreground_up_stops_everything_on_sigterm(tmp_path):
+    with _foreground_up(tmp_path) as (stack, proc, out):
+        pids = stack.pids()
+        assert set(pids) == set(SERVICES)
+        assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) == 0, out.read_text()
+        assert_all_gone(stack, pids)
+
+
+def test_foreground_up_restarts_a_service_that_dies(tmp_path):
+    """The foreground `up` is the supervisor (ndif_celery.host.supervisor): a worker
+    killed is started again and said so; `down` from elsewhere ends `up` too."""
+    with _foreground_up(tmp_path) as (stack, proc, out):
+        pids = stack.pids()
+        os.kill(pids["worker"], signal.SIGKILL)
+        wait_until(lambda: stack.pids().get("worker") not in (None, pids["worker"]), 30, "the worker restarted")
+        # The supervisor records the new pid before it says so: wait for its line too.
+        wait_until(lambda: "worker restarted" in out.read_text(), 30, "the supervisor to report the restart")
+        text = out.read_text()
+        assert "worker (pid" in text and "killed by SIGKILL" in text and "worker restarted" in text, text
+        assert proc.poll() is None, text
+        new = stack.pids()
+        assert stack.stop().returncode == 0
+        assert proc.wait(timeout=90) == 0, out.read_text()
+        assert "stopped by `ndif-celery down`" in out.read_text()
+        assert_all_gone(stack, {**pids, **{f"new-{k}": v for k, v in new.items()}})
+
+
+def test_a_service_dying_while_starting_fails_fast_with_its_log(tmp_path):
+    # gunicorn reads extra arguments from GUNICORN_CMD_ARGS; a bad one makes
+    # only the web exit, right away.
+    stack = Stack(tmp_path / "home", env={"GUNICORN_CMD_ARGS": "--no-such-option"})
+    started = time.monotonic()
+    result = stack.cli("up", "--detach", "--timeout", "120")
+    assert result.returncode != 0
+    assert time.monotonic() - started < 60, "waited for the timeout instead of failing fast"
+    assert "web" in result.stderr and "exited while starting" in result.stderr, result.stderr
+    assert "no-such-option" in result.stderr, "the tail of web.log is missing:\n" + result.stderr
+    assert not (stack.home / "run" / "stack.json").exists()
+    for port in (stack.redis_port, stack.flower_port):
+        assert not port_open(port)
+
+
+def test_not_ready_in_time_stops_what_it_started(tmp_path):
+    stack = Stack(tmp_path / "home")
+    result = stack.cli("up", "--detach", "--timeout", "0.5")
+    assert result.returncode != 0
+    assert "not ready within" in result.stderr and "still waiting for" in result.stderr, result.stderr
+    assert not (stack.home / "run" / "stack.json").exists()
+    for port in (stack.api_port, stack.redis_port, stack.flower_port):
+        assert not port_open(port)
+
+
+# -- one service per command, as a Procfile runs them --
+
+
+def test_procfile_commands_make_a_farm(tmp_path):
+    stack = Stack(tmp_path / "home")
+    procs = {}
+
+    def run(*args):
+        log = open(tmp_path / f"{args[0]}.log", "wb")
+        procs[args[0]] = subprocess.Popen([sys.executable, "-m", "ndif_celery.cli", *args], cwd=ROOT,
+                                          env=stack.env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+
+    def logs():
+        return "\n".join(f"==> {p.name}\n{p.read_text()[-3000:]}" for p in tmp_path.glob("*.log"))
+
+    try:
+        run("redis")
+        wait_until(lambda: port_open(stack.redis_port), 30, "`ndif-celery redis` to listen")
+        assert (stack.home / "redis").is_dir()
+        run("web")
+        run("worker", "--name", "procfile@test")
+        run("beat")
+        run("flower")
+        client = redis.Redis.from_url(stack.redis_url)
+        try:
+            def up():
+                for name, proc in procs.items():
+                    assert proc.poll() is None, f"`ndif-celery {name}` exited {proc.returncode}\n{logs()}"
+                return (client.hexists(registry.WORKERS, "procfile@test") and port_open(stack.api_port)
+                        and port_open(stack.flower_port))
+
+            wait_until(up, 120, "web, worker and flower")
+        finally:
+            client.close()
+        assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == 200
+        assert httpx.get(f"{stack.flower_url}/healthcheck", timeout=10).status_code == 200
+        # exec, not a child: the pid we started is the service itself
+        assert "redis-server" in Path(f"/proc/{procs['redis'].pid}/cmdline").read_bytes().decode()
+        assert b"beat" in Path(f"/proc/{procs['beat'].pid}/cmdline").read_bytes()
+    finally:
+        for proc in reversed(list(procs.values())):
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+# -- failures that start nothing --
+
+
+def test_taken_api_port_is_named_with_its_variable(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        stack = Stack(tmp_path / "home", env={"NDIF_API_PORT": str(port)})
+        result = stack.cli("up", "--detach")
+    assert result.returncode != 0
+    assert str(port) in result.stderr and "NDIF_API_PORT" in result.stderr, result.stderr
+    assert not (stack.home / "run" / "stack.json").exists()
+    assert not port_open(stack.redis_port), "started Redis although the web could never listen"
+
+
+def test_down_and_status_when_nothing_runs(tmp_path):
+    stack = Stack(tmp_path / "home")
+    down = stack.cli("down")
+    assert down.returncode == 0 and "not running" in down.stdout
+
+    # A state file left by a stack that died with its host: stale, not "running".
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True, check=True)
+    state = stack.home / "run" / "stack.json"
+    state.parent.mkdir(parents=True, exist_ok=True)
+    state.write_text(json.dumps({"web": {"pid": int(finished.stdout), "command": ["x"], "started_at": "x"}}))
+    status = stack.cli("status")
+    assert status.returncode == 0
+    assert "stopped" in status.stdout and "running" not in status.stdout, status.stdout
+    assert "not answering" in status.stdout
+    assert stack.cli("down").returncode == 0
+    assert not state.exists()
+
+
+# -- the embedded Redis --
+
+
+# -- the Procfile names real commands --

@@ -1,0 +1,1 @@
+"""End to end: the jail of untrusted jobs (attacks), required jail layers, the zygote, weight integrity, deadlines."""

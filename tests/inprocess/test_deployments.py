@@ -1,0 +1,202 @@
+"""Declarative deployments (``ndif_celery.farm.deployments``) in the fast tier: a file's
+every mistake named by entry and field, who may use a deployment, and apply /
+``--sync`` / ``scale`` against a real embedded Redis with the real Celery app
+(evictions are the real messages on each worker's own queue). The farm doing
+it (loads, evictions, ``/status``, ``up`` with ``NDIF_DEPLOYMENTS``) is
+tests/e2e/farm/test_operations.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ndif_celery.accounts import auth
+from ndif_celery.farm import deployments, actions as farm
+from ndif_celery.policy import models as model_policy
+from ndif_celery.state import registry
+from ndif_celery.celery_app import make_app, worker_queue
+from ndif_celery.farm.deployments import DeploymentsError
+from ndif_celery.errors import Refused
+
+
+def _key(repo: str, revision=None) -> str:
+    return farm.model_key_for(repo, revision=revision)
+
+
+# --- parsing ----------------------------------------------------------------------
+
+
+def test_a_yaml_file_becomes_checked_entries_with_canonical_keys(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        "deployments:\n"
+        "  - repo: org/a\n    pin: true\n    replicas: 2\n    dtype: bfloat16\n"
+        "    users: [Ada@Example.org, 'tag:trusted', 'key:12']\n"
+        "  - repo: org/b\n    revision: v1\n"
+    )
+    a, b = deployments.load_file(path)
+    assert (a.repo, a.pin, a.replicas, a.dtype) == ("org/a", True, 2, "bfloat16")
+    assert a.users == ("ada@example.org", "tag:trusted", "key:12")
+    assert a.model_key == _key("org/a") and b.model_key == _key("org/b", "v1")
+    assert (b.pin, b.replicas, b.dtype, b.users) == (False, 1, None, ())
+    assert a.wish() == {"pinned": True, "replicas": 2, "dtype": "bfloat16", "source": "file",
+                        "users": ["ada@example.org", "tag:trusted", "key:12"]}
+
+
+def test_json_and_an_inline_list_read_the_same():
+    inline = '[{"repo": "org/a", "pin": true}]'
+    assert deployments.from_setting(inline) == deployments.parse("- repo: org/a\n  pin: true\n")
+    assert deployments.from_setting("") == []
+
+
+@pytest.mark.parametrize("text, says", [
+    ("- repo: org/a\n  replicas: two\n", "entry 1 (org/a): field `replicas` must be a whole number"),
+    ("- repo: org/a\n- repo: org/b\n  replicas: 0\n", "entry 2 (org/b): field `replicas`"),
+    ("- repo: org/a\n  pin: yes please\n", "entry 1 (org/a): field `pin` must be true or false"),
+    ("- repo: org/a\n  dtype: int3\n", "entry 1 (org/a): field `dtype` must be one of"),
+    ("- repo: org/a\n  users: ada@example.org\n", "entry 1 (org/a): field `users` must be a list"),
+    ("- repo: org/a\n  users: [nobody]\n", "field `users`: 'nobody' is not an email"),
+    ("- repo: org/a\n  users: ['tag:student']\n", "unknown tag 'student'"),
+    ("- repo: org/a\n  replica: 2\n", "entry 1 (org/a): unknown field(s) replica"),
+    ("- revision: main\n", "entry 1: field `repo` is required"),
+    ("- repo: /etc/passwd\n", "entry 1 (/etc/passwd): 'repo' '/etc/passwd' is a path"),
+    ("- repo: org/a\n- repo: org/a\n", "entry 2 (org/a) repeats entry 1"),
+    ("- org/a\n", "entry 1: expected a mapping"),
+    ("- repo: [unclosed\n", "not valid YAML or JSON at line"),
+    ("models: []\n", "unknown top-level field(s) models"),
+    ("repo: org/a\n", "unknown top-level field(s) repo"),
+])
+def test_a_bad_file_is_refused_naming_the_entry_and_field(text, says):
+    with pytest.raises(DeploymentsError) as caught:
+        deployments.parse(text, "models.yaml")
+    assert says in str(caught.value) and str(caught.value).startswith("models.yaml")
+
+
+def test_the_farms_model_policy_and_size_bounds_apply():
+    policy = model_policy.ModelPolicy(models=("org/*",))
+    with pytest.raises(DeploymentsError, match=r"entry 2 \(other/x\): Model 'other/x' is not served here"):
+        deployments.parse("- repo: org/a\n- repo: other/x\n", "f", policy)
+    many = "".join(f"- repo: org/m{i}\n" for i in range(deployments.MAX_ENTRIES + 1))
+    with pytest.raises(DeploymentsError, match="at most 1000"):
+        deployments.parse(many)
+
+
+def test_a_missing_file_says_which(tmp_path):
+    with pytest.raises(DeploymentsError, match="cannot read the deployments file .*nope.yaml"):
+        deployments.from_setting(str(tmp_path / "nope.yaml"))
+
+
+# --- who may use it -----------------------------------------------------------------
+
+
+def test_users_match_emails_keys_and_tags_and_admin_keys_always():
+    ada = auth.Identity(key_id=3, email="ada@example.org", tags=("trusted",))
+    bob = auth.Identity(key_id=4, email="bob@example.org", tags=())
+    ops = auth.Identity(key_id=5, email="ops@example.org", tags=("admin",))
+    anonymous = auth.Identity()
+    assert deployments.may_use([], bob) and deployments.may_use([], anonymous)
+    assert deployments.may_use(["ada@example.org"], ada) and not deployments.may_use(["ada@example.org"], bob)
+    assert deployments.may_use(["key:4"], bob) and not deployments.may_use(["key:4"], ada)
+    assert deployments.may_use(["tag:trusted"], ada) and not deployments.may_use(["tag:trusted"], bob)
+    assert deployments.may_use(["ada@example.org"], ops)
+    assert not deployments.may_use(["ada@example.org"], anonymous)
+
+
+def test_intake_refuses_a_key_the_deployment_does_not_list(redis_client):
+    key = _key("org/a")
+    redis_client.hset(registry.DESIRED, key, json.dumps({"pinned": True, "users": ["ada@example.org"]}))
+    deployments.check_access(redis_client, auth.Identity(key_id=1, email="ada@example.org"), key)
+    with pytest.raises(Refused) as refused:
+        deployments.check_access(redis_client, auth.Identity(key_id=2, email="bob@example.org"), key)
+    assert refused.value.status == 403 and "for named users only" in refused.value.detail
+    deployments.check_access(redis_client, auth.Identity(key_id=2), _key("org/not-deployed"))
+
+
+def test_warns_that_users_with_auth_off_refuse_everyone():
+    entries = deployments.parse("- repo: org/a\n  users: [ada@example.org]\n- repo: org/b\n")
+    assert [w.split(":")[0] for w in deployments.warnings(entries, auth=False)] == ["org/a"]
+    assert deployments.warnings(entries, auth=True) == []
+
+
+# --- apply, sync, scale (real Redis, real Celery messages) ---------------------------
+
+
+@pytest.fixture
+def app(embedded_settings):
+    return make_app(embedded_settings)
+
+
+def _worker_with(client, name: str, *model_keys: str, last_used: float = 0.0) -> None:
+    registry.register_worker(client, {"name": name, "pid": 1, "memory_bytes": 1 << 30})
+    for key in model_keys:
+        registry.set_deployment(client, name, key, registry.RUNNING, last_used=last_used or time.time())
+
+
+def _evictions(client, worker: str) -> list[str]:
+    """The model keys of the evictions waiting on ``worker``'s own queue (Celery's messages)."""
+    out = []
+    for raw in client.lrange(worker_queue(worker), 0, -1):
+        body = json.loads(raw)["body"]
+        import base64
+
+        args = json.loads(base64.b64decode(body))
+        out.append(args[1]["model_key"])
+    return out
+
+
+def test_sync_evicts_only_what_a_file_deployed(redis_client, app):
+    a, b, c = _key("org/a"), _key("org/b"), _key("org/c")
+    first = deployments.parse("- repo: org/a\n  pin: true\n- repo: org/b\n")
+    applied = deployments.apply(redis_client, first)
+    assert applied.added == ["org/a", "org/b"]
+    farm.deploy(redis_client, c, pinned=False, replicas=1, dtype=None)  # by hand
+    _worker_with(redis_client, "w0", a, b, c)
+    again = deployments.apply(redis_client, first, sync=True, celery_app=app)
+    assert again.unchanged == ["org/a", "org/b"] and again.evicted == []
+
+    second = deployments.parse("- repo: org/a\n  replicas: 2\n  pin: true\n")
+    synced = deployments.apply(redis_client, second, sync=True, celery_app=app)
+    assert synced.changed == ["org/a"]
+    assert synced.evicted == [("org/b", b, ["w0"])]
+    wishes = registry.desired(redis_client)
+    assert set(wishes) == {a, c}, "the hand-deployed org/c stays; org/b is forgotten"
+    assert wishes[a]["replicas"] == 2 and wishes[c]["source"] == "cli"
+    assert _evictions(redis_client, "w0") == [b]
+
+
+def test_without_sync_nothing_is_evicted(redis_client, app):
+    deployments.apply(redis_client, deployments.parse("- repo: org/a\n- repo: org/b\n"))
+    applied = deployments.apply(redis_client, deployments.parse("- repo: org/a\n"))
+    assert applied.evicted == [] and set(registry.desired(redis_client)) == {_key("org/a"), _key("org/b")}
+
+
+def test_scale_down_evicts_the_least_recently_used_replicas_now(redis_client, app):
+    key = _key("org/a")
+    _worker_with(redis_client, "w0", key, last_used=100.0)
+    _worker_with(redis_client, "w1", key, last_used=300.0)
+    _worker_with(redis_client, "w2", key, last_used=200.0)
+    evicted = deployments.scale(redis_client, app, key, 1)
+    assert sorted(evicted) == ["w0", "w2"]
+    assert _evictions(redis_client, "w0") == [key] and _evictions(redis_client, "w1") == []
+    assert registry.desired(redis_client)[key]["replicas"] == 1
+    assert deployments.scale(redis_client, app, key, 3) == []
+    assert registry.desired(redis_client)[key]["replicas"] == 3
+    with pytest.raises(farm.FarmError, match="from 1 to 64"):
+        deployments.scale(redis_client, app, key, 0)
+
+
+def test_up_refuses_a_bad_NDIF_DEPLOYMENTS_before_starting_anything(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NDIF_")}
+    env.update(NDIF_HOME=str(tmp_path / "home"), NDIF_DEPLOYMENTS="[{repo: org/a, replicas: -1}]")
+    result = subprocess.run([sys.executable, "-m", "ndif_celery.cli", "up", "--detach"], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert "Error: NDIF_DEPLOYMENTS: entry 1 (org/a): field `replicas` must be a whole number" in result.stderr
+    assert not (tmp_path / "home" / "run").exists(), "nothing was started"

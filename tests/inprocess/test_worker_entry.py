@@ -1,0 +1,124 @@
+"""The worker's entry module and a job's life, without a stack (fast tier).
+
+``celery -A workers.tasks:app`` imports ``workers.tasks`` in the worker, in
+beat and in Flower, so importing it must load no settings, edit no
+environment and import no torch; the worker sets its environment at
+``worker_init``, before torch. Each check runs in a fresh interpreter: this
+one has long imported torch.
+
+A job's ending is ``workers.job.life.fail``: each way a job ends badly gives the
+ERROR the client reads, with its kind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+from tests.support.paths import ROOT
+
+
+
+def _python(code: str, **env: str) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(environ, **env),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_importing_the_entry_module_loads_no_settings_no_environment_no_torch():
+    found = _python(
+        "import json, os, sys\n"
+        "before = dict(os.environ)\n"
+        "import workers.tasks as tasks\n"
+        "print(json.dumps({'heavy': [m for m in ('torch', 'nnsight', 'transformers', 'workers.worker',\n"
+        "                  'workers.isolation.forkserver') if m in sys.modules], 'env_same': dict(os.environ) == before,\n"
+        "                  'configured': tasks.app.configured, 'settings': tasks.this_worker.settings is not None}))",
+        NDIF_WORKER_GPUS="3", NDIF_TORCH_THREADS="2",
+    )
+    assert found == {"heavy": [], "env_same": True, "configured": False, "settings": False}
+
+
+def test_the_app_is_configured_from_the_environment_on_first_use():
+    found = _python(
+        "import json\n"
+        "from workers.tasks import app\n"
+        "print(json.dumps({'broker': app.conf.broker_url, 'late': app.conf.task_acks_late,\n"
+        "                  'every': app.conf.beat_schedule['ndif-cleanup']['schedule']}))",
+        NDIF_REDIS_URL="redis://127.0.0.1:6390/2", NDIF_CLEANUP_INTERVAL_S="77",
+    )
+    assert found == {"broker": "redis://127.0.0.1:6390/2", "late": True, "every": 77.0}
+
+
+def test_worker_init_sets_the_environment_before_torch():
+    found = _python(
+        "import json, os, sys\n"
+        "from workers import tasks\n"
+        "tasks._on_init(sender=None)\n"
+        "print(json.dumps({'gpus': os.environ.get('CUDA_VISIBLE_DEVICES'), 'omp': os.environ.get('OMP_NUM_THREADS'),\n"
+        "                  'torch': 'torch' in sys.modules, 'fork_server': tasks.this_worker.fork_server is not None}))",
+        NDIF_WORKER_GPUS="3", NDIF_TORCH_THREADS="2", NDIF_ISOLATION="zygote",
+    )
+    assert found == {"gpus": "3", "omp": "2", "torch": False, "fork_server": False}
+
+
+class _Channel:
+    def __init__(self) -> None:
+        self.sent: list = []
+
+    def send(self, status, description, meta=None, kind=None, **_) -> None:
+        self.sent.append((status, description, kind))
+
+
+@pytest.mark.parametrize("error, kind, text", [
+    ("cancelled", "cancelled", "Your job was cancelled by the operator."),
+    ("timeout", "timeout", "Your job exceeded the execution timeout of 42s."),
+    ("user", "user", "ValueError: the user's own"),
+    ("store", "store", "the result store is unavailable"),
+    ("server", "server", "Server error while running your job: KeyError"),
+])
+def test_every_bad_end_gives_its_error(error, kind, text):
+    from ndif_celery.store import StoreUnavailable
+    from workers.job import life as job_life
+    from workers.execute import RequestError
+    from workers.job.executors import JobCancelled, JobTimedOut
+
+    raised = {"cancelled": JobCancelled(), "timeout": JobTimedOut(), "user": RequestError("ValueError: the user's own"),
+              "store": StoreUnavailable("down"), "server": KeyError("x")}[error]
+    worker = types.SimpleNamespace(settings=types.SimpleNamespace(execution_timeout_s=42.0))
+    channel = _Channel()
+    life = types.SimpleNamespace(job=types.SimpleNamespace(id="j1"), meta={}, channel=channel)
+    try:
+        raise raised
+    except BaseException as caught:  # noqa: BLE001 - fail is called while the error is handled
+        job_life.fail(worker, life, caught)
+    [(status, description, sent_kind)] = channel.sent
+    assert (status, sent_kind) == ("ERROR", kind)
+    assert text in description
+
+
+def test_a_workers_entry_stops_naming_its_job_as_soon_as_the_job_ends(embedded_settings, redis_client):
+    """Not at the next heartbeat (``registry.HEARTBEAT_S``): ``/status``, the
+    watchdog and ``ndif-celery kill`` read the entry, and for up to a heartbeat
+    it would name a job that had ended, and a job lost in delivery could go unnoticed."""
+    from ndif_celery.state import registry
+    from ndif_celery.celery_app import make_app
+    from workers.worker import WorkerState
+
+    worker = WorkerState("w@entry", embedded_settings, make_app(embedded_settings))
+
+    def entry() -> dict:
+        return json.loads(redis_client.hget(registry.WORKERS, "w@entry"))
+
+    pipe = redis_client.pipeline()
+    worker.begin("a" * 32, pipe)
+    pipe.execute()
+    assert entry()["current_job"] == "a" * 32
+    worker.end()
+    assert entry()["current_job"] is None and entry()["batch"] == []

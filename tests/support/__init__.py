@@ -1,0 +1,22 @@
+"""Helpers the tests share (imported as ``from tests.support import stack`` or
+``from tests.support.remote import poll``); no test lives here.
+
+* ``paths``          ROOT, TESTS_DIR, OUT_DIR (tests/_out), E2E_DIR.
+* ``tiny_model``     tiny offline GPT-2 checkpoints, PROMPT/REPO_ID and the client model.
+* ``conformance``    the conformance cases every remote backend must pass, and ``same``.
+* ``servers``        real servers on loopback: embedded Redis, moto's S3, a TCP proxy,
+                     a PostgreSQL database per test, a webhook ``Receiver``; and
+                     ``refuse_in_fast_tier``, the guard that keeps stacks out of the fast tier.
+* ``stack``          ``Stack``: the real single-host stack through the real CLI (``up``),
+                     and ``client_on_stack``.
+* ``stack_pool``     ``StackPool``: one shared stack per kind (fs, s3, isolated, zygote ...)
+                     behind the ``stack_pool``/``fs_stack``/``variant`` fixtures.
+* ``remote``         pointing the nnsight client at a stack, polling, slow jobs, VARIANTS.
+* ``jail_fixtures``  the attack suites' ``jail``/``worker_pid``/``still_serving_after``
+                     fixtures, ``attempt``, and the host's UNIX sockets as targets.
+* ``load``           many real clients at once; COBATCH_TOLERANCE.
+* ``netns``          hosts as Linux network namespaces on one machine.
+* ``host_farm``      a farm over six ``netns`` hosts, each running its services from the CLI.
+* ``browser``        headless Chromium over the DevTools protocol (the dashboard).
+* ``deploy_recipes`` parsing the deploy recipes (Procfile, compose, systemd) against the CLI.
+"""

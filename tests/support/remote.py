@@ -1,0 +1,195 @@
+"""How the end-to-end tests point the real nnsight client at a running stack.
+
+A *variant* is one way a researcher can reach us: blocking (websocket) or
+non-blocking (submit, then poll ``/response``), compressed or not, against a
+stack whose results come back inline, through the filesystem store or through
+S3. The conformance cases take a ``remote(model)`` callable; a variant builds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass
+
+import pytest
+from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
+
+from ndif_celery.farm import actions as farm
+from tests.support.tiny_model import PROMPT
+
+
+def recorded_request(fn, *args, **kwargs):
+    """What the real client would POST for the block ``fn(*args, **kwargs)``
+    runs: its envelope (nnsight's ``RequestModel``) and its payload bytes,
+    recorded in place of ``RemoteBackend.request`` (nothing is sent). The
+    recorder answers nothing, so a block that reads a saved value after its
+    trace fails there; once the request is recorded, that is ignored."""
+    from nnsight.schema.request import RequestModel
+
+    sent = []
+
+    def record(self, request, tracer):
+        sent.append((request.metadata(), self._serialize(tracer)))
+        return {}
+
+    original = RemoteBackend.request
+    RemoteBackend.request = record
+    try:
+        fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - see the docstring; re-raised when nothing was recorded
+        if not sent:
+            raise
+    finally:
+        RemoteBackend.request = original
+    (metadata, blob), = sent
+    return RequestModel.model_validate_json(metadata), blob
+
+
+@contextlib.contextmanager
+def client_pointed_at(url: str, compress: bool = True):
+    """The real client's host (and compression) set to ``url`` for a while, restored after."""
+    import nnsight
+
+    saved = (nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS)
+    nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = url, compress
+    try:
+        yield
+    finally:
+        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
+
+
+def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.05):
+    """Call a non-blocking backend (or any callable) until it returns the saves (it raises on ERROR)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = backend()
+        if result is not None:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {getattr(backend, 'job_id', '?')} did not finish in {timeout_s:.0f} s "
+                                 f"(last status {getattr(backend, 'status', '?')})")
+        time.sleep(interval_s)
+
+
+def slow_job(model, steps: int = 0, layer: int = 0):
+    """Submit a non-blocking job saving ``out`` (layer ``layer``'s output) that
+    then sleeps ``steps`` x 50 ms in Python, so it stays running, and killable."""
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        out = model.transformer.h[layer].output.save()  # noqa: F841
+        for _ in range(steps):
+            time.sleep(0.05)
+    return tracer.backend
+
+
+def kill_stuck(stack, model, block, said: str = "cancelling on", settle_s: float = 0.0) -> None:
+    """Submit a job stuck in ``block``, ``ndif-celery kill`` it once RUNNING
+    (and ``settle_s`` later, for a block that must first reach where it sticks):
+    the client's ERROR says the operator cancelled it, and is there when the
+    command returns (within a poll or two of it).
+
+    Why not one bound from the command's start: that counts the CLI's own
+    interpreter start and imports, which take 1 s on an idle 2-core machine and
+    over 3 s at load 5 (on top of ``KILL_REPLY_S`` for a worker that cannot
+    reply), so it measured the machine, not the kill."""
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        out = model.transformer.h[0].output.save()  # noqa: F841
+        block()
+    backend = tracer.backend
+    wait_status(stack.url, backend.job_id, "RUNNING")
+    time.sleep(settle_s)
+    started = time.monotonic()
+    result = stack.cli("kill", backend.job_id)
+    cli_s = time.monotonic() - started
+    assert said in result.stdout, result.stdout + result.stderr
+    with pytest.raises(RemoteError, match="cancelled by the operator"):
+        poll(backend, timeout_s=30)
+    took = time.monotonic() - started
+    print(f"kill: the command {cli_s:.2f} s, the ERROR {took:.2f} s after it started (load {os.getloadavg()[0]:.1f})")
+    assert took - cli_s < 2, f"the ERROR came {took - cli_s:.1f} s after the command returned"
+    assert cli_s < farm.KILL_REPLY_S + 8, f"the command took {cli_s:.1f} s"
+
+
+def wait_status(url: str, job_id: str, status: str, contains: str = "", headers: dict | None = None,
+                timeout_s: float = 60.0) -> dict:
+    """Poll ``GET /response/<id>`` until the job's latest status is ``status``
+    (with ``contains`` in its description); return it."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        latest = httpx.get(f"{url}/response/{job_id}", headers=headers, timeout=10).json()
+        if latest["status"] == status and contains in latest["description"]:
+            return latest
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} never reached {status} {contains!r}: {latest}")
+        time.sleep(0.05)
+
+
+def final_status(url: str, job_id: str, headers: dict | None = None, timeout_s: float = 60.0) -> dict:
+    """Poll ``GET /response/<id>`` until COMPLETED or ERROR; return that status."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        latest = httpx.get(f"{url}/response/{job_id}", headers=headers, timeout=10).json()
+        if latest["status"] in ("COMPLETED", "ERROR"):
+            return latest
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} did not finish in {timeout_s} s: {latest}")
+        time.sleep(0.05)
+
+
+class PollUntilDone(RemoteBackend):
+    """The real non-blocking client path (POST without a websocket, then GET
+    ``/response/<id>`` until COMPLETED), with the saves pushed back into the
+    caller's frame afterwards so the same conformance cases can read them."""
+
+    timeout_s = 60.0
+    interval_s = 0.02
+
+    def __init__(self, model, **kwargs) -> None:
+        super().__init__(model.to_model_key(), env=model._remoteable_get_env(), blocking=False, **kwargs)
+
+    def __call__(self, tracer=None):
+        self.job_id = None
+        super().__call__(tracer)  # submit: stores job_id, returns None
+        assert self.job_id, "submit did not return a job id"
+        result = poll(lambda: super(PollUntilDone, self).__call__(tracer), self.timeout_s, self.interval_s)
+        self._push(result, tracer)
+        return result
+
+
+@dataclass(frozen=True)
+class Variant:
+    stack: str  # which stack kind serves it (see tests.support.stack_pool.STACK_KINDS)
+    blocking: bool
+    compress: bool
+    inline: bool  # whether results are expected inline on the websocket
+
+    @property
+    def id(self) -> str:
+        mode = "blocking" if self.blocking else "nonblocking"
+        return f"{self.stack}-{mode}-{'zstd' if self.compress else 'raw'}"
+
+    def remote(self, model) -> dict:
+        if self.blocking:
+            return {"remote": True}
+        return {"backend": PollUntilDone(model)}
+
+
+VARIANTS = [
+    Variant("fs", blocking=True, compress=True, inline=True),
+    Variant("fs", blocking=True, compress=False, inline=True),
+    Variant("fs", blocking=False, compress=True, inline=False),
+    Variant("fs", blocking=False, compress=False, inline=False),
+    Variant("fs-noinline", blocking=True, compress=False, inline=False),
+    Variant("s3", blocking=True, compress=True, inline=False),
+    Variant("s3", blocking=True, compress=False, inline=False),
+    Variant("s3", blocking=False, compress=True, inline=False),
+    Variant("isolated", blocking=True, compress=True, inline=True),
+    Variant("isolated", blocking=False, compress=False, inline=False),
+    Variant("zygote", blocking=True, compress=True, inline=True),
+    Variant("zygote", blocking=False, compress=False, inline=False),
+]

@@ -1,0 +1,1 @@
+"""Fast tier: pure functions, parsing and static checks; no Redis, no server process."""

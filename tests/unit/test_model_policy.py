@@ -1,0 +1,161 @@
+"""The model policy (``ndif_celery/policy/models.py``): a model key is code.
+
+Unit tests of the pure functions: which keys, revisions, tasks and envs pass,
+what a key is reduced to, who may load what. The attacks that reach them
+through a real stack are tests/e2e/access/test_model_policy.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ndif_celery import config
+from ndif_celery.policy import models as model_policy
+from ndif_celery.policy.models import ModelPolicy, PolicyError
+from tests.support.tiny_model import REPO_ID, client_model
+
+KEY = 'nnsight.modeling.transformers.TransformersModel:{"repo_id": "ndif-celery/tiny-gpt2", "revision": null, "task": "text-generation"}'
+CLS = model_policy.TRANSFORMERS_MODEL
+
+
+def _key(**suffix) -> str:
+    return f"{CLS}:{json.dumps(suffix)}"
+
+
+# --- the pure functions -------------------------------------------------------------
+
+
+def test_the_clients_own_key_is_canonical(model):
+    assert model_policy.parse(model.to_model_key()).key == model.to_model_key() == KEY
+    remote_code = client_model(REPO_ID, trust_remote_code=True).to_model_key()
+    parsed = model_policy.parse(remote_code)
+    assert parsed.trust_remote_code and parsed.key == remote_code
+    # An explicit false is what nnsight leaves out: the same deployment.
+    assert model_policy.parse(_key(repo_id=REPO_ID, revision=None, trust_remote_code=False,
+                                   task="text-generation")).key == KEY
+
+
+@pytest.mark.parametrize("suffix, words", [
+    ({"repo_id": REPO_ID, "revision": None, "task": "text-generation", "device_map": "auto"}, "'device_map'"),
+    ({"repo_id": REPO_ID, "task": "text-generation", "cache_dir": "/tmp"}, "'cache_dir'"),
+    ({"repo_id": REPO_ID, "task": "text-generation", "torch_dtype": "float16"}, "'torch_dtype'"),
+    ({"repo_id": "/etc", "task": "text-generation"}, "is a path"),
+    ({"repo_id": "../../home", "task": "text-generation"}, "is a path"),
+    ({"repo_id": "~root/x", "task": "text-generation"}, "is a path"),
+    ({"repo_id": "tests", "task": "text-generation"}, "local path"),  # exists in the cwd
+    ({"repo_id": "a/b/c", "task": "text-generation"}, "not a Hugging Face hub id"),
+    ({"repo_id": "x" * 97, "task": "text-generation"}, "too long"),
+    ({"repo_id": 7, "task": "text-generation"}, "'repo_id' must be a string"),
+    ({"task": "text-generation"}, "no 'repo_id'"),
+    ({"repo_id": REPO_ID, "revision": "../../x", "task": "text-generation"}, "'revision'"),
+    ({"repo_id": REPO_ID, "revision": "-rf", "task": "text-generation"}, "'revision'"),
+    ({"repo_id": REPO_ID, "revision": 3, "task": "text-generation"}, "'revision'"),
+    ({"repo_id": REPO_ID, "task": "rm -rf"}, "'task'"),
+    ({"repo_id": REPO_ID, "task": "text-generation-" + "x" * 20}, "'task'"),
+    ({"repo_id": REPO_ID}, "no 'task'"),
+    ({"repo_id": REPO_ID, "task": "text-generation", "trust_remote_code": "yes"}, "'trust_remote_code'"),
+])
+def test_a_key_is_reduced_to_what_nnsight_sends(suffix, words):
+    with pytest.raises(PolicyError) as caught:
+        model_policy.parse(_key(**suffix))
+    assert words in caught.value.detail and caught.value.status == 422
+
+
+@pytest.mark.parametrize("key, words", [
+    ("nnsight.modeling.vllm.VLLM:meta-llama/Llama-3-8B", "is not served here"),
+    ("nnsight.modeling.diffusion.DiffusionModel:{}", "is not served here"),
+    (f"{CLS}:not json", "JSON object"),
+    (f"{CLS}:[1, 2]", "JSON object"),
+    ("os.system:ls", "Unknown model class"),
+])
+def test_only_the_transformers_class_is_built(key, words):
+    with pytest.raises(PolicyError, match=words):
+        model_policy.parse(key)
+
+
+def test_revisions_and_tasks_nnsight_uses_pass():
+    for revision in ("main", "refs/pr/12", "v1.0", "a" * 40, "release_2-b"):
+        assert model_policy.parse(_key(repo_id=REPO_ID, revision=revision, task="text-generation")).revision == revision
+    for task in ("translation_en_to_fr", "text-classification", "image-text-to-text"):
+        assert model_policy.parse(_key(repo_id="gpt2", revision=None, task=task)).task == task
+
+
+def test_the_task_and_attention_lists_cover_the_installed_transformers():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.pipelines import SUPPORTED_TASKS, TASK_ALIASES
+
+    assert set(SUPPORTED_TASKS) | set(TASK_ALIASES) <= model_policy.TASKS
+    shipped = {name.removeprefix("paged|") for name in ALL_ATTENTION_FUNCTIONS.keys()} | {"eager"}
+    assert shipped <= model_policy.ATTENTION
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"peft": "/home/user/adapter"}, "is a path"),
+    ({"peft": "../adapter"}, "is a path"),
+    ({"peft": ["a"]}, "'peft' must be a string"),
+    ({"attn_implementation": "kernels-community/flash-attn"}, "'attn_implementation'"),
+    ({"attn_implementation": {"": "sdpa"}}, "'attn_implementation'"),
+    ({"attn_implementation": "sdpa", "trust_remote_code": True}, "'trust_remote_code' is not allowed in the request's env"),
+])
+def test_the_env_is_bounded(env, words):
+    with pytest.raises(PolicyError) as caught:
+        model_policy.check_env(env)
+    assert words in caught.value.detail
+
+
+def test_the_env_nnsight_sends_passes():
+    assert model_policy.check_env({"attn_implementation": "sdpa"}) == {"attn_implementation": "sdpa"}
+    assert model_policy.check_env({"attn_implementation": None}) == {"attn_implementation": None}
+    assert model_policy.check_env({"attn_implementation": "paged|eager", "peft": "org/lora"}) == {
+        "attn_implementation": "paged|eager", "peft": "org/lora"}
+    assert model_policy.check_env({}) == {}
+
+
+def test_who_may_load_what():
+    open_farm, listed = ModelPolicy(), ModelPolicy(models=("ndif-celery/*",), trust_remote_code=("ndif-celery/custom-*",))
+    other = _key(repo_id="someone/else", revision=None, task="text-generation")
+    # NDIF_MODELS empty: trusted keys any hub id; untrusted only what is deployed (or the operator deployed).
+    assert open_farm.admit(other, {}, trusted=True) == (other, {})
+    with pytest.raises(PolicyError, match="untrusted keys cannot deploy new models") as caught:
+        open_farm.admit(other, {}, trusted=False, offered={KEY})
+    assert caught.value.status == 403
+    assert open_farm.admit(KEY, {}, trusted=False, offered={KEY})[0] == KEY
+    # Another revision of a deployed repo is another deployment.
+    with pytest.raises(PolicyError, match="not deployed"):
+        open_farm.admit(_key(repo_id=REPO_ID, revision="v2", task="text-generation"), {}, False, {KEY})
+    # NDIF_MODELS set: listed repos for everyone, first deploys included; nothing else, for anyone.
+    assert listed.admit(KEY, {}, trusted=False) == (KEY, {})
+    for trusted in (True, False):
+        with pytest.raises(PolicyError, match="not served here"):
+            listed.admit(other, {}, trusted, offered={other})
+    with pytest.raises(PolicyError, match="PEFT adapter 'someone/lora' is not served here"):
+        listed.admit(KEY, {"peft": "someone/lora"}, trusted=True)
+    # trust_remote_code: only listed repos, for everyone.
+    for policy in (open_farm, listed):
+        with pytest.raises(PolicyError, match="trust_remote_code is refused for 'ndif-celery/tiny-gpt2'"):
+            policy.admit(_key(repo_id=REPO_ID, revision=None, trust_remote_code=True, task="text-generation"), {}, True)
+    custom = _key(repo_id="ndif-celery/custom-1", revision=None, trust_remote_code=True, task="text-generation")
+    assert listed.admit(custom, {}, trusted=True)[0] == custom
+
+
+def test_the_worker_loads_only_canonical_keys():
+    assert ModelPolicy().loadable(KEY) == KEY
+    spaced = KEY.replace('", "', '",  "')
+    with pytest.raises(PolicyError, match="not in canonical form"):
+        ModelPolicy().loadable(spaced)
+
+
+def test_settings_and_operator_keys(tmp_path):
+    settings = config.load({"NDIF_HOME": str(tmp_path), "NDIF_MODELS": " org/a , org/b-* ,",
+                            "NDIF_TRUST_REMOTE_CODE": "org/b-1"})
+    assert ModelPolicy.from_settings(settings) == ModelPolicy(models=("org/a", "org/b-*"), trust_remote_code=("org/b-1",))
+    from ndif_celery.farm import actions as farm
+
+    assert farm.model_key_for(REPO_ID) == KEY
+    with pytest.raises(ValueError, match="is a path"):
+        farm.model_key_for("/srv/models/x")
+
+
+# --- attacks on real stacks ----------------------------------------------------------

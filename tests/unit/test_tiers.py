@@ -1,0 +1,97 @@
+"""The two test tiers stay true (see tests/conftest.py): the tier follows from
+the path. Every test under tests/e2e is marked ``e2e`` and none under
+tests/unit or tests/inprocess is; the fast tier cannot start a stack or a
+server process by mistake; and the stack fixtures exist only under tests/e2e."""
+
+from __future__ import annotations
+
+import ast
+import types
+
+import pytest
+
+from tests.support.paths import E2E_DIR, ROOT, TESTS_DIR
+from tests.support.servers import MotoServer
+from tests.support.stack import Stack
+
+FAST_DIRS = (TESTS_DIR / "unit", TESTS_DIR / "inprocess")
+
+
+def test_a_fast_tier_test_cannot_start_a_stack_or_moto(tmp_path):
+    stack = Stack(tmp_path / "home")
+    with pytest.raises(RuntimeError, match=r"test_a_fast_tier_test_cannot_start_a_stack_or_moto starts a stack "
+                                           r"but is in the fast tier: move it under tests/e2e/"):
+        stack.start()
+    assert not stack.started and not (tmp_path / "home" / "run").exists()
+    with pytest.raises(RuntimeError, match="starts moto's S3 server but is in the fast tier"):
+        MotoServer().start()
+
+
+def test_this_test_is_in_the_fast_tier(request):
+    assert request.node.get_closest_marker("e2e") is None
+
+
+def test_every_e2e_test_is_marked_and_no_fast_one_is():
+    """conftest's collection hook marks a test ``e2e`` exactly when its file is under tests/e2e."""
+    from tests import conftest
+
+    class Item:
+        def __init__(self, path):
+            self.path, self.nodeid, self.markers = path, str(path.relative_to(ROOT)), []
+
+        def add_marker(self, marker):
+            self.markers.append(marker.name)
+
+    items = [Item(path) for path in sorted(TESTS_DIR.rglob("test_*.py"))]
+    config = types.SimpleNamespace(cache=None)
+    conftest.pytest_collection_modifyitems(config, items)
+    e2e = [item for item in items if item.path.is_relative_to(E2E_DIR)]
+    fast = [item for item in items if any(item.path.is_relative_to(d) for d in FAST_DIRS)]
+    assert e2e and fast and len(e2e) + len(fast) == len(items)
+    assert all(item.markers == ["e2e"] for item in e2e)
+    assert all(item.markers == [] for item in fast)
+
+
+def test_modules_run_longest_first_by_the_last_runs_times():
+    from tests import conftest
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid, self.path = nodeid, ROOT / nodeid.split("::")[0]
+
+        def add_marker(self, marker):
+            pass
+
+    def order(durations):
+        items = [Item(n) for n in ("tests/unit/a.py::x", "tests/unit/a.py::y", "tests/unit/b.py::x", "tests/unit/c.py::x")]
+        cache = types.SimpleNamespace(get=lambda key, default: durations)
+        conftest.pytest_collection_modifyitems(types.SimpleNamespace(cache=cache), items)
+        return [item.nodeid for item in items]
+
+    assert order({}) == ["tests/unit/a.py::x", "tests/unit/a.py::y", "tests/unit/b.py::x", "tests/unit/c.py::x"]
+    assert order({"tests/unit/c.py": 9.0, "tests/unit/a.py": 2.0}) == [
+        "tests/unit/c.py::x", "tests/unit/a.py::x", "tests/unit/a.py::y", "tests/unit/b.py::x"]
+
+
+def test_every_test_module_is_in_a_tier_and_every_folder_is_a_package():
+    for path in TESTS_DIR.rglob("test_*.py"):
+        rel = path.relative_to(TESTS_DIR)
+        assert rel.parts[0] in ("unit", "inprocess", "e2e"), f"{rel}: a test module belongs in unit/, inprocess/ or e2e/"
+    for folder in [TESTS_DIR, *(p for p in TESTS_DIR.rglob("*") if p.is_dir())]:
+        if folder.name in ("__pycache__", "_out") or "_out" in folder.relative_to(TESTS_DIR).parts:
+            continue
+        assert (folder / "__init__.py").is_file(), f"{folder.relative_to(ROOT)} needs an __init__.py"
+
+
+def test_the_stack_fixtures_are_defined_only_for_the_e2e_tier():
+    stack_fixtures = {"stack_pool", "fs_stack", "on_fs_stack", "variant", "stack_for_variant"}
+    for path in TESTS_DIR.rglob("conftest.py"):
+        defined = {
+            node.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef)
+            and any("fixture" in ast.unparse(decorator) for decorator in node.decorator_list)
+        }
+        if path.parent == E2E_DIR:
+            assert stack_fixtures <= defined
+        else:
+            assert not stack_fixtures & defined, f"{path.relative_to(ROOT)} defines a stack fixture outside tests/e2e"
