@@ -1,7 +1,7 @@
 # make install   build .venv (CPU torch first, then the project with its test extras)
 # make run       run the whole farm on this host in the foreground (Ctrl-C stops it)
 # make test      run the whole test suite, both tiers, as CI does (extra pytest arguments: PYTEST_ARGS="-k cli -x")
-# make test-fast the fast tier only (-m "not e2e": unit and in-process tests, no real stacks; under 90 s)
+# make test-fast the fast tier only (tests/unit and tests/inprocess, no real stacks; under 90 s)
 # make clean     remove build and test leftovers (make distclean also removes .venv)
 # make bench     measure local vs null server vs the stack, one table per workload (bench-smoke: ~1 min; BENCH_ARGS="--only small_trace")
 
@@ -33,16 +33,12 @@ run: install
 
 # TEST_WORKERS > 1: that many pytest processes (pytest-xdist) share the modules
 # out, a module at a time (its own stack starts once; tests/conftest.py orders
-# the longest first). Two by default: measured on 2 cores, one process took
-# 17.5 min and kept about one core busy (a third of the suite waits on
-# deadlines, restarts and leases); two took 12-14 min, every timing check passing
-# (15-15.5 min on a later 2-core machine, an Intel Xeon; 24 and 32 min on AMD EPYC
-# ones on 2026-12-02, where the bench's small trace took 2.5 times as long: local 39 ms
-# and null 73 ms, against 15 and 29; 14.5 min on another AMD EPYC one later that day).
-# Three took longer than two, with timing checks failing under the load (on that
-# AMD EPYC machine of 14.5 min, three took 13:49 against 13:55 for two, every check
-# passing, the CPUs 92 % busy: the suite is CPU-bound there, a third process gains nothing).
-# 24-25 min on a later Intel Xeon one, the cores 93 % busy throughout (tools/suite_cpu.py).
+# the longest first). Two by default: a third of the suite waits on deadlines,
+# restarts and leases, and one process leaves a core idle meanwhile. More than
+# two gains nothing on 2 cores: the suite is CPU-bound there, and timing checks
+# fail under the load. tools/suite_cpu.py shows where the CPU goes. Why, with
+# the measurements: docs/decisions/test-processes.md; wall times per machine:
+# docs/performance.md, "The test suite".
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
 

@@ -267,7 +267,7 @@ class Capacity:
         finally:
             stack.discard()
         self.out["checks"] = self.checks()
-        self.emit("\n== targets (issue #14, item 1)")
+        self.emit("\n== targets (waiting clients)")
         for check in self.out["checks"]:
             self.emit(f"{check['verdict']:<4}  {check['name']}: {check['detail']}")
         return self.out

@@ -213,7 +213,7 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
         self.out["checks"] = self.checks()
         self.out["elapsed_s"] = round(time.monotonic() - started, 1)
         self.save_json()
-        self.emit(f"\n== targets (issues #6, #14, #15), commit {self.commit}")
+        self.emit(f"\n== targets, commit {self.commit}")
         for check in self.out["checks"]:
             self.emit(f"{check['verdict']:<4}  {check['name']}: {check['detail']}")
         self.emit(f"\nvalues: {self.values_line()}")

@@ -10,7 +10,7 @@
 # Needs a CUDA build of torch in .venv (the default install is CPU-only):
 #   .venv/bin/pip install --force-reinstall 'torch==2.13.0' --index-url https://download.pytorch.org/whl/cu128
 # The isolated path is left out: GPU workers refuse untrusted jobs (docs/security.md).
-# cobatch (issue #15): 1, 4, 16 clients against one worker, co-batching off vs on, on the 1.1B model
+# cobatch: 1, 4, 16 clients against one worker, co-batching off vs on, on the 1.1B model
 # (its targets are checked on those cells on a GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."

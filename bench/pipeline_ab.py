@@ -1,6 +1,6 @@
 """Two checkouts' workers side by side in one run, against local back-to-back.
 
-The cobatch_compute bench's 16-client "co-batching off" cell (issue #15's
+The cobatch_compute bench's 16-client "co-batching off" cell (its
 "off >= 0.9x local" target), for a change to the worker: one stack from this
 checkout (``new``), one from another checkout of the project (``old``, e.g.
 ``git archive <commit> | tar -x -C /tmp/base``), both with

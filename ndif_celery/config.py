@@ -9,9 +9,9 @@ run a farm across hosts.
 :data:`VARIABLES` is the one table: a row per variable with its name, the
 ``Settings`` attribute, its default, its parser and a line of doc. Why one
 table: the ``Settings`` field, its line in ``load()`` and its row in
-docs/configuration.md used to be written by hand three times, and drifted.
-Now ``Settings`` takes its fields from the table, :func:`load` is a loop over
-it, and ``tests/test_wire_and_config.py`` checks docs/configuration.md against
+docs/configuration.md would otherwise be written by hand three times, and
+drift. So ``Settings`` takes its fields from the table, :func:`load` is a loop over
+it, and ``tests/unit/test_wire_and_config.py`` checks docs/configuration.md against
 it both ways, names and defaults. The docs stay hand-written (their meanings
 are paragraphs with links, in three topic tables with prose between), checked
 rather than generated, so this file keeps one line of doc per variable.
@@ -260,7 +260,7 @@ VARIABLES: tuple = (
         shown="`gpu<ids>@<host>`, or `cpu@<host>`"),
     # 0 = torch's default (every core); see docs/performance.md.
     Var("NDIF_TORCH_THREADS", "torch_threads", 0, _int, "intra-op threads of a worker's torch"),
-    # Co-batching trusted requests of one model into one forward (workers.cobatch, issue #15).
+    # Co-batching trusted requests of one model into one forward (workers.cobatch; docs/cobatching.md).
     Var("NDIF_COBATCH_MAX", "cobatch_max", 16, _int, "most rows (prompts) one co-batched forward holds (1: off)"),
     Var("NDIF_COBATCH_PAD", "cobatch_pad", True, _bool, "co-batch requests of different token lengths (left-padded)"),
     # 0 = measure: the GPUs' memory, or half the host's RAM on a CPU worker.

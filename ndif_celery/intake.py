@@ -1,15 +1,15 @@
 """The intake of ``POST /request``: from what the client sent to a QUEUED job.
 
-The route (``web/routes.py``) only reads the HTTP request and answers; this
+The route (``web/routes.py``) only reads the HTTP request and answers. This
 module is the pipeline, one named step each, in the order a request meets
-them (the order is part of the contract: a request wrong in two ways is
-refused for the first, as on NDIF, e.g. a bad envelope before an old client):
+them. The order is part of the contract: a request wrong in two ways is
+refused for the first, as on NDIF (a bad envelope before an old client):
 
     envelope -> version gate -> model policy (and a deployment's users) -> session -> payload
              -> limits -> park -> enqueue (QUEUED, Celery message, controller)
 
 Every refusal raises ``errors.Refused`` (or a subclass) before anything is
-written, so a refused request leaves nothing in Redis (tests/test_intake.py).
+written, so a refused request leaves nothing in Redis (tests/inprocess/test_intake.py).
 Settings, Redis and the Celery app are passed in, no Flask: the fast tier and
 any other front end can drive it directly.
 """
@@ -76,7 +76,7 @@ def accept(
 def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
                 envelope: wire.Envelope) -> None:
     """The key and env as nnsight sends them, made canonical in ``envelope``;
-    what this key may load (``model_policy``)."""
+    what this key may load (``policy.models``)."""
     offered = () if identity.trusted else registry.offered_keys(client)
     envelope.model_key, envelope.env = model_policy.ModelPolicy.from_settings(settings).admit(
         envelope.model_key, envelope.env, identity.trusted, offered)

@@ -118,7 +118,7 @@ def repo_fields(model_key: str) -> dict:
 def repo_id(model_key: str) -> str:
     """The repo id a person reads for ``model_key`` (status lines, the dashboard,
     the CLI, the ledger). Lenient on purpose: a display name for any key that
-    reached a queue, where ``model_policy.parse`` is the strict check at intake."""
+    reached a queue, where ``policy.models.parse`` is the strict check at intake."""
     return str(repo_fields(model_key)["repo_id"])
 
 

@@ -1,7 +1,7 @@
 """Where a command's CPU goes, by the kind of process that spent it.
 
-Why: ``make test`` is CPU-bound on a 2-core machine (issue #13: its time is
-the cores' time), so cutting it starts with knowing which processes burn the
+Why: ``make test`` is CPU-bound on a 2-core machine (its time is the cores'
+time), so cutting it starts with knowing which processes burn the
 cores: the stacks' workers, webs, zygotes, the pytest processes, the CLI. The
 per-test times of ``--durations`` cannot say that: a test's seconds include
 waiting, and the other pytest process's load.

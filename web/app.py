@@ -40,7 +40,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.config["NDIF_CELERY"] = make_app(settings)
     app.config["NDIF_STORE"] = store = open_store(settings)
     if isinstance(store, FilesystemStore):
-        # Downloads are served from this host's directory: it must be the workers' (store_fs.check_shared).
+        # Downloads are served from this host's directory: it must be the workers' (store.fs.check_shared).
         # A client that does not retry: a web booting while Redis is away must not wait out an outage here.
         try:
             check_shared(store, jobs.connect(settings.redis_url), socket.gethostname())

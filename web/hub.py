@@ -2,16 +2,18 @@
 
 Why: a blocking client holds ``/subscribe`` for its job's whole life, minutes
 when the model's queue is long. A pub/sub connection and a thread per waiting
-socket made the web's capacity the thread count (128 by default) and Redis's
-client count grow with every waiting researcher. Here a web process holds ONE
-pub/sub connection, owned by one dispatcher (a greenlet under gunicorn's
-gevent worker, a thread under gthread: it is written with ``threading``, which
-gevent patches), and a waiting socket is a mailbox and an event, a few KiB.
+socket would cap the web's capacity at the thread count (128 by default). It
+would also grow Redis's client count with every waiting researcher. So a web
+process holds ONE pub/sub connection, owned by one dispatcher. The dispatcher
+is a greenlet under gunicorn's gevent worker and a thread under gthread: it
+is written with ``threading``, which gevent patches. A waiting socket is a
+mailbox and an event, a few KiB. The choice of gevent:
+docs/decisions/gevent-web.md.
 
-* **Subscribe before handout.** Pub/sub has no replay. :meth:`Hub.open`
+* **Subscribe before handout.** Pub/sub has no replay. So :meth:`Hub.open`
   returns only after Redis *confirmed* the SUBSCRIBE for the session's channel
-  (the confirmation is read by the dispatcher), so the session id the socket
-  then hands out can never see its first status published into the void.
+  (the dispatcher reads the confirmation). No status of the session id the
+  socket then hands out can be published into the void.
 * **One owner.** Only the dispatcher reads or writes the pub/sub connection
   (redis-py's ``PubSub`` is not safe to share); sockets ask it to subscribe and
   unsubscribe through a list it drains between reads, many channels per
@@ -20,13 +22,14 @@ gevent patches), and a waiting socket is a mailbox and an event, a few KiB.
 * **Woken, not polling.** The dispatcher sleeps on the pub/sub socket; a new
   socket wakes it by PUBLISHing to the hub's own anchor channel (one per web
   process), so a handshake waits one round trip instead of a poll interval,
-  and an idle web process costs nothing (it polled every 20 ms: ~1.5 % of a
-  core per process, at rest). Unsubscribes of closed sockets wait for the
+  and an idle web process costs nothing (a 20 ms poll would cost ~1.5 % of
+  a core per process, at rest). Unsubscribes of closed sockets wait for the
   next wake, ``DISPATCH_IDLE_S`` at most.
 * **A connection of its own, never unsubscribed to zero, no health-check
   PING.** The pub/sub has its own client (``health_check_s=0``) and a
   permanent anchor channel: redis-py's health check races with an
-  unsubscribe from the last channel (redis-py #1720) and a reply misread
+  unsubscribe from the last channel (github.com/redis/redis-py/issues/1720)
+  and a reply misread
   there reconnects the pub/sub, and a frame published in that gap is lost
   (an inline result with it). TCP keepalive still watches the connection.
 * **Resync in bulk.** A quiet socket's job may end while its frame is lost (a
@@ -160,14 +163,14 @@ class Hub:
     def _lost(self, pubsub, pending: list) -> None:
         """The pub/sub connection failed (Redis restarted, or closed it).
 
-        Drop the socket, so the next pass reconnects: redis-py's ``can_read``
-        raises ``ConnectionError`` on a socket the server closed *without*
-        dropping it, and every later poll read the same dead socket, so no new
-        subscription was ever confirmed again (a blocking client's handshake
-        then failed after the subscribe timeout). The reconnect re-subscribes
-        every channel redis-py knows (its ``on_connect``); the requests of this
-        pass go back on the list, since a SUBSCRIBE that failed is not among
-        them (subscribing twice is harmless)."""
+        Drop the socket, so the next pass reconnects. redis-py's ``can_read``
+        raises ``ConnectionError`` on a socket the server closed, *without*
+        dropping it. Every later poll would read the same dead socket, and no
+        new subscription would be confirmed: a blocking client's handshake
+        would fail after the subscribe timeout. The reconnect re-subscribes
+        every channel redis-py knows (its ``on_connect``). This pass's requests
+        go back on the list, since a failed SUBSCRIBE is not among those
+        channels; subscribing twice is harmless."""
         if pubsub.connection is not None:
             pubsub.connection.disconnect()
         with self._lock:

@@ -45,7 +45,7 @@ def encode(saved: dict, compress: bool) -> memoryview:
 
 _SMALL = 1 << 20  # below this, after the count, a plain BytesIO pass is cheaper than streaming
 
-# Level 3 as before; every core, since a big result is on the request's path.
+# Level 3: zstd's default balance of speed and size; every core, since a big result is on the request's path.
 _COMPRESSOR = zstandard.ZstdCompressor(level=3, threads=-1)
 
 

@@ -90,7 +90,7 @@ class WorkerState:
         with ``NDIF_COBATCH_MAX`` > 1 gathers its model's waiting trusted jobs);
         then, while the head of its model's queue is a job this worker would
         run next anyway, that job at once, without a trip through Celery
-        (``batch.next_job``)."""
+        (``gather.next_job``)."""
         chained = 0
         while job is not None:
             job_life.run(self, job, perform=batch.perform if batch.may_gather(self, job) else job_life.perform)
@@ -141,10 +141,10 @@ class WorkerState:
 
     def take_next(self, waiting: "queues.Waiting") -> Optional[jobs.Job]:
         """Take this waiting job out of its queue as the worker's next current
-        job (``batch.next_job``), removed and reported in one Redis step
+        job (``gather.next_job``), removed and reported in one Redis step
         (``queues.take``); None when another worker got it first. Until it
         starts (``begin``) it has no thread to interrupt: a kill meanwhile
-        answers it from here (``cancel``), and ``job.start`` then skips it."""
+        answers it from here (``cancel``), and ``life.start`` then skips it."""
         with self._entry_lock:
             with self._job_lock:
                 self.current_job, self.job_thread, self.batch = waiting.job.id, None, ()
@@ -319,7 +319,7 @@ class WorkerState:
     def check_store(self) -> None:
         """A filesystem store this host does not share with the web hosts: its
         results could never be downloaded, so this worker refuses to serve
-        (``store_fs.check_shared``) and exits with EX_CONFIG; its log says why."""
+        (``store.fs.check_shared``) and exits with EX_CONFIG; its log says why."""
         if not isinstance(self.store, FilesystemStore):
             return
         try:

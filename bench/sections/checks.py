@@ -71,7 +71,7 @@ class TargetChecks:
         zygote = iso.get("zygote_added_p50_ms")
         add("isolated through the zygote adds <= 25 ms p50 over in-process", None if zygote is None else zygote <= 25,
             "not measured" if zygote is None else f"{zygote:+.1f} ms")
-        for check in w.get("capacity", {}).get("checks", []):  # issue #14's, from bench/capacity.py
+        for check in w.get("capacity", {}).get("checks", []):  # the waiting-clients targets, from bench/capacity.py
             add(f"capacity: {check['name']}", check["pass"], check["detail"])
         return checks
 
@@ -111,7 +111,7 @@ class TargetChecks:
             add(name, None, "not measured")
 
     def cobatch_checks(self, w: dict, add: Callable) -> None:
-        """Issue #15's three: the most clients, one worker, co-batching on >= 2.0 x off, and off
+        """The three co-batching targets: the most clients, one worker, co-batching on >= 2.0 x off, and off
         >= 0.9 x the local back-to-back rate, on the cells that measure the worker (the
         compute-bound model's, else the main model's on a GPU; SKIP on a CPU without them); one
         client, on costs <= +2 ms p50 over off, on the main model's cells (the fixed cost, not

@@ -1,4 +1,4 @@
-"""Co-batching (issue #15): requests/s and p50/p95 from N client threads
+"""Co-batching: requests/s and p50/p95 from N client threads
 against one worker, with co-batching off (a stack with ``NDIF_COBATCH_MAX=1``)
 and on (the default), side by side in one run, every value compared with the
 local solo run.

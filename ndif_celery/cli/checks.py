@@ -2,7 +2,7 @@
 
 Apart from :mod:`ndif_celery.cli.host` because :mod:`ndif_celery.host.doctor`
 imports sqlalchemy, the result stores (minio) and huggingface_hub to check
-them: in ``cli_host`` every ``up``/``down``/``status`` (and every stack the
+them: in ``cli.host`` every ``up``/``down``/``status`` (and every stack the
 tests start) paid ~0.3 s for imports only these two commands use. Registered
 on the group, lazily, in :mod:`ndif_celery.cli`; the doctor module itself is
 imported only when ``doctor`` runs, so ``ndif-celery --help`` stays cheap.

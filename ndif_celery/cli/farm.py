@@ -4,7 +4,7 @@ that reaches its broker: ``deploy``, ``evict``, ``queue``, ``kill`` and
 :mod:`ndif_celery.state.queues` and :mod:`ndif_celery.accounts.ledger`; these only parse,
 print and turn their errors into clean CLI errors. Registered on the group in
 :mod:`ndif_celery.cli`. Nothing of this host's stack is imported here
-(:mod:`ndif_celery.cli.common`, not ``cli_host``), and the ledger's database
+(:mod:`ndif_celery.cli.common`, not ``cli.host``), and the ledger's database
 layer only by ``jobs``: ``ndif-celery kill`` should start at once.
 """
 

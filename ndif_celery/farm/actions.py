@@ -28,7 +28,7 @@ class FarmError(Exception):
 
 def model_key_for(model: str, task: str = "text-generation", revision: Optional[str] = None) -> str:
     """A full model key from a repo id (or a key), exactly as the nnsight client
-    builds it: canonical and checked by ``model_policy.parse``, as the web's are."""
+    builds it: canonical and checked by ``policy.models.parse``, as the web's are."""
     if ":" not in model:
         model = f"{DEFAULT_CLASS}:{json.dumps({'repo_id': model, 'revision': revision, 'task': task})}"
     return model_policy.parse(model).key

@@ -71,7 +71,7 @@ def _snapshot_dir(repo_id: str, revision: Optional[str]) -> Optional[Path]:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached: size it another way (never as a local path: model_policy)
+    except Exception:  # noqa: BLE001 - not cached: size it another way (never as a local path: policy.models)
         return None
 
 

@@ -1,10 +1,9 @@
 """The farm's watchdog: jobs whose worker vanished, and queues nobody serves.
 
-It used to run in the workers' controller thread, so it died with them: on a
-one-worker farm whose worker was killed (``kill -9``, the OOM killer), nobody
-noticed, and its client waited forever. It runs in ``ndif-celery beat``
-instead (:mod:`ndif_celery.beat`), a process that runs no job and imports no
-torch, and leads with a Redis lease (:data:`LEADER`), so two beats are safe:
+It runs in ``ndif-celery beat`` (:mod:`ndif_celery.beat`), not in the
+workers: a watchdog in a worker dies with it, and on a one-worker farm whose
+worker was killed (``kill -9``, the OOM killer) nobody would notice, and its
+client would wait forever. The beat runs no job and imports no torch, and leads with a Redis lease (:data:`LEADER`), so two beats are safe:
 one of them looks, the other takes over within :data:`LEASE_MS` if it dies.
 
 Every :data:`INTERVAL_S` the leader

@@ -1,8 +1,8 @@
 """Keep a single-host stack running: restart a service that dies, with backoff.
 
 ``ndif-celery up`` is the embedded default (``make run``), and on one host
-nothing else watches its processes: before this module, a worker killed by the
-OOM killer stayed dead and the farm with it. ``up`` in the foreground runs
+nothing else watches its processes: without this module, a worker killed by
+the OOM killer would stay dead, and the farm with it. ``up`` in the foreground runs
 :meth:`Supervisor.run` itself; ``up --detach`` forks a copy of itself that
 leads its own session, starts the services (so they are its children and it
 learns how each one ended), and stays to supervise them.
@@ -18,7 +18,7 @@ costs little and a rare crash is repaired at once. Each exit and restart is
 logged, in the service's own log and the supervisor's.
 
 A service that exits with :data:`REPLACE_EXIT_CODE` asked to be replaced (a
-worker whose user code would not unwind from a deadline: issue #14): it is
+worker whose user code would not unwind from a deadline): it is
 restarted at once, with no backoff, and logged as "replaced itself".
 
 ``ndif-celery down`` stops the supervisor first (so nothing it stops comes

@@ -113,10 +113,10 @@ def unregister_worker(client: redis.Redis, name: str, pid: Optional[int] = None)
     ``pid``: only if the entry is still that process's. The beat's watchdog
     judges a worker dead on an entry it read earlier; meanwhile ``up``'s
     supervisor may have restarted it under the same name, and the fresh
-    process registered (``take_over``). Deleting by name then erased the
-    live worker: until its next heartbeat the farm had no worker, and the
-    controller failed the rescued job with "no live worker can take another
-    replica of it" (seen in test_supervision under load)."""
+    process registered (``take_over``). Deleting by name would then erase the
+    live worker: until its next heartbeat the farm would have no worker, and
+    the controller would fail the rescued job with "no live worker can take
+    another replica of it"."""
     return bool(client.eval(_UNREGISTER, 2, WORKERS, DEPLOYMENTS, name, "" if pid is None else str(pid)))
 
 

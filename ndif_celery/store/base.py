@@ -2,8 +2,8 @@
 
 A key that works on one backend must work on the other, and callers must see
 one error type for "the store is away" whichever backend is configured, so
-these live once, below both backends (``store_fs``, ``store_s3``) and the
-chooser (``store``).
+these live once, below both backends (``store.fs``, ``store.s3``) and the
+chooser (``store``, its ``__init__``).
 """
 
 from __future__ import annotations

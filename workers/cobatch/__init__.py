@@ -6,8 +6,8 @@ nnsight's own interleaving into one batched forward, and finished one by one,
 so each user gets exactly their own saves, logs, errors and ``meta``. A
 request that cannot share safely runs alone, through today's trusted path, and
 ``meta["cobatch_solo"]`` says why. The design, its guards and what it refuses
-are in docs/cobatching.md; the feasibility study behind it
-is /work/shared/cobatch/README.md.
+are in docs/cobatching.md; the decision and its measurements are in
+docs/decisions/cobatching.md.
 
 Public entry::
 

@@ -6,7 +6,7 @@ activation to those rows on a read and splices an edit back on a write. A
 co-batched forward is the same thing one level up: request r owns rows
 ``[start_r, start_r + rows_r)``, and its own invokes' groups are re-offset into
 that range. What nnsight's batcher does not have to care about, and this one
-does (the hazards of /work/shared/cobatch/README.md):
+does (the hazards numbered in docs/cobatching.md, "Guards"):
 
 * **Whole-batch workers** (an empty ``invoke()``, a stored ``model.edit()``)
   have ``batch_group=None`` and would see every user's rows: the engine scopes

@@ -41,7 +41,7 @@ except jail.JailError:
 def main(model, policy, fd, request_fd, workdir, cgroup, before_jail=None) -> None:
     """The forked child's entry point (never returns). ``fd``: its frames to
     the worker; ``request_fd``: the request from the worker; ``policy``: an
-    ``isolate.IsolationPolicy``. ``before_jail`` (a GPU child of the zygote) maps the
+    ``parent.IsolationPolicy``. ``before_jail`` (a GPU child of the zygote) maps the
     GPU weights first; such a child stays in its parent's PID namespace (CUDA
     IPC does not cross one) and runs the code itself (CUDA cannot fork)."""
     code = 1

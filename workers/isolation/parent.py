@@ -348,7 +348,7 @@ def _write_until(forked, fd: int, data, deadline: float, policy: IsolationPolicy
 _LAYER_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 _MAX_LAYERS = 32
 _CHILD_TIMINGS = ("deserialize_ms", "run_ms", "encode_ms")
-#: Every key an ChildOutcome's meta may hold (the child's, then isolate.run's own).
+#: Every key a ChildOutcome's meta may hold (the child's, then run's own).
 OUTCOME_META = ("jail", "child", "isolated_ms", "spare")
 
 

@@ -65,7 +65,7 @@ class ZygoteChild:
 
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
         """Its wait status, as the zygote reported it; None if it is still
-        running after ``timeout`` s (callers always give one: see isolate._wait_for)."""
+        running after ``timeout`` s (callers always give one: see parent._wait_for)."""
         if not self._exited.wait(timeout):
             return None
         return self.status if self.status is not None else 0

@@ -26,7 +26,7 @@ and drops the other's, so a job that unwinds late publishes no second status
 and no result. Nothing queued is lost by the replacement: the worker runs one
 job at a time with a prefetch of one (``celery_app.worker_argv``), so the only
 message it holds unacknowledged is the stuck job's; after the visibility
-timeout the broker hands it out again and ``job.start`` drops it, because the
+timeout the broker hands it out again and ``life.start`` drops it, because the
 job has ended.
 
 Both executors arm a watch (``executors``): the trusted one at the limit

@@ -2,7 +2,7 @@
 
 A job's life (``workers.job.life``) does not care where the user's code runs: it
 hands the payload to an executor and gets the result bytes back, or an
-exception that ``job.fail`` turns into the ERROR the client reads. Two
+exception that ``life.fail`` turns into the ERROR the client reads. Two
 executors, behind one small interface:
 
 - ``run(model, job, blob, channel, meta) -> bytes``: run the block, fill

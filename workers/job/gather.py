@@ -1,5 +1,5 @@
 """A co-batch's life on a worker: one trusted job gathers its model's waiting
-trusted jobs, and they run in shared forwards (issue #15).
+trusted jobs, and they run in shared forwards (docs/cobatching.md).
 
 Why gather at the worker: jobs reach a worker one Celery message at a time
 (concurrency 1, prefetch 1), so the jobs that could share a forward with the
@@ -165,7 +165,7 @@ def _together(worker, lead: job_life.Life, lives: list, answered: set) -> None:
         job_life.hand_over(worker, handed)
         answered.update(life.job.id for life, _ in handed)
         raise lead_answer
-    # Every job's answer at once, delivered while the next job starts (job.hand_over).
+    # Every job's answer at once, delivered while the next job starts (life.hand_over).
     job_life.hand_over(worker, [*handed, (lead, lead_answer)])
     answered.update(life.job.id for life, _ in handed)
 

@@ -24,15 +24,15 @@
   user's error, the store away, a server fault) to its ERROR.
 - :func:`finish` runs whatever happened; :func:`close` is its part per job.
 
-Keeping the model busy (issue #15): once a job's result is encoded, nothing
-left of its life needs the model. :func:`hand_over` gives its
-:func:`deliver` (or :func:`fail`) and :func:`close` to the worker's delivery
-thread (``workers.job.deliveries``; in order, one hand-off waiting at most, a
-result over 16 MiB delivered here as before), so :func:`finish` (the weight
-check: cheap stamps, the whole fingerprint only when due,
-``ResidentModels.check_after_trusted``) is all that stands between this
-job's forward and the next: ``WorkerState.run`` then takes the head of the
-model's queue itself (``batch.next_job``) instead of returning to Celery.
+Keeping the model busy: once a job's result is encoded, nothing left of its
+life needs the model. So :func:`hand_over` gives its :func:`deliver` (or
+:func:`fail`) and :func:`close` to the worker's delivery thread
+(``workers.job.deliveries``). Hand-offs run in order, and at most one waits.
+A result over 16 MiB is delivered here, in the job's thread, to bound memory.
+Only :func:`finish` then stands between this job's forward and the next.
+Its weight check reads cheap stamps; the whole fingerprint runs only when due
+(``ResidentModels.check_after_trusted``). ``WorkerState.run`` then takes the
+head of the model's queue itself (``gather.next_job``), skipping Celery's hop.
 The job's :func:`deliver` runs while the next job starts and runs.
 
 A trusted job may lead a co-batch (``workers.job.gather``): its ``perform`` gathers
@@ -196,10 +196,11 @@ def deliver(worker, life: Life, data: bytes) -> None:
 
 
 def hand_over(worker, answers: list) -> None:
-    """Each ``(life, result bytes or the exception that is its answer)``
-    answered (:func:`answer`) and closed, in order, by the worker's delivery
-    thread (``workers.job.deliveries``), so the next job starts meanwhile; in this
-    thread instead when a result is too big to hold while the next one is made."""
+    """Answer (:func:`answer`) and close each ``(life, result or exception)``.
+
+    The worker's delivery thread (``workers.job.deliveries``) does it, in
+    order, so the next job starts meanwhile. A result too big to hold while
+    the next one is made is answered here, in this thread, instead."""
     if all(isinstance(a, BaseException) or worker.deliveries.takes(a) for _, a in answers):
         worker.deliveries.hand(answers)
         for life, _ in answers:
