@@ -35,7 +35,7 @@ for _path in (ROOT, ROOT / "tests"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from tests import tiny_model  # noqa: E402  (imports no torch/transformers at import time)
+from tests.support import tiny_model  # noqa: E402  (imports no torch/transformers at import time)
 
 LLAMA_REPO = "ndif-bench/random-llama-1b"
 TINY_COLD_REPO = "ndif-bench/tiny-gpt2-cold"

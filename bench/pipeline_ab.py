@@ -52,8 +52,8 @@ def main(argv=None) -> int:
 
     from bench import models
     from bench.columns import run_clients
-    from tests.stack import Stack
-    from tests.tiny_model import client_model
+    from tests.support.stack import Stack
+    from tests.support.tiny_model import client_model
 
     info = models.MODELS["gpt2-medium"]
     models.build(info, Path(args.hf_home))

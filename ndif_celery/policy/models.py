@@ -55,7 +55,7 @@ _REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
 MAX_REVISION_CHARS = 128
 
 # transformers' pipeline tasks (transformers.pipelines.SUPPORTED_TASKS and
-# TASK_ALIASES in 5.x; tests/test_model_policy.py checks this list still covers
+# TASK_ALIASES in 5.x; tests/unit/test_model_policy.py checks this list still covers
 # the installed transformers), plus `translation_xx_to_yy`. A closed list keeps
 # the task from multiplying one repo into unbounded deployments.
 TASKS = frozenset({
