@@ -20,6 +20,7 @@ import redis
 from ndif_celery.state import jobs
 from ndif_celery import wire
 from tests.support.servers import embedded_redis
+from tests.support import pace
 from workers.job import deadline
 from workers.job.executors import JobCancelled, JobTimedOut
 
@@ -67,13 +68,13 @@ def test_a_thread_sleeping_in_c_gets_its_error_at_the_limit_and_is_reported_stuc
     started = time.monotonic()
     thread, outcome = _run_in_thread(watchdog, job, channel, 0.5, lambda: time.sleep(3))
     while client.get(jobs.status_key(job.id)) is None:
-        assert time.monotonic() - started < 2.5, "no ERROR while the thread sleeps"
+        assert time.monotonic() - started < pace.bound(2.5), "no ERROR while the thread sleeps"
         time.sleep(0.02)
     latest = _latest(client, job)
     assert latest["status"] == wire.ERROR and "exceeded the execution timeout of 0.5s" in latest["description"]
-    assert time.monotonic() - started < 1.5
+    assert thread.is_alive(), "the ERROR waited for the sleep to end"  # it came at the limit, not after
     while not stuck:
-        assert time.monotonic() - started < 2.8, "the stuck thread was not reported"
+        assert time.monotonic() - started < pace.bound(2.8), "the stuck thread was not reported"
         time.sleep(0.02)
     assert stuck == [job.id]
     thread.join(5)  # the sleep ends; the interruption lands; its own ERROR is dropped
@@ -108,7 +109,7 @@ def test_a_kill_answers_at_once_and_a_late_result_is_dropped(client):
     assert not watchdog.kill("another-job")
     started = time.monotonic()
     assert watchdog.kill(job.id)
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < pace.bound(0.5)
     assert _latest(client, job)["description"] == deadline.CANCELLED
     thread.join(3)
     assert outcome == {"raised": JobCancelled}
@@ -205,7 +206,7 @@ def test_a_kill_lands_while_the_job_waits_for_its_isolation_process(handle_class
     ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(JobCancelled))
     thread.join(2)
     assert not thread.is_alive(), "the kill did not land while the job waited for its isolation process"
-    assert outcome == {"raised": JobCancelled} and time.monotonic() - started < 1.0
+    assert outcome == {"raised": JobCancelled} and time.monotonic() - started < pace.bound(1.0)
     # Not ready in time, or settled with an error: the handle's own error class says which.
     with pytest.raises(ZygoteError, match=f"{handle_class} did not become ready within 0.2 s"):
         wait_ready(types.SimpleNamespace(ready=threading.Event(), error=None), 0.2)

@@ -2,6 +2,7 @@
 ``from tests.support.remote import poll``); no test lives here.
 
 * ``paths``          ROOT, TESTS_DIR, OUT_DIR (tests/_out), E2E_DIR.
+* ``pace``           wall-time bounds scaled by this machine's speed and load (``pace.bound``).
 * ``tiny_model``     tiny offline GPT-2 checkpoints, PROMPT/REPO_ID and the client model.
 * ``conformance``    the conformance cases every remote backend must pass, and ``same``.
 * ``servers``        real servers on loopback: embedded Redis, moto's S3, a TCP proxy,

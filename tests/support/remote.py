@@ -18,6 +18,7 @@ from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from ndif_celery.farm import actions as farm
 from tests.support.tiny_model import PROMPT
+from tests.support import pace
 
 
 def recorded_request(fn, *args, **kwargs):
@@ -62,6 +63,7 @@ def client_pointed_at(url: str, compress: bool = True):
 
 def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.05):
     """Call a non-blocking backend (or any callable) until it returns the saves (it raises on ERROR)."""
+    timeout_s = pace.bound(timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
         result = backend()
@@ -107,8 +109,8 @@ def kill_stuck(stack, model, block, said: str = "cancelling on", settle_s: float
         poll(backend, timeout_s=30)
     took = time.monotonic() - started
     print(f"kill: the command {cli_s:.2f} s, the ERROR {took:.2f} s after it started (load {os.getloadavg()[0]:.1f})")
-    assert took - cli_s < 2, f"the ERROR came {took - cli_s:.1f} s after the command returned"
-    assert cli_s < farm.KILL_REPLY_S + 8, f"the command took {cli_s:.1f} s"
+    assert took - cli_s < pace.bound(2), f"the ERROR came {took - cli_s:.1f} s after the command returned"
+    assert cli_s < farm.KILL_REPLY_S + pace.bound(8), f"the command took {cli_s:.1f} s"
 
 
 def wait_status(url: str, job_id: str, status: str, contains: str = "", headers: dict | None = None,
@@ -117,6 +119,7 @@ def wait_status(url: str, job_id: str, status: str, contains: str = "", headers:
     (with ``contains`` in its description); return it."""
     import httpx
 
+    timeout_s = pace.bound(timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
         latest = httpx.get(f"{url}/response/{job_id}", headers=headers, timeout=10).json()
@@ -131,6 +134,7 @@ def final_status(url: str, job_id: str, headers: dict | None = None, timeout_s: 
     """Poll ``GET /response/<id>`` until COMPLETED or ERROR; return that status."""
     import httpx
 
+    timeout_s = pace.bound(timeout_s)
     deadline = time.monotonic() + timeout_s
     while True:
         latest = httpx.get(f"{url}/response/{job_id}", headers=headers, timeout=10).json()

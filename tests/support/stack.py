@@ -24,6 +24,7 @@ from typing import Optional
 
 from tests.support.paths import ROOT
 from tests.support.servers import free_ports, refuse_in_fast_tier
+from tests.support import pace
 
 
 # Inherited settings that would point the stack at someone else's services or
@@ -96,6 +97,7 @@ class Stack:
 
     def start(self, timeout: float = 180) -> "Stack":
         """``up --detach``: returns once the stack is ready, else raises with every log."""
+        timeout = pace.bound(timeout)
         refuse_in_fast_tier("a stack")
         try:
             result = self.cli("up", "--detach", "--timeout", str(timeout), timeout=timeout + 60)
@@ -150,6 +152,7 @@ class Stack:
         )
         self.extra_processes[name] = proc
         client = redis.Redis.from_url(self.redis_url)
+        timeout = pace.bound(timeout)
         deadline = time.monotonic() + timeout
         while not client.hexists(registry.WORKERS, name):
             if proc.poll() is not None or time.monotonic() > deadline:
@@ -192,6 +195,7 @@ class Stack:
         """Until ``GET /ping`` answers 200 (a web or Redis coming back)."""
         import httpx
 
+        timeout_s = pace.bound(timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
             try:

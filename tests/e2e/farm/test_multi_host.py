@@ -29,6 +29,7 @@ from tests.support.remote import poll
 from tests.support.host_farm import HostFarm
 from tests.support.servers import refuse_in_fast_tier
 from tests.support.tiny_model import PROMPT, PROMPTS, REPO_ID, client_model
+from tests.support import pace
 
 # Results above this go through the store (NDIF_MAX_INLINE_BYTES on every host):
 # the logits of one prompt (~18 KiB) ride inline, every layer's output does not.
@@ -235,7 +236,7 @@ def test_a_worker_host_cut_while_idle_as_jobs_arrive_loses_none(farm, model):
                     for i, (job_id, sent_at) in enumerate(arriving)]
         outcomes = [outcome.result() for outcome in outcomes]
         for status, job_id, took, saves in outcomes:
-            assert took <= PROMISE_S, f"job {job_id} took {took:.1f} s"
+            assert took <= pace.bound(PROMISE_S), f"job {job_id} took {took:.1f} s"
             if status == "COMPLETED":
                 assert torch_equal(saves["out"], expected)
         lost = [job_id for job_id, _ in arriving
@@ -278,7 +279,7 @@ def test_a_web_host_that_dies_fails_its_own_blocking_client_only(farm, model):
     with pytest.raises(Exception) as failed:
         on_doomed.result(timeout=PROMISE_S)
     print(f"the dead web host's client: {failed.value!r} {time.monotonic() - killed_at:.1f} s after")
-    assert time.monotonic() - killed_at < 10, "the dead web host's client was not told"
+    assert time.monotonic() - killed_at < pace.bound(10), "the dead web host's client was not told"
     assert "Connection" in type(failed.value).__name__ or isinstance(failed.value, OSError), repr(failed.value)
     assert torch_equal(on_kept.result(timeout=PROMISE_S), _layer0_locally(model))
 
