@@ -32,15 +32,16 @@ run: install
 	$(BIN)/ndif-celery up
 
 # TEST_WORKERS > 1: that many pytest processes (pytest-xdist) share the modules
-# out, a module at a time (its own stack starts once; tests/conftest.py orders
-# the longest first). Two by default: a third of the suite waits on deadlines,
+# out, a group at a time: a module, or all the tests on one pool of shared stacks
+# (each stack starts once per run; tests/conftest.py groups them and orders the
+# longest first). Two by default: a third of the suite waits on deadlines,
 # restarts and leases, and one process leaves a core idle meanwhile. More than
 # two gains nothing on 2 cores: the suite is CPU-bound there, and timing checks
 # fail under the load. tools/suite_cpu.py shows where the CPU goes. Why, with
 # the measurements: docs/decisions/test-processes.md; wall times per machine:
 # docs/performance.md, "The test suite".
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadscope)
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
 test: install
 	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)

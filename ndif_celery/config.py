@@ -239,10 +239,11 @@ VARIABLES: tuple = (
     Var("NDIF_CLEANUP_INTERVAL_S", "cleanup_interval_s", 300.0, _float, "how often `ndif-celery beat` runs the cleanup"),
     Var("NDIF_DATABASE_URL", "database_url", lambda read: f"sqlite:///{read['home'] / 'ndif.db'}", _text,
         "the database (keys and the job ledger)", shown="`sqlite:///$NDIF_HOME/ndif.db`"),
-    Var("NDIF_FLOWER_PORT", "flower_port", 5555, _int, "Flower's port"),
+    Var("NDIF_FLOWER_PORT", "flower_port", 5555, _int, "Flower's port; 0: no Flower on this host"),
     # Loopback by default: Flower has no authentication of its own.
     Var("NDIF_FLOWER_HOST", "flower_host", "127.0.0.1", _text, "the address Flower listens on"),
-    Var("NDIF_FLOWER_URL", "flower_url", lambda read: f"http://{_browsable(read['api_host'])}:{read['flower_port']}", _url,
+    Var("NDIF_FLOWER_URL", "flower_url",
+        lambda read: f"http://{_browsable(read['api_host'])}:{read['flower_port']}" if read["flower_port"] else "", _url,
         "where the dashboard links to Flower", shown="`http://<NDIF_API_HOST>:<NDIF_FLOWER_PORT>`"),
     # 0 = no metrics endpoint on the worker; a taken port moves to the next few.
     Var("NDIF_WORKER_METRICS_PORT", "worker_metrics_port", 9108, _int, "each worker's Prometheus `/metrics` port (0: off)"),

@@ -156,15 +156,62 @@ def pytest_runtest_setup(item):
     servers.FAST_TIER_TEST = "" if in_e2e_tier(item.path) else item.nodeid
 
 
-@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker, and before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if in_e2e_tier(item.path):
             item.add_marker(pytest.mark.e2e)
+        group = pool_group(item)
+        if group is None and "stack_pool" in getattr(item, "fixturenames", ()):
+            raise pytest.UsageError(f"{item.nodeid} takes stacks from stack_pool without naming their kinds: "
+                                    "mark it @pytest.mark.pools(\"fs\", ...) (tests/conftest.py groups by them)")
+        item.add_marker(pytest.mark.xdist_group(group or _module(item)))
     durations = config.cache.get(DURATIONS_KEY, {}) if config.cache is not None else {}
     if durations:
         # Stable: a module's own order is kept, and so is the order of modules without a time.
         items.sort(key=lambda item: -durations.get(_module(item), 0.0))
+
+
+# --- which pytest process runs what -------------------------------------------------
+#
+# ``make test`` runs ``--dist loadgroup``: the tests of one group run in one
+# pytest process. A module is a group of its own (its module-scoped stack starts
+# once), except the tests on the shared stacks of tests/support/stack_pool.py:
+# every user of the trusted kinds joins one group, every user of the jailed kinds
+# another, so each kind starts once per run, not once per process. A test names
+# the kinds it takes from ``stack_pool`` by hand with ``@pytest.mark.pools(...)``;
+# the pool fixtures say it for themselves.
+
+JAILED_KINDS = frozenset({"isolated", "zygote"})
+_JAIL_FIXTURES = frozenset({"jail", "worker_pid", "still_serving_after"})
+_FS_FIXTURES = frozenset({"fs_stack", "on_fs_stack"})
+
+
+def pool_kinds(item) -> set:
+    """The stack_pool kinds a test uses."""
+    kinds = set()
+    for marker in item.iter_markers("pools"):
+        kinds.update(marker.args)
+    names = set(getattr(item, "fixturenames", ()))
+    if names & _JAIL_FIXTURES:
+        kinds |= JAILED_KINDS
+    if names & _FS_FIXTURES:
+        kinds.add("fs")
+    callspec = getattr(item, "callspec", None)
+    if "variant" in names and callspec is not None:
+        kinds.add(callspec.params["variant"].stack)
+    return kinds
+
+
+def pool_group(item):
+    """``pool-jailed`` or ``pool-trusted`` for a test on the shared stacks, else None.
+
+    A test that needs a jailed kind runs with the jailed kinds, even if it also
+    takes a trusted one (that one then starts a second time, in that process)."""
+    kinds = pool_kinds(item)
+    if not kinds:
+        return None
+    return "pool-jailed" if kinds & JAILED_KINDS else "pool-trusted"
 
 
 # --- order: the longest modules first ------------------------------------------------

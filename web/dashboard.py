@@ -298,7 +298,7 @@ PAGE = """<!doctype html>
 </head>
 <body>
 <h1>ndif-celery</h1>
-<nav><a href="{{ flower_url }}" id="flower-link">Flower</a><a href="metrics">/metrics</a><a href="status">/status</a>
+<nav>{% if flower_url %}<a href="{{ flower_url }}" id="flower-link">Flower</a>{% endif %}<a href="metrics">/metrics</a><a href="status">/status</a>
 <span class="muted">{{ now }}, refreshed every {{ refresh_s }} s;
 jobs ended: {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0) }} with an error</span></nav>
 

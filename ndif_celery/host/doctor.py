@@ -299,8 +299,9 @@ def check_ports(settings: config.Settings, alive: dict) -> list[Check]:
     if settings.embedded_redis:
         checks.append(_port_check("redis port", "127.0.0.1", settings.embedded_redis_port, "NDIF_EMBEDDED_REDIS_PORT",
                                   "the embedded Redis", "held by this stack's Redis" if alive.get("redis") else None))
-    checks.append(_port_check("flower port", settings.flower_host, settings.flower_port, "NDIF_FLOWER_PORT", "Flower",
-                              "held by this stack's Flower" if alive.get("flower") else None))
+    if settings.flower_port:
+        checks.append(_port_check("flower port", settings.flower_host, settings.flower_port, "NDIF_FLOWER_PORT",
+                                  "Flower", "held by this stack's Flower" if alive.get("flower") else None))
     return checks
 
 

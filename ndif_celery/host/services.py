@@ -37,9 +37,10 @@ def default_services(settings: config.Settings) -> list[str]:
     """The services of a single-host stack, in start order.
 
     Redis only when no ``NDIF_REDIS_URL`` names one; it starts first because
-    everything else talks to it, and so stops last.
+    everything else talks to it, and so stops last. Flower unless
+    ``NDIF_FLOWER_PORT`` is 0.
     """
-    services = ["web", "worker", "beat", "flower"]
+    services = ["web", "worker", "beat"] + (["flower"] if settings.flower_port else [])
     return (["redis"] + services) if settings.embedded_redis else services
 
 
@@ -64,6 +65,8 @@ def command(settings: config.Settings, service: str, worker_name: Optional[str] 
             f"--schedule={settings.home / 'run' / 'beat-schedule'}", f"--loglevel={settings.log_level}",
         ]
     if service == "flower":
+        if not settings.flower_port:
+            raise StackError("Flower is off on this host (NDIF_FLOWER_PORT=0); set NDIF_FLOWER_PORT=<port> to run it")
         return [
             sys.executable, "-m", "celery", "-A", CELERY_APP, "flower",
             f"--port={settings.flower_port}", f"--address={settings.flower_host}",

@@ -21,7 +21,7 @@ import pytest
 from ndif_celery import config
 from ndif_celery.host import doctor, embedded_redis as redis_server
 from tests.support.servers import free_ports
-from tests.support.stack import ROOT, Stack
+from tests.support.stack import ROOT
 from tests.support import pace
 
 
@@ -242,19 +242,6 @@ def test_doctor_rejects_an_unknown_or_core_layer(tmp_path):
         result = run_cli(bare_env(machine, NDIF_JAIL_REQUIRE=value), "doctor")
         status, detail, _ = checks(result.stdout)["configuration"]
         assert status == "FAIL" and "NDIF_JAIL_REQUIRE" in detail, result.stdout
-
-
-# -- a healthy stack: doctor passes, logs shows its logs --
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    stack = Stack(tmp_path_factory.mktemp("doctor") / "home")
-    try:
-        stack.start()
-        yield stack
-    finally:
-        stack.discard()
 
 
 def test_logs_in_a_home_without_a_stack(tmp_path):

@@ -61,7 +61,7 @@ def client_pointed_at(url: str, compress: bool = True):
         nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
 
 
-def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.05):
+def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.1):
     """Call a non-blocking backend (or any callable) until it returns the saves (it raises on ERROR)."""
     timeout_s = pace.bound(timeout_s)
     deadline = time.monotonic() + timeout_s
@@ -151,7 +151,7 @@ class PollUntilDone(RemoteBackend):
     caller's frame afterwards so the same conformance cases can read them."""
 
     timeout_s = 60.0
-    interval_s = 0.02
+    interval_s = 0.05
 
     def __init__(self, model, **kwargs) -> None:
         super().__init__(model.to_model_key(), env=model._remoteable_get_env(), blocking=False, **kwargs)

@@ -43,17 +43,21 @@ class StackFailed(RuntimeError):
 class Stack:
     """One single-host stack in ``home``, driven through ``python -m ndif_celery.cli``."""
 
-    def __init__(self, home: Path, env: Optional[dict] = None):
+    def __init__(self, home: Path, env: Optional[dict] = None, full: bool = False):
+        """``full``: the product's default services, Flower and two web processes.
+        A stack whose tests look at neither goes lean: no Flower
+        (``NDIF_FLOWER_PORT=0``) and one web process, two processes fewer to
+        start and keep. ``env`` still wins over either."""
         self.home = Path(home).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
         env = dict(env or {})
         base = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
-        api, redis_port, flower, metrics = free_ports(4)
+        api, redis_port, flower_port, metrics = free_ports(4)
         base.update(
             NDIF_HOME=str(self.home),
             NDIF_API_PORT=str(api),
             NDIF_EMBEDDED_REDIS_PORT=str(redis_port),
-            NDIF_FLOWER_PORT=str(flower),
+            NDIF_FLOWER_PORT=str(flower_port if full else 0),
             # The worker's /metrics (a worker added later takes the next free port).
             NDIF_WORKER_METRICS_PORT=str(metrics),
         )
@@ -61,6 +65,8 @@ class Stack:
         # request may deploy the tiny model on first use, as before the model policy;
         # tests/e2e/access/test_model_policy.py runs the product default (NDIF_MODELS empty) explicitly.
         base.setdefault("NDIF_MODELS", "*")
+        if not full:
+            base["NDIF_WEB_WORKERS"] = "1"
         base.update({k: str(v) for k, v in env.items()})
         self.env = base
         self.api_port = int(self.env["NDIF_API_PORT"])
@@ -246,13 +252,18 @@ def _stop_process(proc: subprocess.Popen, timeout: float) -> None:
 
 
 @contextlib.contextmanager
+def offline_env(hf_home: Path) -> dict:
+    """The environment that points a stack at the tests' offline model cache."""
+    return {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
 def client_on_stack(home: Path, hf_home: Path, env: Optional[dict] = None, workers: tuple = ()):
     """A stack of its own for a test module: the offline model cache, ``env``,
     extra workers ``(name, gpus, memory_gib)``, and the real client pointed at
     it (its host, API key and compression restored afterwards)."""
     import nnsight
 
-    stack = Stack(home, env={"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})})
+    stack = Stack(home, env={**offline_env(hf_home), **(env or {})})
     stack.start()
     api = nnsight.CONFIG.API
     saved = api.HOST, api.APIKEY, api.COMPRESS

@@ -36,7 +36,9 @@ class StackPool:
 
     def get(self, kind: str) -> Stack:
         if kind not in self.stacks:
-            stack = Stack(self.root / kind, env={**self.base_env, **self._env_for(kind)})
+            # The full default stack only for the default kind: its tests look at Flower (the
+            # dashboard's link, /metrics) and load two web processes (capacity).
+            stack = Stack(self.root / kind, env={**self.base_env, **self._env_for(kind)}, full=kind == "fs")
             stack.start()
             self.stacks[kind] = stack
         return self.stacks[kind]

@@ -17,6 +17,22 @@ from tests.support.stack import Stack
 FAST_DIRS = (TESTS_DIR / "unit", TESTS_DIR / "inprocess")
 
 
+class Item:
+    """What conftest's collection hook reads of a test item, and the marks it adds."""
+
+    def __init__(self, nodeid, fixturenames=(), marks=(), params=None):
+        self.nodeid, self.path = nodeid, ROOT / nodeid.split("::")[0]
+        self.fixturenames, self.marks = list(fixturenames), list(marks)
+        self.callspec = types.SimpleNamespace(params=params) if params is not None else None
+        self.marked: dict = {}
+
+    def iter_markers(self, name):
+        return [mark for mark in self.marks if mark.name == name]
+
+    def add_marker(self, marker):
+        self.marked[marker.name] = marker.args
+
+
 def test_a_fast_tier_test_cannot_start_a_stack_or_moto(tmp_path):
     stack = Stack(tmp_path / "home")
     with pytest.raises(RuntimeError, match=r"test_a_fast_tier_test_cannot_start_a_stack_or_moto starts a stack "
@@ -35,32 +51,19 @@ def test_every_e2e_test_is_marked_and_no_fast_one_is():
     """conftest's collection hook marks a test ``e2e`` exactly when its file is under tests/e2e."""
     from tests import conftest
 
-    class Item:
-        def __init__(self, path):
-            self.path, self.nodeid, self.markers = path, str(path.relative_to(ROOT)), []
+    items = [Item(str(path.relative_to(ROOT))) for path in sorted(TESTS_DIR.rglob("test_*.py"))]
 
-        def add_marker(self, marker):
-            self.markers.append(marker.name)
-
-    items = [Item(path) for path in sorted(TESTS_DIR.rglob("test_*.py"))]
     config = types.SimpleNamespace(cache=None)
     conftest.pytest_collection_modifyitems(config, items)
     e2e = [item for item in items if item.path.is_relative_to(E2E_DIR)]
     fast = [item for item in items if any(item.path.is_relative_to(d) for d in FAST_DIRS)]
     assert e2e and fast and len(e2e) + len(fast) == len(items)
-    assert all(item.markers == ["e2e"] for item in e2e)
-    assert all(item.markers == [] for item in fast)
+    assert all("e2e" in item.marked for item in e2e)
+    assert not any("e2e" in item.marked for item in fast)
 
 
 def test_modules_run_longest_first_by_the_last_runs_times():
     from tests import conftest
-
-    class Item:
-        def __init__(self, nodeid):
-            self.nodeid, self.path = nodeid, ROOT / nodeid.split("::")[0]
-
-        def add_marker(self, marker):
-            pass
 
     def order(durations):
         items = [Item(n) for n in ("tests/unit/a.py::x", "tests/unit/a.py::y", "tests/unit/b.py::x", "tests/unit/c.py::x")]
@@ -95,3 +98,29 @@ def test_the_stack_fixtures_are_defined_only_for_the_e2e_tier():
             assert stack_fixtures <= defined
         else:
             assert not stack_fixtures & defined, f"{path.relative_to(ROOT)} defines a stack fixture outside tests/e2e"
+
+
+def test_the_tests_of_each_pool_share_one_process_and_the_rest_go_by_module():
+    """Under ``--dist loadgroup``: one group for the trusted pooled kinds, one for the
+    jailed ones (each pooled stack starts once per run), a module of its own otherwise."""
+    from tests import conftest
+    from tests.support.remote import VARIANTS
+
+    by_kind = {variant.stack: variant for variant in VARIANTS}
+    items = [
+        Item("tests/e2e/api/a.py::x", ["on_fs_stack", "stack_pool"]),
+        Item("tests/e2e/isolation/b.py::y", ["jail", "stack_pool"]),
+        Item("tests/e2e/isolation/c.py::z", ["stack_pool"], [pytest.mark.pools("zygote")]),
+        Item("tests/e2e/api/d.py::v[s3]", ["variant", "stack_pool"], params={"variant": by_kind["s3"]}),
+        Item("tests/e2e/api/d.py::v[zygote]", ["variant", "stack_pool"], params={"variant": by_kind["zygote"]}),
+        Item("tests/e2e/api/e.py::both", ["fs_stack", "stack_pool"], [pytest.mark.pools("isolated")]),
+        Item("tests/e2e/farm/f.py::w", ["hf_home"]),
+    ]
+    conftest.pytest_collection_modifyitems(types.SimpleNamespace(cache=None), items)
+    assert [item.marked["xdist_group"] for item in items] == [
+        ("pool-trusted",), ("pool-jailed",), ("pool-jailed",), ("pool-trusted",), ("pool-jailed",),
+        ("pool-jailed",), ("tests/e2e/farm/f.py",)]
+
+    unnamed = Item("tests/e2e/api/g.py::takes_its_own", ["stack_pool"])
+    with pytest.raises(pytest.UsageError, match="mark it @pytest.mark.pools"):
+        conftest.pytest_collection_modifyitems(types.SimpleNamespace(cache=None), [unnamed])

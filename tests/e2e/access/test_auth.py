@@ -22,7 +22,9 @@ from tests.support.tiny_model import PROMPT
 
 @pytest.fixture(scope="module", params=["sqlite", "postgresql"])
 def stack(request, tmp_path_factory, hf_home):
-    env = {"NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0"}
+    # fork: untrusted jobs here are not about where a zygote comes from (the jail pools and
+    # test_zygote are), and an exec'd zygote per model load costs an interpreter and its imports.
+    env = {"NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_ISOLATION": "fork"}
     drop = None
     if request.param == "postgresql":
         env["NDIF_DATABASE_URL"], drop = postgres_database()

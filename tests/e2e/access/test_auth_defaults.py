@@ -50,9 +50,11 @@ FIELDS = ("max_concurrent_jobs", "max_queue_depth", "rate_limit_per_min",
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, hf_home):
     # The lease of a dead web process's sockets at its shortest (NDIF_SOCKET_LEASE_S, not a
-    # limit the auth-on defaults set), so the test of their lapse waits 10 s, not 30.
+    # limit the auth-on defaults set), so the test of their lapse waits 10 s, not 30. Two web
+    # processes, as shipped: the per-process bounds below are counted for two.
     with client_on_stack(tmp_path_factory.mktemp("auth-defaults"), hf_home,
-                         {"NDIF_AUTH": "1", "NDIF_SOCKET_LEASE_S": "10"}) as stack:
+                         {"NDIF_AUTH": "1", "NDIF_SOCKET_LEASE_S": "10", "NDIF_WEB_WORKERS": "2",
+                          "NDIF_ISOLATION": "fork"}) as stack:
         yield stack
 
 

@@ -25,7 +25,7 @@ TIMEOUT_S = 3
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, hf_home):
     env = {
-        "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
+        "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_ISOLATION": "fork",  # no zygote is the subject here
         "NDIF_MAX_PAYLOAD_BYTES": str(PAYLOAD_LIMIT), "NDIF_MAX_RESULT_BYTES": str(RESULT_LIMIT),
         "NDIF_EXECUTION_TIMEOUT_S": str(TIMEOUT_S), "NDIF_MAX_QUEUE_DEPTH": "2",
     }

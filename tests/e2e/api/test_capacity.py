@@ -24,6 +24,8 @@ from nnsight.intervention.backends.remote import AsyncRemoteBackend
 from tests.support.load import COBATCH_TOLERANCE as TOLERANCE
 from tests.support.tiny_model import PROMPT
 
+pytestmark = pytest.mark.pools("fs")
+
 CLIENTS = 500
 
 

@@ -40,6 +40,8 @@ from tests.support.remote import PollUntilDone, client_pointed_at, final_status,
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT
 
+pytestmark = pytest.mark.pools("fs-noinline")
+
 GEN = dict(max_new_tokens=4, do_sample=False)
 RAISED = "user 9 asked for this error"
 # The tiny tokenizer gives these two the same token length (9): generates share only at one length.
@@ -271,7 +273,7 @@ def _key(stack, email: str, *flags: str) -> str:
 def auth_stack(tmp_path_factory, hf_home, model):
     """Auth on, per-key limits off (sixteen jobs of one key at once); the client
     holds a trusted key; ``stack.untrusted`` is a key without the tag."""
-    with client_on_stack(tmp_path_factory.mktemp("cobatch"), hf_home, {"NDIF_AUTH": "1", **UNLIMITED}) as stack:
+    with client_on_stack(tmp_path_factory.mktemp("cobatch"), hf_home, {"NDIF_AUTH": "1", "NDIF_ISOLATION": "fork", **UNLIMITED}) as stack:
         nnsight.CONFIG.API.APIKEY = _key(stack, "trusted@example.org", "--trusted")
         stack.untrusted = _key(stack, "untrusted@example.org")
         _remote(model, u_read, True)()  # the first request deploys the model

@@ -164,6 +164,7 @@ def test_with_auth_a_browser_signs_in_with_an_admin_key(chromium, tmp_path_facto
 
     stack = Stack(tmp_path_factory.mktemp("dashboard-auth"), env={
         "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NDIF_AUTH": "1",
+        "NDIF_ISOLATION": "fork",  # no untrusted job: the fork server's zygotes cost nothing to start
     })
     try:
         stack.start()

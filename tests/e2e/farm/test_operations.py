@@ -53,7 +53,7 @@ def ops(tmp_path_factory, hf_home):
     receiver = Receiver()
     stack = Stack(home, env={
         "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-        "NDIF_AUTH": "1",
+        "NDIF_AUTH": "1", "NDIF_ISOLATION": "fork",  # every key trusted: no job needs an exec'd zygote
         "NDIF_DEPLOYMENTS": f"[{{repo: {BOOT}, pin: true}}]",
         "NDIF_PROBE_INTERVAL_S": "1", "NDIF_PROBE_TIMEOUT_S": "30", "NDIF_PROBE_API_KEY": keys["probe"],
         "NDIF_ALERT_WEBHOOK_URL": receiver.url,

@@ -79,7 +79,7 @@ def assert_all_gone(stack: Stack, pids: dict[str, int]) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = Stack(tmp_path_factory.mktemp("cli") / "home")
+    stack = Stack(tmp_path_factory.mktemp("cli") / "home", full=True)
     stack.start()
     yield stack
     stack.discard()
@@ -149,7 +149,7 @@ def test_down_stops_every_service(stack):
 def _foreground_up(tmp_path: Path) -> Iterator[tuple[Stack, subprocess.Popen, Path]]:
     """A stack under a foreground `up` (its output in ``up.out``), ready;
     afterwards `up` and everything of the stack killed, however the test ended."""
-    stack = Stack(tmp_path / "home")
+    stack = Stack(tmp_path / "home", full=True)
     out = tmp_path / "up.out"
     with open(out, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-m", "ndif_celery.cli", "up"], cwd=ROOT, env=stack.env,
@@ -201,7 +201,7 @@ def test_foreground_up_restarts_a_service_that_dies(tmp_path):
 def test_a_service_dying_while_starting_fails_fast_with_its_log(tmp_path):
     # gunicorn reads extra arguments from GUNICORN_CMD_ARGS; a bad one makes
     # only the web exit, right away.
-    stack = Stack(tmp_path / "home", env={"GUNICORN_CMD_ARGS": "--no-such-option"})
+    stack = Stack(tmp_path / "home", env={"GUNICORN_CMD_ARGS": "--no-such-option"}, full=True)
     started = time.monotonic()
     result = stack.cli("up", "--detach", "--timeout", "120")
     assert result.returncode != 0
@@ -214,7 +214,7 @@ def test_a_service_dying_while_starting_fails_fast_with_its_log(tmp_path):
 
 
 def test_not_ready_in_time_stops_what_it_started(tmp_path):
-    stack = Stack(tmp_path / "home")
+    stack = Stack(tmp_path / "home", full=True)
     result = stack.cli("up", "--detach", "--timeout", "0.5")
     assert result.returncode != 0
     assert "not ready within" in result.stderr and "still waiting for" in result.stderr, result.stderr
@@ -227,7 +227,7 @@ def test_not_ready_in_time_stops_what_it_started(tmp_path):
 
 
 def test_procfile_commands_make_a_farm(tmp_path):
-    stack = Stack(tmp_path / "home")
+    stack = Stack(tmp_path / "home", full=True)
     procs = {}
 
     def run(*args):
@@ -284,7 +284,7 @@ def test_taken_api_port_is_named_with_its_variable(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        stack = Stack(tmp_path / "home", env={"NDIF_API_PORT": str(port)})
+        stack = Stack(tmp_path / "home", env={"NDIF_API_PORT": str(port)}, full=True)
         result = stack.cli("up", "--detach")
     assert result.returncode != 0
     assert str(port) in result.stderr and "NDIF_API_PORT" in result.stderr, result.stderr
@@ -293,7 +293,7 @@ def test_taken_api_port_is_named_with_its_variable(tmp_path):
 
 
 def test_down_and_status_when_nothing_runs(tmp_path):
-    stack = Stack(tmp_path / "home")
+    stack = Stack(tmp_path / "home", full=True)
     down = stack.cli("down")
     assert down.returncode == 0 and "not running" in down.stdout
 

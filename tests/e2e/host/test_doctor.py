@@ -45,7 +45,7 @@ def checks(stdout: str) -> dict[str, tuple[str, str, str]]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    stack = Stack(tmp_path_factory.mktemp("doctor") / "home")
+    stack = Stack(tmp_path_factory.mktemp("doctor") / "home", full=True)
     try:
         stack.start()
         yield stack

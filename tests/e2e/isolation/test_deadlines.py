@@ -30,6 +30,8 @@ from tests.support.stack_pool import JAIL_TIMEOUT_S
 from tests.support.tiny_model import PROMPT
 from tests.support import pace
 
+pytestmark = pytest.mark.pools("isolated", "zygote")
+
 nnsight.register(__name__)  # the blocking helpers below run inside remote blocks
 
 # 8, not 4: a kill test's ``ndif-celery kill`` must find its job still running,

@@ -20,11 +20,12 @@ from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.policy.jail_layers import LAYERS
 from tests.support.jail_fixtures import attempt
-from tests.support.stack import Stack
+from tests.support.stack import Stack, offline_env
 from tests.support.jail_fixtures import connect_unix, listen_beside, unix_socket_targets
 from tests.support.tiny_model import PROMPT
 
 nnsight.register(__name__)
+
 
 def weak_env(tmp_path, **extra) -> dict:
     not_a_cgroup = tmp_path / "not-a-cgroup"
@@ -34,10 +35,10 @@ def weak_env(tmp_path, **extra) -> dict:
 
 
 @pytest.fixture(scope="module")
-def weak_stack(tmp_path_factory, stack_pool):
+def weak_stack(tmp_path_factory, hf_home):
     """No pids cgroup (its root is a plain directory) and no seccomp (disabled), both waived."""
     root = tmp_path_factory.mktemp("weak")
-    stack = Stack(root / "home", env={**stack_pool.base_env,
+    stack = Stack(root / "home", env={**offline_env(hf_home),
                                        **weak_env(root, NDIF_JAIL_REQUIRE="all,-pids_cgroup,-seccomp")})
     stack.start()
     saved = nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS
@@ -47,8 +48,8 @@ def weak_stack(tmp_path_factory, stack_pool):
     stack.discard()
 
 
-def test_a_job_is_refused_when_a_required_layer_is_missing(tmp_path, stack_pool, model):
-    with Stack(tmp_path / "home", env={**stack_pool.base_env, **weak_env(tmp_path)}) as stack:
+def test_a_job_is_refused_when_a_required_layer_is_missing(tmp_path, hf_home, model):
+    with Stack(tmp_path / "home", env={**offline_env(hf_home), **weak_env(tmp_path)}) as stack:
         saved = nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS
         nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = stack.url, True
         try:

@@ -3,7 +3,8 @@ and the statuses any job (trusted too) makes the server publish and store.
 
 Each test is an attack a user could really make with the real client: hang
 the worker by closing the result pipe and sleeping, flood it with prints or
-a huge exception message, forge frames on the result pipe. Each must end
+a huge exception message, forge frames on the result pipe (a trusted job's
+statuses are bounded the same way: tests/e2e/api/test_output_bounds.py). Each must end
 bounded (a clear ERROR naming the limit, or output cut with a note saying
 so), nothing forged may reach the job's meta, what Redis keeps for the job
 stays small, and the worker keeps serving, exactly right
@@ -12,12 +13,10 @@ stays small, and the worker keeps serving, exactly right
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import struct
-import threading
 import time
 
 import nnsight
@@ -25,57 +24,14 @@ import pytest
 import redis
 from nnsight.intervention.backends.remote import RemoteError
 
-from tests.support.jail_fixtures import isolation, jail, still_serving_after, worker_pid  # noqa: F401
+from tests.support.jail_fixtures import jail, still_serving_after, worker_pid  # noqa: F401
 from tests.support.remote import kill_stuck
 from tests.support.stack_pool import JAIL_TIMEOUT_S
+from tests.support.status_feed import STORED_LIMIT, logs_of, published, stored_status, the_job
 from tests.support.tiny_model import PROMPT
 from tests.support import pace
 
 nnsight.register(__name__)  # the helpers below ship with the blocks, by value
-
-STORED_LIMIT = 128 * 1024  # what Redis may keep as one job's status
-
-
-@contextlib.contextmanager
-def published(stack):
-    """Every JSON status the stack publishes to websockets while the block runs."""
-    client = redis.Redis.from_url(stack.redis_url)
-    pubsub = client.pubsub(ignore_subscribe_messages=True)
-    pubsub.psubscribe("ndif:session:*")
-    messages: list = []
-    stop = threading.Event()
-
-    def pump():
-        while not stop.is_set():
-            message = pubsub.get_message(timeout=0.1)
-            if message and isinstance(message["data"], bytes) and message["data"][:1] == b"{":
-                messages.append(json.loads(message["data"]))
-
-    thread = threading.Thread(target=pump, daemon=True)
-    thread.start()
-    try:
-        yield messages
-    finally:
-        time.sleep(0.3)
-        stop.set()
-        thread.join()
-        pubsub.close()
-        client.close()
-
-
-def stored_status(stack, job_id: str) -> bytes:
-    return redis.Redis.from_url(stack.redis_url).get(f"ndif:job:{job_id}:status")
-
-
-def the_job(messages) -> str:
-    """The one job whose statuses were published (a blocking client keeps no job id)."""
-    (job_id,) = {m["id"] for m in messages}
-    return job_id
-
-
-def logs_of(messages):
-    return [m["description"] for m in messages if m["status"] == "LOG"]
-
 
 def the_worker(stack) -> str:
     (name,) = stack.farm()["cluster"]["workers"]
@@ -224,41 +180,3 @@ def test_a_frame_header_over_its_kinds_limit_stops_the_child(jail, model, kind, 
 
 
 # --- the trusted path: the same bounds on statuses ---------------------------------------
-
-
-@pytest.fixture
-def trusted(stack_pool, jail):
-    """The in-process (trusted) stack, once (the module runs per isolation mode)."""
-    if isolation(jail) != "fork":
-        pytest.skip("the trusted path does not depend on the isolation mode: run once")
-    stack = stack_pool.get("fs")
-    saved = nnsight.CONFIG.API.HOST
-    nnsight.CONFIG.API.HOST = stack.url
-    yield stack
-    nnsight.CONFIG.API.HOST = saved
-
-
-def test_a_trusted_job_printing_and_raising_50_mb_is_bounded_too(trusted, model):
-    with published(trusted) as messages:
-        with model.trace(PROMPT, remote=True) as tracer:
-            print("x" * 50_000_000)
-            for i in range(100_000):
-                print(i)
-            out = model.transformer.h[0].output.save()
-    assert tracer.backend.meta["isolated"] is False
-    assert out.shape[0] == 1
-    logs = logs_of(messages)
-    assert logs[0].endswith("... [truncated: 49.9 MB more]") and len(logs[0]) <= 64 * 1024
-    assert any(line.startswith("LOG output suppressed:") for line in logs)
-    assert len(logs) < 3000
-    assert len(stored_status(trusted, the_job(messages))) < STORED_LIMIT
-
-    with published(trusted) as messages, pytest.raises(RemoteError) as raised:
-        with model.trace(PROMPT, remote=True):
-            raise ValueError("y" * 50_000_000)
-    assert "ValueError: yyyy" in str(raised.value) and "[truncated: 49.9 MB more]" in str(raised.value)
-    assert len(stored_status(trusted, the_job(messages))) < STORED_LIMIT
-
-    with model.trace(PROMPT, remote=True):  # and the trusted worker still serves
-        fine = model.transformer.h[0].output.save()
-    assert fine.shape == out.shape

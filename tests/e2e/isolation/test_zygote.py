@@ -18,6 +18,8 @@ import torch
 from tests.support.stack_pool import SECRETS
 from tests.support.tiny_model import PROMPT
 
+pytestmark = pytest.mark.pools("zygote")
+
 
 # --- the zygote process on a real stack --------------------------------------------
 
