@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -18,28 +17,9 @@ from ndif_celery import cli, config
 from ndif_celery.host import embedded_redis as redis_server
 from tests.support.servers import free_ports, port_open
 from tests.support.stack import ROOT
+from tests.support.waiting import wait_until
 
 SERVICES = ("redis", "web", "worker", "beat", "flower")
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
-
-
-# -- one detached stack, shared by the tests below in order (the last stops it) --
-
-
-# -- the foreground `up` --
-
-
-# -- one service per command, as a Procfile runs them --
-
-
-# -- failures that start nothing --
 
 
 # -- the embedded Redis --

@@ -16,10 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from ndif_celery import config
 from ndif_celery.host import doctor, embedded_redis as redis_server
+from tests.support.doctor import checks
 from tests.support.servers import free_ports
 from tests.support.stack import ROOT
 from tests.support import pace
@@ -28,20 +27,6 @@ from tests.support import pace
 def run_cli(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ndif_celery.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-def checks(stdout: str) -> dict[str, tuple[str, str, str]]:
-    """check name -> (status, detail, fix) from doctor's columns: status, name, detail."""
-    found: dict[str, tuple[str, str, str]] = {}
-    last = None
-    for line in stdout.splitlines():
-        if line[:5].strip() in ("OK", "WARN", "FAIL", "SKIP"):
-            last = line[6:20].strip()
-            found[last] = (line[:5].strip(), line[21:], "")
-        elif line.strip().startswith("fix: ") and last:
-            status, detail, _ = found[last]
-            found[last] = (status, detail, line.strip()[len("fix: "):])
-    return found
 
 
 def bare_env(tmp_path: Path, **extra: str) -> dict:

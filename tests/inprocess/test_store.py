@@ -7,13 +7,11 @@ app. S3 against moto's server is tests/e2e/store/test_store.py.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
 import subprocess
 import sys
 import time
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit
+from urllib.parse import urlencode, urlsplit
 
 import pytest
 from flask import Flask
@@ -22,7 +20,8 @@ from ndif_celery import config
 from ndif_celery.errors import Refused
 from ndif_celery.store import FilesystemStore, S3Store, StoreUnavailable, open_store
 from tests.support.paths import ROOT
-from tests.support.servers import MotoServer, free_port
+from tests.support.servers import free_port
+from tests.support.signed_urls import sigv4_ok, url_query
 from web.app import refused
 
 PAYLOAD = bytes(range(256)) * 1000 + b"tail"
@@ -36,10 +35,6 @@ def fs_store(tmp_path) -> FilesystemStore:
     return FilesystemStore(tmp_path / "results", "http://api.test:8001/", "s3cr3t", 600)
 
 
-def _query(url: str) -> dict:
-    return dict(parse_qsl(urlsplit(url).query))
-
-
 def test_filesystem_round_trip(fs_store):
     assert fs_store.put("job-1/result.pt", PAYLOAD) == len(PAYLOAD)
     assert fs_store.get("job-1/result.pt") == PAYLOAD
@@ -50,7 +45,7 @@ def test_filesystem_round_trip(fs_store):
     url = fs_store.url("job-1/result.pt")
     parts = urlsplit(url)
     assert (parts.scheme, parts.netloc, parts.path) == ("http", "api.test:8001", "/results/job-1/result.pt")
-    q = _query(url)
+    q = url_query(url)
     assert int(q["expires"]) - time.time() == pytest.approx(600, abs=5)
     assert fs_store.verify("job-1/result.pt", q["expires"], q["signature"])
 
@@ -72,7 +67,7 @@ def test_filesystem_put_memoryview_and_overwrite(fs_store):
 
 def test_filesystem_rejects_tampering_and_expiry(fs_store):
     fs_store.put("a", b"x")
-    q = _query(fs_store.url("a"))
+    q = url_query(fs_store.url("a"))
     exp, sig = q["expires"], q["signature"]
     assert fs_store.verify("a", exp, sig)
     flipped = ("0" if sig[0] != "0" else "1") + sig[1:]
@@ -140,14 +135,14 @@ def client(fs_store):
     return app.test_client()
 
 
-def _path_and_query(url: str) -> str:
+def _path_andurl_query(url: str) -> str:
     parts = urlsplit(url)
     return f"{parts.path}?{parts.query}"
 
 
 def test_route_serves_signed_url(client, fs_store):
     fs_store.put("job 7/out.bin", PAYLOAD)
-    response = client.get(_path_and_query(fs_store.url("job 7/out.bin")))
+    response = client.get(_path_andurl_query(fs_store.url("job 7/out.bin")))
     assert response.status_code == 200, response.get_json()
     assert response.data == PAYLOAD
     assert response.mimetype == "application/octet-stream"
@@ -156,7 +151,7 @@ def test_route_serves_signed_url(client, fs_store):
 
 def test_route_rejects_tampered_and_expired(client, fs_store):
     fs_store.put("r", b"data")
-    q = _query(fs_store.url("r"))
+    q = url_query(fs_store.url("r"))
 
     tampered = dict(q, signature=q["signature"][::-1])
     response = client.get(f"/results/r?{urlencode(tampered)}")
@@ -183,14 +178,14 @@ def test_route_rejects_tampered_and_expired(client, fs_store):
 
 def test_route_missing_result_is_404(client, fs_store):
     url = fs_store.url("never/stored")
-    response = client.get(_path_and_query(url))
+    response = client.get(_path_andurl_query(url))
     assert response.status_code == 404
     assert response.get_json()["detail"].startswith("No result")
 
     fs_store.put("gone", b"x")
     url = fs_store.url("gone")
     fs_store.delete("gone")
-    response = client.get(_path_and_query(url))
+    response = client.get(_path_andurl_query(url))
     assert response.status_code == 404
 
 
@@ -203,7 +198,7 @@ def test_route_with_s3_store_points_elsewhere(fs_store):
     )
     app.register_blueprint(bp)
     app.register_error_handler(Refused, refused)  # as create_app does: refusals answer {"detail": ...}
-    q = _query(fs_store.url("r"))
+    q = url_query(fs_store.url("r"))
     response = app.test_client().get(f"/results/r?{urlencode(q)}")
     assert response.status_code == 404
     assert response.get_json()["detail"] == "results are served by the object store"
@@ -217,42 +212,6 @@ def test_web_results_does_not_import_torch():
 # ----------------------------------------------------------------------- S3
 
 
-@pytest.fixture(scope="module")
-def moto():
-    with MotoServer() as server:
-        yield server
-
-
-def _sigv4_ok(url: str, secret_key: str, region: str) -> bool:
-    """Check a presigned GET URL's SigV4 signature against the host it names.
-
-    moto does not verify presigned signatures, so this recomputes one
-    independently of the minio SDK: it proves the URL was signed for the
-    host in it rather than signed for one host and rewritten to another.
-    """
-    parts = urlsplit(url)
-    params = parse_qsl(parts.query, keep_blank_values=True)
-    given = dict(params)["X-Amz-Signature"]
-    canonical_query = "&".join(
-        f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}"
-        for k, v in sorted(params)
-        if k != "X-Amz-Signature"
-    )
-    canonical_request = "\n".join([
-        "GET", parts.path, canonical_query, f"host:{parts.netloc}", "", "host", "UNSIGNED-PAYLOAD",
-    ])
-    amz_date = dict(params)["X-Amz-Date"]
-    scope = f"{amz_date[:8]}/{region}/s3/aws4_request"
-    string_to_sign = "\n".join([
-        "AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical_request.encode()).hexdigest(),
-    ])
-    key = ("AWS4" + secret_key).encode()
-    for part in (amz_date[:8], region, "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    expected = hmac.new(key, string_to_sign.encode(), hashlib.sha256).hexdigest()
-    return hmac.compare_digest(expected, given)
-
-
 def test_s3_presign_needs_no_server():
     port = free_port()  # nothing listens here
     store = S3Store(f"http://127.0.0.1:{port}", f"https://files.example:{port}", "ak", "sk",
@@ -261,9 +220,9 @@ def test_s3_presign_needs_no_server():
     url = store.url("a/b")
     assert time.monotonic() - t0 < 1
     assert url.startswith(f"https://files.example:{port}/bucket/a/b?")
-    assert "eu-central-1" in _query(url)["X-Amz-Credential"]
-    assert int(_query(url)["X-Amz-Expires"]) == 7 * 24 * 3600  # clamped to the S3 limit
-    assert _sigv4_ok(url, "sk", "eu-central-1")
+    assert "eu-central-1" in url_query(url)["X-Amz-Credential"]
+    assert int(url_query(url)["X-Amz-Expires"]) == 7 * 24 * 3600  # clamped to the S3 limit
+    assert sigv4_ok(url, "sk", "eu-central-1")
 
 
 def test_s3_rejects_bad_endpoints_and_keys():
@@ -288,7 +247,7 @@ def test_open_store_filesystem(tmp_path):
     assert store.url_ttl_s == settings.result_url_ttl_s
     store.ping()
     store.put("x", b"1")
-    q = _query(store.url("x"))
+    q = url_query(store.url("x"))
     # Another process of the same stack (same NDIF_HOME) accepts the URL.
     again = open_store(config.load({"NDIF_HOME": str(tmp_path)}))
     assert again.verify("x", q["expires"], q["signature"])

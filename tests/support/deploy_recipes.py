@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import configparser
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -52,6 +53,18 @@ def parse_cli(argv: list[str]) -> click.Context:
         ctx = sub.make_context(name, rest, parent=ctx)
         command = sub
     return ctx
+
+
+def procfile() -> dict[str, list[str]]:
+    """The ``Procfile``'s lines: process name -> its command, split as a shell would."""
+    out = {}
+    for line in PROCFILE.read_text().splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        match = re.fullmatch(r"([A-Za-z0-9_-]+):\s*(.+)", line.strip())
+        assert match, f"not a Procfile line: {line!r}"
+        out[match.group(1)] = shlex.split(match.group(2))
+    return out
 
 
 def config_variables() -> set[str]:

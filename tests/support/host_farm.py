@@ -26,31 +26,18 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Optional
 
 from ndif_celery.host import embedded_redis as redis_server
 from tests.support.netns import Host, Network
 from tests.support.paths import ROOT
+from tests.support.waiting import wait_until
 
 API_PORT = 8001
 REDIS_PORT = 6379
 STORE_PORT = 9000
 STORE_KEY = "testing"
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float, what: str, report: Callable[[], str] = lambda: "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if check():
-                return
-        except Exception:  # noqa: BLE001 - not answering yet
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} within {timeout_s:.0f} s\n{report()}")
-        time.sleep(0.1)
 
 
 def _answers(url: str) -> bool:
@@ -139,20 +126,22 @@ class HostFarm:
         import redis
 
         wait_until(lambda: self.broker.call(lambda: redis.Redis.from_url(self.redis_url, socket_timeout=2).ping()),
-                   timeout_s, "the broker's Redis did not answer", lambda: self.broker.log("redis"))
+                   timeout_s, "the broker's Redis to answer", report=lambda: self.broker.log("redis"),
+                   ignore=(Exception,))
         wait_until(lambda: self.broker.call(_answers, self.store_url), timeout_s,
-                   "the store did not answer", lambda: self.broker.log("store"))
+                   "the store to answer", report=lambda: self.broker.log("store"), ignore=(Exception,))
 
     def wait_web(self, web: Host, timeout_s: float = 120) -> None:
         wait_until(lambda: self.client.call(_answers, self.url(web) + "/ping"), timeout_s,
-                   f"{web.name}'s web did not answer from the client host", lambda: web.log("web"))
+                   f"{web.name}'s web to answer from the client host", report=lambda: web.log("web"),
+                   ignore=(Exception,))
 
     def wait_worker(self, worker: Host, timeout_s: float = 120) -> None:
         from ndif_celery.state import registry
 
         name = self.worker_name(worker)
         wait_until(lambda: name in self.redis(lambda r: registry.live_workers(r)), timeout_s,
-                   f"{name} did not register", lambda: worker.log("worker"))
+                   f"{name} to register", report=lambda: worker.log("worker"), ignore=(Exception,))
 
     def deploy(self, repo: str, replicas: int, timeout_s: float = 120) -> str:
         """``ndif-celery deploy`` from the broker host, waiting until every replica runs."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 from ndif_celery.farm import actions as farm
 from tests.support.tiny_model import PROMPT
 from tests.support import pace
+from tests.support.waiting import wait_until
 
 
 def recorded_request(fn, *args, **kwargs):
@@ -63,16 +65,9 @@ def client_pointed_at(url: str, compress: bool = True):
 
 def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.1):
     """Call a non-blocking backend (or any callable) until it returns the saves (it raises on ERROR)."""
-    timeout_s = pace.bound(timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result = backend()
-        if result is not None:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"job {getattr(backend, 'job_id', '?')} did not finish in {timeout_s:.0f} s "
-                                 f"(last status {getattr(backend, 'status', '?')})")
-        time.sleep(interval_s)
+    return wait_until(backend, pace.bound(timeout_s), f"job {getattr(backend, 'job_id', '?')} to finish",
+                      report=lambda: f"last status {getattr(backend, 'status', '?')}",
+                      interval_s=interval_s, done=lambda result: result is not None, error=AssertionError)
 
 
 def slow_job(model, steps: int = 0, layer: int = 0):
@@ -113,36 +108,44 @@ def kill_stuck(stack, model, block, said: str = "cancelling on", settle_s: float
     assert cli_s < farm.KILL_REPLY_S + pace.bound(8), f"the command took {cli_s:.1f} s"
 
 
+def _latest(url: str, job_id: str, headers: dict | None):
+    import httpx
+
+    return lambda: httpx.get(f"{url}/response/{job_id}", headers=headers, timeout=10).json()
+
+
 def wait_status(url: str, job_id: str, status: str, contains: str = "", headers: dict | None = None,
                 timeout_s: float = 60.0) -> dict:
     """Poll ``GET /response/<id>`` until the job's latest status is ``status``
     (with ``contains`` in its description); return it."""
-    import httpx
-
-    timeout_s = pace.bound(timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        latest = httpx.get(f"{url}/response/{job_id}", headers=headers, timeout=10).json()
-        if latest["status"] == status and contains in latest["description"]:
-            return latest
-        if time.monotonic() > deadline:
-            raise AssertionError(f"job {job_id} never reached {status} {contains!r}: {latest}")
-        time.sleep(0.05)
+    return wait_until(_latest(url, job_id, headers), pace.bound(timeout_s),
+                      f"job {job_id} to reach {status} {contains!r}", interval_s=0.05,
+                      done=lambda latest: latest["status"] == status and contains in latest["description"],
+                      error=AssertionError)
 
 
 def final_status(url: str, job_id: str, headers: dict | None = None, timeout_s: float = 60.0) -> dict:
     """Poll ``GET /response/<id>`` until COMPLETED or ERROR; return that status."""
-    import httpx
+    return wait_until(_latest(url, job_id, headers), pace.bound(timeout_s), f"job {job_id} to finish",
+                      interval_s=0.05, done=lambda latest: latest["status"] in ("COMPLETED", "ERROR"),
+                      error=AssertionError)
 
-    timeout_s = pace.bound(timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        latest = httpx.get(f"{url}/response/{job_id}", headers=headers, timeout=10).json()
-        if latest["status"] in ("COMPLETED", "ERROR"):
-            return latest
-        if time.monotonic() > deadline:
-            raise AssertionError(f"job {job_id} did not finish in {timeout_s} s: {latest}")
-        time.sleep(0.05)
+
+def blocking_client_in_background(request) -> tuple[threading.Thread, dict]:
+    """Start ``request()`` (a blocking client's call, waiting on its websocket)
+    in a thread; the dict gets ``out`` (what it returned) or ``error`` (what it
+    raised, as ``"Type: message"``)."""
+    outcome: dict = {}
+
+    def client():
+        try:
+            outcome["out"] = request()
+        except Exception as error:  # noqa: BLE001 - what the client raises is the point
+            outcome["error"] = f"{type(error).__name__}: {error}"
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    return thread, outcome
 
 
 class PollUntilDone(RemoteBackend):

@@ -25,6 +25,7 @@ import pytest
 
 from ndif_celery import config
 from ndif_celery.host import embedded_redis as redis_server
+from tests.support.waiting import wait_until
 
 
 # The node id of the test being set up or run when it is in the fast tier
@@ -107,22 +108,19 @@ def _loopback_env(**extra: str) -> dict:
 
 def wait_for_http(host: str, port: int, timeout_s: float, proc: Optional[subprocess.Popen] = None) -> None:
     """Block until an HTTP server answers any request on host:port."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def answers() -> bool:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"server on port {port} exited with code {proc.returncode}")
+        conn = http.client.HTTPConnection(host, port, timeout=1)
         try:
-            conn = http.client.HTTPConnection(host, port, timeout=1)
-            try:
-                conn.request("GET", "/")
-                conn.getresponse().read()
-                return
-            finally:
-                conn.close()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing answered on {host}:{port} within {timeout_s}s") from None
-            time.sleep(0.05)
+            conn.request("GET", "/")
+            conn.getresponse().read()
+            return True
+        finally:
+            conn.close()
+
+    wait_until(answers, timeout_s, f"an HTTP answer on {host}:{port}", ignore=(OSError,), interval_s=0.05)
 
 
 class MotoServer:

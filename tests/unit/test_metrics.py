@@ -12,32 +12,8 @@ import socket
 
 import httpx
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.paths import ROOT
-
-
-DEPLOY = ROOT / "deploy"
-
-
-class Scrape:
-    """One answer of a /metrics endpoint: its samples and the names in it."""
-
-    def __init__(self, text: str) -> None:
-        self.samples: list[tuple[str, dict, float]] = []
-        self.names: set[str] = set()
-        for family in text_string_to_metric_families(text):
-            self.names.add(family.name)
-            for sample in family.samples:
-                self.names.add(sample.name)
-                self.samples.append((sample.name, dict(sample.labels), sample.value))
-
-    def value(self, name: str, **labels) -> float:
-        """The sum of the samples named ``name`` whose labels include ``labels`` (0 if none)."""
-        return sum(v for n, ls, v in self.samples if n == name and all(ls.get(k) == w for k, w in labels.items()))
-
-    def has(self, name: str, **labels) -> bool:
-        return any(n == name and all(ls.get(k) == w for k, w in labels.items()) for n, ls, _ in self.samples)
+from tests.support.metrics import DEPLOY, Scrape, deploy_rules
 
 
 def test_a_taken_metrics_port_moves_to_the_next(tmp_path):
@@ -57,17 +33,6 @@ def test_a_taken_metrics_port_moves_to_the_next(tmp_path):
 # --- the deploy recipes -----------------------------------------------------------------
 
 
-def _rules() -> list[dict]:
-    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    rules = []
-    for name in config["rule_files"]:
-        groups = yaml.safe_load((DEPLOY / name).read_text())["groups"]
-        for group in groups:
-            assert group["name"] and group["rules"], group
-            rules.extend(group["rules"])
-    return rules
-
-
 def test_prometheus_config_and_grafana_dashboard_parse():
     config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
@@ -75,7 +40,7 @@ def test_prometheus_config_and_grafana_dashboard_parse():
     for job in jobs.values():
         assert job.get("metrics_path", "/metrics") == "/metrics"
         assert all(re.fullmatch(r"[\w.-]+:\d+", t) for sc in job["static_configs"] for t in sc["targets"]), job
-    rules = _rules()
+    rules = deploy_rules()
     assert rules
     for rule in rules:
         assert ("record" in rule) != ("alert" in rule), rule

@@ -9,24 +9,8 @@ from __future__ import annotations
 import signal
 import time
 
-import pytest
-
 from ndif_celery import config
 from ndif_celery.host import supervisor
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import build_tiny_gpt2
-
-REPO = "supervision/tiny"
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, hf_home):
-    build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=44)
-    with client_on_stack(tmp_path_factory.mktemp("supervision"), hf_home) as stack:
-        yield stack
-
-
-# -- the supervisor's rules, without processes (fast tier) ---------------------------
 
 
 def _keeper(tmp_path) -> supervisor.Supervisor:

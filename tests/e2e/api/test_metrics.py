@@ -14,36 +14,13 @@ import time
 import httpx
 import pytest
 import torch
-import yaml
 from nnsight.intervention.backends.remote import RemoteError
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.paths import ROOT
+from tests.support.metrics import DEPLOY, Scrape, deploy_rules
 from tests.support.remote import final_status, slow_job
 from tests.support.tiny_model import PROMPT, REPO_ID
 
-DEPLOY = ROOT / "deploy"
 PHASES_RUN = ("queue", "deserialize", "run", "total")
-
-
-class Scrape:
-    """One answer of a /metrics endpoint: its samples and the names in it."""
-
-    def __init__(self, text: str) -> None:
-        self.samples: list[tuple[str, dict, float]] = []
-        self.names: set[str] = set()
-        for family in text_string_to_metric_families(text):
-            self.names.add(family.name)
-            for sample in family.samples:
-                self.names.add(sample.name)
-                self.samples.append((sample.name, dict(sample.labels), sample.value))
-
-    def value(self, name: str, **labels) -> float:
-        """The sum of the samples named ``name`` whose labels include ``labels`` (0 if none)."""
-        return sum(v for n, ls, v in self.samples if n == name and all(ls.get(k) == w for k, w in labels.items()))
-
-    def has(self, name: str, **labels) -> bool:
-        return any(n == name and all(ls.get(k) == w for k, w in labels.items()) for n, ls, _ in self.samples)
 
 
 def scrape(url: str) -> Scrape:
@@ -193,22 +170,11 @@ def test_queue_depth_shows_a_waiting_job(warm, on_fs_stack, model):
 _SERIES = re.compile(r"\b((?:ndif|flower)_[a-z0-9_]+)\b")
 
 
-def _rules() -> list[dict]:
-    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
-    rules = []
-    for name in config["rule_files"]:
-        groups = yaml.safe_load((DEPLOY / name).read_text())["groups"]
-        for group in groups:
-            assert group["name"] and group["rules"], group
-            rules.extend(group["rules"])
-    return rules
-
-
 def test_every_series_the_recipes_name_is_in_a_real_answer(warm):
     stack = warm
     dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
     expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
-    expressions += [rule["expr"] for rule in _rules()]
+    expressions += [rule["expr"] for rule in deploy_rules()]
     named = {name for expr in expressions for name in _SERIES.findall(expr)}
     assert len(named) >= 15, f"too few series found in the recipes: {sorted(named)}"
     answered = set(scrape(stack.url + "/metrics").names)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nnsight.intervention.backends.remote import RemoteBackend
 
-from tests.support.remote import poll, slow_job, wait_status
+from tests.support.remote import blocking_client_in_background, poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
 from tests.support import pace
@@ -92,25 +92,18 @@ def test_a_web_restart_loses_no_queued_job_and_strands_no_blocking_client(farm):
     running = slow_job(model, 60, layer=1)
     wait_status(farm.url, running.job_id, "RUNNING")
     queued = [slow_job(model, 1, layer=1) for _ in range(2)]
-    blocked = {}
 
-    def blocking_client():
-        try:
-            with model.trace(PROMPT, remote=True):
-                model.transformer.h[1].output.save()
-            blocked["outcome"] = "completed"
-        except Exception as error:  # noqa: BLE001 - what the client raises is the point
-            blocked["outcome"] = f"{type(error).__name__}: {error}"
+    def blocking_trace():
+        with model.trace(PROMPT, remote=True):
+            model.transformer.h[1].output.save()
+        return "completed"
 
-    import threading
-
-    client = threading.Thread(target=blocking_client)
-    client.start()
+    client, blocked = blocking_client_in_background(blocking_trace)
     time.sleep(1.0)  # it is waiting on its websocket now
     os.killpg(farm.pids()["web"], signal.SIGKILL)
     client.join(timeout=15)
     assert not client.is_alive(), "a blocking client hung when the web died"
-    assert blocked["outcome"] != "completed"
+    assert blocked.get("out") != "completed", blocked
     farm.wait_answers()  # `up`'s supervisor restarts the web (tests/e2e/host/test_supervision.py)
     local = _local(model)
     for backend in [running, *queued]:

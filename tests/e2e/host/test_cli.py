@@ -25,6 +25,7 @@ from ndif_celery.state import registry
 from tests.support.servers import port_open
 from tests.support.stack import ROOT, Stack
 from tests.support import pace
+from tests.support.waiting import wait_until
 
 SERVICES = ("redis", "web", "worker", "beat", "flower")
 
@@ -55,14 +56,6 @@ def group_members(pgid: int) -> list[int]:
             if fields[2] == str(pgid) and fields[0] not in "ZX":
                 members.append(int(entry.name))
     return members
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
 
 
 def assert_all_gone(stack: Stack, pids: dict[str, int]) -> None:
@@ -309,9 +302,3 @@ def test_down_and_status_when_nothing_runs(tmp_path):
     assert "not answering" in status.stdout
     assert stack.cli("down").returncode == 0
     assert not state.exists()
-
-
-# -- the embedded Redis --
-
-
-# -- the Procfile names real commands --

@@ -1,36 +1,22 @@
-"""The ``Procfile`` end to end: ``honcho start`` runs it as a working farm
-that serves the real nnsight client and stops all of it. Its lines, checked
-statically, are tests/unit/test_deploy_procfile.py. Shared helpers:
-``tests/support/deploy_recipes.py``.
+"""``honcho start`` runs the ``Procfile`` as a working farm: every process
+comes up, the real nnsight client gets its answer through it, and stopping
+honcho leaves no process of the farm behind. The lines read without
+running them: tests/unit/test_deploy_procfile.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
-import shlex
 import signal
 import subprocess
 import time
 import uuid
 from pathlib import Path
 
-
-from tests.support.deploy_recipes import PROCFILE, ROOT, VENV_BIN
+from tests.support.deploy_recipes import PROCFILE, ROOT, VENV_BIN, procfile
 from tests.support.servers import free_ports, port_open
 from tests.support.stack import _NOT_INHERITED
-
-
-def procfile() -> dict[str, list[str]]:
-    out = {}
-    for line in PROCFILE.read_text().splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        match = re.fullmatch(r"([A-Za-z0-9_-]+):\s*(.+)", line.strip())
-        assert match, f"not a Procfile line: {line!r}"
-        out[match.group(1)] = shlex.split(match.group(2))
-    return out
 
 
 def _processes() -> dict[int, tuple[int, str, str, str]]:

@@ -1,7 +1,8 @@
-"""``ndif-celery version``, ``doctor`` and ``logs``, run for real: subprocesses,
-closed loopback ports standing in for services that are not there, and a real
-stack for the healthy case. No mocks. The cases without a stack are
-tests/inprocess/test_doctor.py.
+"""``ndif-celery doctor`` and ``logs`` against a real stack, run for real as
+subprocesses: doctor passes on a healthy stack and fails while its Redis is
+stopped; ``logs`` prints a service's tail, names the services there are, and
+follows what is appended. No mocks. ``version`` and the cases without a stack
+are tests/inprocess/test_doctor.py.
 """
 
 from __future__ import annotations
@@ -15,32 +16,10 @@ import time
 
 import pytest
 
+from tests.support.doctor import checks
 from tests.support.stack import ROOT, Stack
 
 SERVICES = ("redis", "web", "worker", "beat", "flower")
-
-
-def checks(stdout: str) -> dict[str, tuple[str, str, str]]:
-    """check name -> (status, detail, fix) from doctor's columns: status, name, detail."""
-    found: dict[str, tuple[str, str, str]] = {}
-    last = None
-    for line in stdout.splitlines():
-        if line[:5].strip() in ("OK", "WARN", "FAIL", "SKIP"):
-            last = line[6:20].strip()
-            found[last] = (line[:5].strip(), line[21:], "")
-        elif line.strip().startswith("fix: ") and last:
-            status, detail, _ = found[last]
-            found[last] = (status, detail, line.strip()[len("fix: "):])
-    return found
-
-
-# -- version --
-
-
-# -- doctor on a fresh machine --
-
-
-# -- a healthy stack: doctor passes, logs shows its logs --
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
 import pytest
 import torch
 
-from tests.support.remote import final_status, poll, slow_job, wait_status
+from tests.support.remote import blocking_client_in_background, final_status, poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
 from tests.support import pace
@@ -95,16 +94,7 @@ def test_a_killed_web_comes_back_and_loses_no_non_blocking_job(stack):
     running = slow_job(model, 60, layer=1)
     wait_status(stack.url, running.job_id, "RUNNING")
     queued = [slow_job(model, 1, layer=0) for _ in range(2)]
-    blocked = {}
-
-    def blocking_client():
-        try:
-            blocked["out"] = _remote(model)
-        except Exception as error:  # noqa: BLE001 - what the client raises is the point
-            blocked["error"] = f"{type(error).__name__}: {error}"
-
-    client = threading.Thread(target=blocking_client)
-    client.start()
+    client, _ = blocking_client_in_background(lambda: _remote(model))
     time.sleep(1.0)  # waiting on its websocket now
     old = stack.pids()["web"]
     os.killpg(old, signal.SIGKILL)  # the gunicorn master and its workers
@@ -138,6 +128,3 @@ def test_a_killed_redis_comes_back_and_loses_no_accepted_job(stack):
         assert torch.equal(poll(backend, timeout_s=90)["out"], _local(model, layer)), backend.job_id
     assert "killed by SIGKILL" in _status_line(stack, "redis")
     assert torch.equal(_remote(model), _local(model))
-
-
-# -- the supervisor's rules, without processes (fast tier) ---------------------------

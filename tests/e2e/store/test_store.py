@@ -6,10 +6,8 @@ are tests/inprocess/test_store.py.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -17,18 +15,9 @@ import pytest
 from ndif_celery import config
 from ndif_celery.store import S3Store, StoreUnavailable, open_store
 from tests.support.servers import MotoServer
+from tests.support.signed_urls import sigv4_ok, url_query
 
 PAYLOAD = bytes(range(256)) * 1000 + b"tail"
-
-
-# --------------------------------------------------------------- filesystem
-
-
-def _query(url: str) -> dict:
-    return dict(parse_qsl(urlsplit(url).query))
-
-
-# ------------------------------------------------------------ download route
 
 
 # ----------------------------------------------------------------------- S3
@@ -51,36 +40,6 @@ def _s3(server: MotoServer, bucket: str, public_url: str = "", ttl: int = 300) -
         verify=True,
         url_ttl_s=ttl,
     )
-
-
-def _sigv4_ok(url: str, secret_key: str, region: str) -> bool:
-    """Check a presigned GET URL's SigV4 signature against the host it names.
-
-    moto does not verify presigned signatures, so this recomputes one
-    independently of the minio SDK: it proves the URL was signed for the
-    host in it rather than signed for one host and rewritten to another.
-    """
-    parts = urlsplit(url)
-    params = parse_qsl(parts.query, keep_blank_values=True)
-    given = dict(params)["X-Amz-Signature"]
-    canonical_query = "&".join(
-        f"{quote(k, safe='-_.~')}={quote(v, safe='-_.~')}"
-        for k, v in sorted(params)
-        if k != "X-Amz-Signature"
-    )
-    canonical_request = "\n".join([
-        "GET", parts.path, canonical_query, f"host:{parts.netloc}", "", "host", "UNSIGNED-PAYLOAD",
-    ])
-    amz_date = dict(params)["X-Amz-Date"]
-    scope = f"{amz_date[:8]}/{region}/s3/aws4_request"
-    string_to_sign = "\n".join([
-        "AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical_request.encode()).hexdigest(),
-    ])
-    key = ("AWS4" + secret_key).encode()
-    for part in (amz_date[:8], region, "s3", "aws4_request"):
-        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
-    expected = hmac.new(key, string_to_sign.encode(), hashlib.sha256).hexdigest()
-    return hmac.compare_digest(expected, given)
 
 
 def test_s3_put_get_delete_creates_bucket(moto):
@@ -115,8 +74,8 @@ def test_s3_presigned_url_downloads(moto):
     url = store.url("dir/out.bin")
     parts = urlsplit(url)
     assert f"{parts.scheme}://{parts.netloc}" == moto.url
-    assert int(_query(url)["X-Amz-Expires"]) == 300
-    assert _sigv4_ok(url, moto.secret_key, moto.region)
+    assert int(url_query(url)["X-Amz-Expires"]) == 300
+    assert sigv4_ok(url, moto.secret_key, moto.region)
     response = httpx.get(url, trust_env=False)
     assert response.status_code == 200
     assert response.content == PAYLOAD
@@ -128,10 +87,10 @@ def test_s3_presigned_url_uses_public_host(moto):
     store.put("k", PAYLOAD)
     url = store.url("k")
     assert url.startswith(f"{public}/public/k?")
-    assert _sigv4_ok(url, moto.secret_key, moto.region)
+    assert sigv4_ok(url, moto.secret_key, moto.region)
     # Rewriting the host of a URL signed for the endpoint is not the same thing.
     internal = _s3(moto, "public").url("k")
-    assert not _sigv4_ok(internal.replace(moto.url, public), moto.secret_key, moto.region)
+    assert not sigv4_ok(internal.replace(moto.url, public), moto.secret_key, moto.region)
     response = httpx.get(url, trust_env=False)
     assert response.status_code == 200
     assert response.content == PAYLOAD
