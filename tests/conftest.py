@@ -166,7 +166,8 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"{item.nodeid} takes stacks from stack_pool without naming their kinds: "
                                     "mark it @pytest.mark.pools(\"fs\", ...) (tests/conftest.py groups by them)")
         item.add_marker(pytest.mark.xdist_group(group or _module(item)))
-    durations = config.cache.get(DURATIONS_KEY, {}) if config.cache is not None else {}
+    cache = getattr(config, "cache", None)
+    durations = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
     if durations:
         # Stable: a module's own order is kept, and so is the order of modules without a time.
         items.sort(key=lambda item: -durations.get(_module(item), 0.0))
@@ -239,7 +240,7 @@ class _ModuleDurations:
         self.seconds[module] = self.seconds.get(module, 0.0) + report.duration
 
     def pytest_sessionfinish(self, session) -> None:
-        cache = session.config.cache
+        cache = getattr(session.config, "cache", None)  # None with -p no:cacheprovider
         if cache is None or not self.seconds:
             return
         durations = cache.get(DURATIONS_KEY, {})

@@ -10,6 +10,9 @@
                      ``refuse_in_fast_tier``, the guard that keeps stacks out of the fast tier.
 * ``stack``          ``Stack``: the real single-host stack through the real CLI (``up``),
                      and ``client_on_stack``.
+* ``launcher``       warm starts of Celery workers: forked from a process that imported torch
+                     (``Stack(warm=True)``; ``warm_start/sitecustomize.py`` is the worker's shim).
+* ``status_feed``    what a stack publishes and stores about a job (the output-bound attacks).
 * ``stack_pool``     ``StackPool``: one shared stack per kind (fs, s3, isolated, zygote ...)
                      behind the ``stack_pool``/``fs_stack``/``variant`` fixtures.
 * ``remote``         pointing the nnsight client at a stack, polling, slow jobs, VARIANTS.
@@ -20,4 +23,8 @@
 * ``host_farm``      a farm over six ``netns`` hosts, each running its services from the CLI.
 * ``browser``        headless Chromium over the DevTools protocol (the dashboard).
 * ``deploy_recipes`` parsing the deploy recipes (Procfile, compose, systemd) against the CLI.
+* ``waiting``        ``wait_until``: call a check until it holds, or fail naming what was awaited.
+* ``signed_urls``    checking the store's presigned URLs (SigV4) and their query.
+* ``metrics``        ``Scrape`` of a /metrics page and the deploy recipes' Prometheus rules.
+* ``doctor``         ``checks``: ``ndif-celery doctor``'s output as name -> (state, detail).
 """

@@ -200,3 +200,16 @@ VARIANTS = [
     Variant("zygote", blocking=True, compress=True, inline=True),
     Variant("zygote", blocking=False, compress=False, inline=False),
 ]
+
+
+def same_as_local(model, layer: int = 2) -> None:
+    """One remote trace of ``PROMPT`` saves exactly what the same trace saves locally."""
+    import torch
+
+    from tests.support.tiny_model import PROMPT
+
+    with model.trace(PROMPT, remote=True):
+        remote = model.transformer.h[layer].output.save()
+    with model.trace(PROMPT):
+        local = model.transformer.h[layer].output.save()
+    assert torch.equal(remote, local)

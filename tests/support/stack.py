@@ -43,11 +43,14 @@ class StackFailed(RuntimeError):
 class Stack:
     """One single-host stack in ``home``, driven through ``python -m ndif_celery.cli``."""
 
-    def __init__(self, home: Path, env: Optional[dict] = None, full: bool = False):
+    def __init__(self, home: Path, env: Optional[dict] = None, full: bool = False, warm: bool = False):
         """``full``: the product's default services, Flower and two web processes.
         A stack whose tests look at neither goes lean: no Flower
         (``NDIF_FLOWER_PORT=0``) and one web process, two processes fewer to
-        start and keep. ``env`` still wins over either."""
+        start and keep. ``env`` still wins over either. ``warm``: its workers
+        are forked from this pytest process's launcher, which has imported
+        torch already (tests/support/launcher.py); never where the worker's
+        process is what the tests prove."""
         self.home = Path(home).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
         env = dict(env or {})
@@ -72,6 +75,7 @@ class Stack:
         self.api_port = int(self.env["NDIF_API_PORT"])
         self.redis_port = int(self.env["NDIF_EMBEDDED_REDIS_PORT"])
         self.flower_port = int(self.env["NDIF_FLOWER_PORT"])
+        self.warm = warm
         self.started = False
         self.extra_processes: dict[str, subprocess.Popen] = {}
 
@@ -105,6 +109,10 @@ class Stack:
         """``up --detach``: returns once the stack is ready, else raises with every log."""
         timeout = pace.bound(timeout)
         refuse_in_fast_tier("a stack")
+        if self.warm:
+            from tests.support import launcher
+
+            self.env.update(launcher.stack_env(self.env))
         try:
             result = self.cli("up", "--detach", "--timeout", str(timeout), timeout=timeout + 60)
         except subprocess.TimeoutExpired as exc:
@@ -251,19 +259,20 @@ def _stop_process(proc: subprocess.Popen, timeout: float) -> None:
         pass
 
 
-@contextlib.contextmanager
 def offline_env(hf_home: Path) -> dict:
     """The environment that points a stack at the tests' offline model cache."""
     return {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
-def client_on_stack(home: Path, hf_home: Path, env: Optional[dict] = None, workers: tuple = ()):
+@contextlib.contextmanager
+def client_on_stack(home: Path, hf_home: Path, env: Optional[dict] = None, workers: tuple = (), warm: bool = True,
+                    full: bool = False):
     """A stack of its own for a test module: the offline model cache, ``env``,
     extra workers ``(name, gpus, memory_gib)``, and the real client pointed at
     it (its host, API key and compression restored afterwards)."""
     import nnsight
 
-    stack = Stack(home, env={**offline_env(hf_home), **(env or {})})
+    stack = Stack(home, env={**offline_env(hf_home), **(env or {})}, full=full, warm=warm)
     stack.start()
     api = nnsight.CONFIG.API
     saved = api.HOST, api.APIKEY, api.COMPRESS

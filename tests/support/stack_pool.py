@@ -38,7 +38,10 @@ class StackPool:
         if kind not in self.stacks:
             # The full default stack only for the default kind: its tests look at Flower (the
             # dashboard's link, /metrics) and load two web processes (capacity).
-            stack = Stack(self.root / kind, env={**self.base_env, **self._env_for(kind)}, full=kind == "fs")
+            # Warm (tests/support/launcher.py) but for the jailed kinds, whose worker's memory
+            # and process tree are what the attacks probe.
+            stack = Stack(self.root / kind, env={**self.base_env, **self._env_for(kind)}, full=kind == "fs",
+                          warm=kind not in ("isolated", "zygote"))
             stack.start()
             self.stacks[kind] = stack
         return self.stacks[kind]

@@ -83,6 +83,8 @@ def test_every_test_module_is_in_a_tier_and_every_folder_is_a_package():
     for folder in [TESTS_DIR, *(p for p in TESTS_DIR.rglob("*") if p.is_dir())]:
         if folder.name in ("__pycache__", "_out") or "_out" in folder.relative_to(TESTS_DIR).parts:
             continue
+        if folder == TESTS_DIR / "support" / "warm_start":
+            continue  # a directory put on PYTHONPATH for its sitecustomize.py, not a package
         assert (folder / "__init__.py").is_file(), f"{folder.relative_to(ROOT)} needs an __init__.py"
 
 

@@ -20,7 +20,7 @@ import zstandard
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from tests.support import conformance
-from tests.support.remote import final_status, poll
+from tests.support.remote import final_status, poll, same_as_local
 from tests.support.tiny_model import REPO_ID, build_tiny_gpt2, client_model
 
 PROMPT = conformance.PROMPT
@@ -310,11 +310,7 @@ def test_unknown_model_is_an_error_naming_it(on_fs_stack, model):
 
 
 def _still_serving(model) -> None:
-    with model.trace(PROMPT, remote=True):
-        remote = model.transformer.h[2].output.save()
-    with model.trace(PROMPT):
-        local = model.transformer.h[2].output.save()
-    assert torch.equal(remote, local)
+    same_as_local(model)
 
 
 def test_compressed_result_is_one_zstd_frame_with_content_size(on_fs_stack, model, monkeypatch):

@@ -46,7 +46,7 @@ def farm(tmp_path_factory, hf_home):
         "NDIF_WORKER_NAME": W0, "NDIF_WORKER_GPUS": "0", "NDIF_WORKER_MEMORY_GIB": str(2.5 * size / GiB),
     }
     workers = [(W1, "1", 1.5 * size / GiB)]
-    with client_on_stack(tmp_path_factory.mktemp("farm"), hf_home, env, workers) as stack:
+    with client_on_stack(tmp_path_factory.mktemp("farm"), hf_home, env, workers, full=True) as stack:  # Flower too
         yield types.SimpleNamespace(stack=stack, size=size)
 
 

@@ -29,7 +29,8 @@ REPO = "supervision/tiny"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, hf_home):
     build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=44)
-    with client_on_stack(tmp_path_factory.mktemp("supervision"), hf_home) as stack:
+    # Cold: the services' own processes, killed and restarted, are what these tests prove.
+    with client_on_stack(tmp_path_factory.mktemp("supervision"), hf_home, warm=False) as stack:
         yield stack
 
 

@@ -66,7 +66,8 @@ BLOCKS = {"time.sleep": sleep_in_python, "libc sleep": sleep_in_c, "pipe read": 
 def stack(tmp_path_factory, hf_home):
     """Trusted requests (auth off), a short deadline and grace, under ``up``'s supervisor."""
     env = {"NDIF_EXECUTION_TIMEOUT_S": str(TIMEOUT_S), "NDIF_DEADLINE_GRACE_S": str(GRACE_S)}
-    with client_on_stack(tmp_path_factory.mktemp("deadlines"), hf_home, env) as stack:
+    # Cold: a worker that replaces itself, and its exit status, are what these tests prove.
+    with client_on_stack(tmp_path_factory.mktemp("deadlines"), hf_home, env, warm=False) as stack:
         yield stack
 
 

@@ -47,7 +47,8 @@ def verifying_stack(tmp_path_factory, hf_home):
 
     env = {"NDIF_DEFAULT_TRUSTED": "0", "NDIF_ISOLATION": "zygote", "NDIF_VERIFY_UNTRUSTED": "1",
            "NDIF_EXECUTION_TIMEOUT_S": "20"}
-    with client_on_stack(tmp_path_factory.mktemp("verify-untrusted"), hf_home, env) as stack:
+    # Cold: what an untrusted child can reach of its worker is the subject.
+    with client_on_stack(tmp_path_factory.mktemp("verify-untrusted"), hf_home, env, warm=False) as stack:
         yield stack
 
 
