@@ -20,7 +20,7 @@ serialization floor, with the peak RSS of the web and the worker),
 ``from_pretrained``), ``throughput`` (1, 4 and 16 client threads, one and two
 workers; see below) and ``isolation`` (the isolated path, NDIF_DEFAULT_TRUSTED=0, against
 the in-process path). Each table is printed with p50/p95, ours/local and
-ours/null and the git commit; the issue's targets are printed as PASS/FAIL
+ours/null and the git commit; the targets are printed as PASS/FAIL
 lines (a FAIL does not fail the run). The values every remote column gets are
 compared with the local run (``torch.equal``) and the outcome is recorded.
 JSON goes to ``bench/_out/bench.json`` (``bench-smoke.json`` with ``--smoke``)

@@ -14,7 +14,7 @@ can import them all without a circle.
 - ``throughput``: requests/s from N client threads, one and two workers, on
   the main model and on a compute-bound one;
 - ``cobatch``: co-batching off vs on against one worker, on the main model
-  and on the compute-bound one (issue #15);
+  and on the compute-bound one;
 - ``capacity``: ``bench/capacity.py`` run as a process of its own;
-- ``checks``: the issue's targets as PASS/FAIL/SKIP, and the values line.
+- ``checks``: the targets as PASS/FAIL/SKIP, and the values line.
 """

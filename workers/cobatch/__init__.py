@@ -1,10 +1,10 @@
-"""Co-batching (issue #15): several trusted users' traces on one model, one forward.
+"""Co-batching: several trusted users' traces on one model, one forward.
 
 Different users' nnsight 0.8.1 requests for the same resident model are
 prepared each in its own greenlet up to their forward, merged through
 nnsight's own interleaving into one batched forward, and finished one by one,
 so each user gets exactly their own saves, logs, errors and ``meta``. A
-request that cannot share safely runs alone, through today's trusted path, and
+request that cannot share safely runs alone, through the trusted path, and
 ``meta["cobatch_solo"]`` says why. The design, its guards and what it refuses
 are in docs/cobatching.md; the decision and its measurements are in
 docs/decisions/cobatching.md.
