@@ -68,7 +68,6 @@ from bench.core import Bench  # noqa: E402
 from bench.models import MODELS, BenchModel  # noqa: E402
 from bench.plan import ALL, FULL, OUT_DIR, SMOKE, MiB, Plan  # noqa: E402,F401  (OUT_DIR: bench/isolation.py)
 
-
 # -- entry point ---------------------------------------------------------------------
 
 

@@ -137,7 +137,6 @@ def main() -> int:
     args = parser.parse_args()
     build_tiny_gpt2(Path(os.environ["HF_HOME"]), REPO_ID)
     import nnsight
-
     from conformance import CASES
 
     nnsight.CONFIG.APP.REMOTE_LOGGING = False

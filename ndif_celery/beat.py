@@ -15,8 +15,8 @@ from celery.signals import beat_init
 
 from . import config
 from .celery_app import lazy_app
-from .monitoring.probes import Prober
 from .farm.watchdog import FarmWatchdog
+from .monitoring.probes import Prober
 
 app = lazy_app()
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from .policy.jail_layers import parse_disable, parse_require
 from .policy.client_versions import parse_minimum
+from .policy.jail_layers import parse_disable, parse_require
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB

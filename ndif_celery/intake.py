@@ -24,14 +24,15 @@ import redis
 import zstandard
 from celery import Celery
 
-from .accounts import auth, limits
 from . import config, messages, statuses, wire
-from .farm import deployments
-from .state import jobs, queues, registry
-from .policy import models as model_policy, client_versions as versions
-from .monitoring import probes
+from .accounts import auth, limits
 from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for, send_job
 from .errors import Refused
+from .farm import deployments
+from .monitoring import probes
+from .policy import client_versions as versions
+from .policy import models as model_policy
+from .state import jobs, queues, registry
 
 
 def accept(

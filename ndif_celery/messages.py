@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from . import wire
 
-
 # One small function per text, alike in shape on purpose (tools/duplicates
 # sees them as a repeat): each is greppable where it is sent, and its words
 # change in exactly one place.

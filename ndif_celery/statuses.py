@@ -20,10 +20,11 @@ from typing import Any, Optional
 
 import redis
 
-from . import output_bounds as bounds, wire
-from .state import jobs
+from . import output_bounds as bounds
+from . import wire
 from .accounts import ledger, limits
 from .monitoring import metrics
+from .state import jobs
 
 # LOG limits per job when the caller names none (the worker passes its settings).
 DEFAULT_LOG_LINES_PER_S = 100.0

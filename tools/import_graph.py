@@ -5,8 +5,8 @@ torch or the worker's code; no module circle) is what lets a newcomer change
 one module without reading the rest, and a circle held together by imports
 hidden inside functions only shows up as an ImportError at run time. This
 script reads the source with ``ast`` (nothing is imported, so it is fast and
-safe to run anywhere), takes every import, top-level and function-local,
-and checks:
+safe to run anywhere), takes every import, top-level and function-local
+(not those under ``if TYPE_CHECKING:``, which never run), and checks:
 
 * no cycle between modules (each one found is named, module by module);
 * ``web`` imports neither ``workers`` nor ``torch``, directly or through the
@@ -94,6 +94,26 @@ def find_modules(root: Path, packages=PACKAGES) -> dict[str, Path]:
     return found
 
 
+def _type_checking_only(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``): never runs, so no edge at run time."""
+    test = getattr(node, "test", None)
+    return isinstance(node, ast.If) and (
+        (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING")
+        or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (its ``else`` runs, and counts)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        if _type_checking_only(node):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
 def imports_of(name: str, path: Path) -> list[tuple[str, tuple[str, ...]]]:
     """Every import in ``path``, anywhere in the file, made absolute:
     ``(module, names)`` for ``from module import names``, ``(module, ())``
@@ -101,7 +121,7 @@ def imports_of(name: str, path: Path) -> list[tuple[str, tuple[str, ...]]]:
     is_package = path.name == "__init__.py"
     tree = ast.parse(path.read_text(), str(path))
     found = []
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(tree):
         if isinstance(node, ast.Import):
             found.extend((alias.name, ()) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):

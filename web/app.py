@@ -15,10 +15,10 @@ from flask import Flask, jsonify
 from werkzeug.exceptions import HTTPException
 
 from ndif_celery import config
-from ndif_celery.state import jobs
 from ndif_celery.accounts.auth import Authenticator
 from ndif_celery.celery_app import make_app
 from ndif_celery.errors import Refused
+from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import check_shared
 

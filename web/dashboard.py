@@ -24,10 +24,10 @@ import redis
 from flask import Blueprint, Response, current_app, render_template_string, request
 
 from ndif_celery.accounts import db, ledger, usage
+from ndif_celery.accounts.auth import AuthError
+from ndif_celery.farm import schedules
 from ndif_celery.monitoring import metrics, probes
 from ndif_celery.state import queues, registry
-from ndif_celery.farm import schedules
-from ndif_celery.accounts.auth import AuthError
 
 from .identity import identify
 

@@ -52,9 +52,9 @@ from typing import Callable, Optional
 
 import redis
 
-from ndif_celery.state import jobs
 from ndif_celery.accounts import limits
 from ndif_celery.notices import Notices
+from ndif_celery.state import jobs
 
 log = logging.getLogger("ndif_celery.web.hub")
 

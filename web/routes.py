@@ -14,11 +14,12 @@ import json
 import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery.accounts import auth
-from ndif_celery.state import expiry as cleanup, jobs, registry
-from ndif_celery.host import environment
 from ndif_celery import intake, wire
+from ndif_celery.accounts import auth
 from ndif_celery.errors import Refused
+from ndif_celery.host import environment
+from ndif_celery.state import expiry as cleanup
+from ndif_celery.state import jobs, registry
 
 from .identity import identify
 

@@ -20,9 +20,9 @@ import uuid
 from flask import current_app, g, request
 from flask_sock import ConnectionClosed, Sock
 
-from ndif_celery.state import jobs
-from ndif_celery.accounts import limits
 from ndif_celery import wire
+from ndif_celery.accounts import limits
+from ndif_celery.state import jobs
 
 from .hub import Hub
 from .identity import identify

@@ -39,8 +39,8 @@ from celery.signals import worker_init, worker_ready, worker_shutdown
 from celery.worker.control import control_command
 
 from ndif_celery import config
-from ndif_celery.state import jobs
 from ndif_celery.celery_app import CLEANUP, EVICT_MODEL, LOAD_MODEL, RUN_JOB, lazy_app
+from ndif_celery.state import jobs
 
 from . import startup
 

@@ -29,23 +29,26 @@ import torch
 from celery import Celery
 from sqlalchemy.exc import SQLAlchemyError
 
-from ndif_celery.state import expiry as cleanup, jobs, queues, registry
 from ndif_celery import config, statuses, wire
 from ndif_celery.accounts import db, ledger
 from ndif_celery.celery_app import queue_for
 from ndif_celery.exit_codes import EX_CONFIG
+from ndif_celery.farm.controller import Controller, fail_waiting
 from ndif_celery.host.environment import local_env
+from ndif_celery.state import expiry as cleanup
+from ndif_celery.state import jobs, queues, registry
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import NotShared, check_shared
 
-from .job import gather as batch, deadline, life as job_life
-from .isolation import parent as isolate
-from .models import memory
 from . import metrics
-from ndif_celery.farm.controller import Controller, fail_waiting
-from .job.deliveries import Deliveries
 from .execute import RequestError
+from .isolation import parent as isolate
+from .job import deadline
+from .job import gather as batch
+from .job import life as job_life
+from .job.deliveries import Deliveries
 from .job.executors import InProcess, Isolated, JobCancelled, JobTimedOut
+from .models import memory
 from .models.resident import ResidentModels
 from .startup import untrusted_jobs_possible
 

@@ -133,10 +133,10 @@ class TimedSections:
     # -- cold start --
 
     def cold_start(self) -> None:
-        from bench.workloads import small_trace
-
         import torch
         from transformers import AutoModelForCausalLM
+
+        from bench.workloads import small_trace
 
         repo = self.model_info.cold_repo_id
         reps = self.plan.cold_reps

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from ndif_celery import config
-from . import db
 from ndif_celery.errors import Refused
+
+from . import db
 
 HEADER = "ndif-api-key"
 _KEY_FORMAT = re.compile(r"^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")

@@ -34,8 +34,9 @@ from typing import Iterable, Optional
 
 import redis
 
-from . import usage
 from ndif_celery import wire
+
+from . import usage
 
 PENDING = "ndif:ledger"
 LOCK = "ndif:ledger:lock"

@@ -18,10 +18,11 @@ import time
 
 import redis
 
-from . import auth
 from ndif_celery import config
-from ndif_celery.state import jobs, queues
 from ndif_celery.errors import Refused
+from ndif_celery.state import jobs, queues
+
+from . import auth
 
 
 class LimitError(Refused):

@@ -15,10 +15,11 @@ from typing import Optional
 import click
 import redis as redis_py
 
-from ndif_celery.farm import actions as farm
-from ndif_celery.state import jobs, queues
-from ndif_celery.policy import models as model_policy
 from ndif_celery.celery_app import make_app
+from ndif_celery.farm import actions as farm
+from ndif_celery.policy import models as model_policy
+from ndif_celery.state import jobs, queues
+
 from .common import echo_rows, from_ledger, settings
 
 

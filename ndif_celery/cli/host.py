@@ -22,8 +22,10 @@ import click
 import redis as redis_py
 
 from ndif_celery import config
+from ndif_celery.host import logs as service_logs
+from ndif_celery.host import services, stack, supervisor
 from ndif_celery.state import jobs, registry
-from ndif_celery.host import logs as service_logs, services, stack, supervisor
+
 from .common import settings
 
 

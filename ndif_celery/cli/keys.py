@@ -11,6 +11,7 @@ from typing import Optional
 import click
 
 from ndif_celery.accounts import db
+
 from .common import echo_rows, settings
 
 

@@ -11,8 +11,10 @@ from typing import Optional
 
 import click
 
-from ndif_celery.farm import actions as farm, schedules
+from ndif_celery.farm import actions as farm
+from ndif_celery.farm import schedules
 from ndif_celery.policy import models as model_policy
+
 from .common import echo_rows, from_ledger, settings
 from .farm import connect
 

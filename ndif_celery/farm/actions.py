@@ -14,10 +14,10 @@ from typing import Optional
 
 import redis
 
-from ndif_celery.state import jobs, queues, registry
 from ndif_celery import messages, statuses, wire
-from ndif_celery.policy import models as model_policy
 from ndif_celery.celery_app import EVICT_MODEL, worker_queue
+from ndif_celery.policy import models as model_policy
+from ndif_celery.state import jobs, queues, registry
 
 DEFAULT_CLASS = "nnsight.modeling.transformers.TransformersModel"
 

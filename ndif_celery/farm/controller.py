@@ -34,13 +34,13 @@ from collections import defaultdict
 from typing import Optional
 
 from ndif_celery import config, messages, statuses, wire
-from ndif_celery.farm import deployments, schedules
 from ndif_celery.accounts import ledger
-from ndif_celery.policy import models as model_policy
-from ndif_celery.monitoring import probes
-from ndif_celery.state import queues, registry
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
+from ndif_celery.farm import deployments, schedules
+from ndif_celery.monitoring import probes
 from ndif_celery.notices import Notices
+from ndif_celery.policy import models as model_policy
+from ndif_celery.state import queues, registry
 
 from . import placement, sizing
 

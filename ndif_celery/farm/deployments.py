@@ -45,11 +45,12 @@ from typing import Optional
 import redis
 
 from ndif_celery.accounts import db
-from . import actions as farm
-from ndif_celery.policy import models as model_policy
-from ndif_celery.state import registry
 from ndif_celery.celery_app import EVICT_MODEL, worker_queue
 from ndif_celery.errors import Refused
+from ndif_celery.policy import models as model_policy
+from ndif_celery.state import registry
+
+from . import actions as farm
 
 MAX_FILE_BYTES = 1024 * 1024
 MAX_ENTRIES = 1000

@@ -15,8 +15,8 @@ import struct
 from pathlib import Path
 from typing import Optional
 
-from ndif_celery.state import registry
 from ndif_celery import wire
+from ndif_celery.state import registry
 
 
 class SizingError(Exception):

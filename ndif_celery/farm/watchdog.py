@@ -48,8 +48,8 @@ import time
 from typing import Optional
 
 from ndif_celery import config, messages, statuses, wire
-from ndif_celery.state import jobs, queues, registry
 from ndif_celery.celery_app import make_app, send_job
+from ndif_celery.state import jobs, queues, registry
 
 log = logging.getLogger("ndif_celery.watchdog")
 

@@ -32,10 +32,11 @@ from sqlalchemy import create_engine, text
 
 from ndif_celery import config
 from ndif_celery.accounts import db
-from . import stack
-from .versions import cuda_available, dist_version, redis_server_version
 from ndif_celery.policy.jail_layers import LAYERS
 from ndif_celery.store import StoreUnavailable, open_store
+
+from . import stack
+from .versions import cuda_available, dist_version, redis_server_version
 
 PINNED_NNSIGHT = "0.8.1"  # as setup.cfg pins it; clients and workers must agree
 MIN_PYTHON = (3, 10)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from ndif_celery import config
+
 from . import services, stack
 
 POLL_S = 0.25

@@ -17,6 +17,7 @@ from typing import Optional
 
 from ndif_celery import config
 from ndif_celery.celery_app import worker_argv
+
 from .embedded_redis import RedisServerNotFound, redis_argv, redis_dir
 
 # The directory that holds the ndif_celery, web and workers packages. Children

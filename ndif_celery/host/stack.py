@@ -43,8 +43,9 @@ import httpx
 import redis
 
 from ndif_celery import config
-from . import processes
 from ndif_celery.state import registry
+
+from . import processes
 from .embedded_redis import RedisServerNotFound, redis_dir
 from .services import ROOT, SERVICES, StackError, child_env, command, default_services
 

@@ -39,6 +39,7 @@ from typing import Callable, Optional
 
 from ndif_celery import config
 from ndif_celery.exit_codes import REPLACE_EXIT_CODE
+
 from . import processes, stack
 
 BACKOFF_START_S = 1.0

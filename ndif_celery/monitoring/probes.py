@@ -43,9 +43,9 @@ from typing import Callable, Optional
 import redis
 
 from ndif_celery import config
-from ndif_celery.state import jobs, registry
-from ndif_celery.policy import models as model_policy
 from ndif_celery.notices import Notices
+from ndif_celery.policy import models as model_policy
+from ndif_celery.state import jobs, registry
 
 log = logging.getLogger("ndif_celery.probes")
 

@@ -16,8 +16,9 @@ from typing import Optional
 
 import redis
 
-from . import jobs
 from ndif_celery import wire
+
+from . import jobs
 
 EXPIRED = "ndif:jobs:expired"  # zset: job id -> when the sweep removed it
 # How long an expired job is remembered as such (a few bytes each).

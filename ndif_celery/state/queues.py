@@ -19,9 +19,9 @@ from typing import Optional
 
 import redis
 
-from . import jobs, registry
 from ndif_celery import wire
 
+from . import jobs, registry
 
 # kombu's Redis transport: its priority steps and the separator of the list names.
 PRIORITY_STEPS = (0, 3, 6, 9)

@@ -15,8 +15,8 @@ import uuid
 import pytest
 from sqlalchemy import event
 
-from ndif_celery.accounts import auth, db
 from ndif_celery import config
+from ndif_celery.accounts import auth, db
 from tests.support.stack import client_on_stack
 
 MiB = 1024 * 1024

@@ -37,16 +37,14 @@ from __future__ import annotations
 
 import os
 
+import nnsight
 import pytest
 import torch
-
-import nnsight
 
 from tests.support.load import COBATCH_TOLERANCE as TOLERANCE
 from tests.support.remote import recorded_request
 from tests.support.tiny_model import REPO_ID, worker_loaded
 from workers.cobatch import Request, run_alone, run_batch
-
 
 # Token lengths on the tiny tokenizer differ between these (checked in `payloads`).
 SHORT = "Hello world"

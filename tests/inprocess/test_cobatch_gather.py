@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from ndif_celery.state import jobs, queues, registry
 from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for, send_job
 from ndif_celery.farm.watchdog import FarmWatchdog
+from ndif_celery.state import jobs, queues, registry
 
 MODEL_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "gather/tiny"}'
 IDS = [c * 32 for c in "abcd"]

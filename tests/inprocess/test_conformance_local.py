@@ -16,10 +16,10 @@ import io
 
 import pytest
 import torch
-
-from tests.support.conformance import CASES, assert_same, case_id, diff, same
 from nnsight.intervention.cache import Cache, CacheView, Entry
 from nnsight.schema.request import RequestModel
+
+from tests.support.conformance import CASES, assert_same, case_id, diff, same
 
 
 def local(m):

@@ -17,10 +17,10 @@ import time
 import pytest
 import redis
 
-from ndif_celery.state import jobs
 from ndif_celery import wire
-from tests.support.servers import embedded_redis
+from ndif_celery.state import jobs
 from tests.support import pace
+from tests.support.servers import embedded_redis
 from workers.job import deadline
 from workers.job.executors import JobCancelled, JobTimedOut
 

@@ -14,12 +14,13 @@ import time
 import pytest
 
 from ndif_celery.accounts import auth
-from ndif_celery.farm import deployments, actions as farm
+from ndif_celery.celery_app import make_app, worker_queue
+from ndif_celery.errors import Refused
+from ndif_celery.farm import actions as farm
+from ndif_celery.farm import deployments
+from ndif_celery.farm.deployments import DeploymentsError
 from ndif_celery.policy import models as model_policy
 from ndif_celery.state import registry
-from ndif_celery.celery_app import make_app, worker_queue
-from ndif_celery.farm.deployments import DeploymentsError
-from ndif_celery.errors import Refused
 
 
 def _key(repo: str, revision=None) -> str:

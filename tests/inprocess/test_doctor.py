@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 from ndif_celery import config
-from ndif_celery.host import doctor, embedded_redis as redis_server
+from ndif_celery.host import doctor
+from ndif_celery.host import embedded_redis as redis_server
+from tests.support import pace
 from tests.support.doctor import checks
 from tests.support.servers import free_ports
 from tests.support.stack import ROOT
-from tests.support import pace
 
 
 def run_cli(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -17,8 +17,8 @@ import time
 import redis
 
 from ndif_celery.state import jobs
-from web.hub import Hub
 from tests.support import pace
+from web.hub import Hub
 
 
 def _hub(embedded_settings) -> Hub:

@@ -17,11 +17,11 @@ import json
 
 import pytest
 
-from ndif_celery.state import jobs, queues, registry
-from ndif_celery.accounts import ledger
-from ndif_celery.monitoring import metrics
 from ndif_celery import statuses, wire
+from ndif_celery.accounts import ledger
 from ndif_celery.celery_app import queue_for
+from ndif_celery.monitoring import metrics
+from ndif_celery.state import jobs, queues, registry
 from tests.support.tiny_model import REPO_ID, client_model
 
 

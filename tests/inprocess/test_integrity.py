@@ -162,7 +162,8 @@ class _GpuWayForker:
         self.model = model
 
     def fork(self, out_fd, in_fd, policy, workdir, cgroup):
-        from workers.isolation.child import kill_group, main as child_main
+        from workers.isolation.child import kill_group
+        from workers.isolation.child import main as child_main
 
         child = types.SimpleNamespace(pid=0, status=None)
         forked, done = threading.Event(), threading.Event()
@@ -210,9 +211,10 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
     """The worker's own code after an untrusted job (``executors.Isolated.after``),
     against a jailed child that flips signs in pairs in the worker's weights and raises."""
     from ndif_celery import config
-    from workers.job import executors
-    from workers.isolation import parent as isolate, jail
     from workers.execute import RequestError
+    from workers.isolation import jail
+    from workers.isolation import parent as isolate
+    from workers.job import executors
     from workers.models.resident import ResidentModels
 
     def attack(client) -> None:

@@ -149,8 +149,8 @@ def test_reset_forgets_the_reference(redis_client, embedded_settings):
 
 
 def test_the_web_refuses_a_probe_of_a_model_not_deployed_and_records_its_owner(redis_client, embedded_settings):
-    from ndif_celery.accounts import auth
     from ndif_celery import intake
+    from ndif_celery.accounts import auth
     from ndif_celery.errors import Refused
 
     settings = dataclasses.replace(embedded_settings, probe_api_key="probe-key")
@@ -172,11 +172,11 @@ def test_the_controller_ends_probe_jobs_left_waiting_for_an_evicted_model(redis_
     stands for the probe's key, recorded as the web records it."""
     import io
 
-    from ndif_celery.state import jobs
     from ndif_celery import wire
     from ndif_celery.celery_app import make_app
-    from web.app import create_app
     from ndif_celery.farm.controller import Controller
+    from ndif_celery.state import jobs
+    from web.app import create_app
 
     web = create_app(embedded_settings).test_client()
     envelope = json.dumps({"model_key": KEY, "session_id": "", "compress": False, "env": {}})

@@ -13,9 +13,10 @@ import json
 
 import pytest
 
-from ndif_celery.farm import deployments, actions as farm, schedules
-from ndif_celery.state import registry
+from ndif_celery.farm import actions as farm
+from ndif_celery.farm import deployments, schedules
 from ndif_celery.farm.schedules import ScheduleError
+from ndif_celery.state import registry
 
 NOW = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.timezone.utc).timestamp()
 KEY = farm.model_key_for("org/course")

@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-from ndif_celery.state import jobs, queues, registry
 from ndif_celery import messages, wire
 from ndif_celery.celery_app import make_app, queue_for
 from ndif_celery.farm import watchdog as watchdog_module
 from ndif_celery.farm.watchdog import FarmWatchdog, unserved_key
+from ndif_celery.state import jobs, queues, registry
 
 MODEL_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "watchdog/tiny"}'
 

@@ -23,7 +23,6 @@ import pytest
 from tests.support.paths import ROOT
 
 
-
 def _python(code: str, **env: str) -> dict:
     environ = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(environ, **env),
@@ -85,8 +84,8 @@ class _Channel:
 ])
 def test_every_bad_end_gives_its_error(error, kind, text):
     from ndif_celery.store import StoreUnavailable
-    from workers.job import life as job_life
     from workers.execute import RequestError
+    from workers.job import life as job_life
     from workers.job.executors import JobCancelled, JobTimedOut
 
     raised = {"cancelled": JobCancelled(), "timeout": JobTimedOut(), "user": RequestError("ValueError: the user's own"),
@@ -107,8 +106,8 @@ def test_a_workers_entry_stops_naming_its_job_as_soon_as_the_job_ends(embedded_s
     """Not at the next heartbeat (``registry.HEARTBEAT_S``): ``/status``, the
     watchdog and ``ndif-celery kill`` read the entry, and for up to a heartbeat
     it would name a job that had ended, and a job lost in delivery could go unnoticed."""
-    from ndif_celery.state import registry
     from ndif_celery.celery_app import make_app
+    from ndif_celery.state import registry
     from workers.worker import WorkerState
 
     worker = WorkerState("w@entry", embedded_settings, make_app(embedded_settings))

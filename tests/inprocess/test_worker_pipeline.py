@@ -28,10 +28,11 @@ import pytest
 import torch
 import zstandard
 
-from ndif_celery.state import expiry as cleanup, jobs, queues, registry
 from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for, send_job, worker_queue
 from ndif_celery.farm.watchdog import FarmWatchdog
+from ndif_celery.state import expiry as cleanup
+from ndif_celery.state import jobs, queues, registry
 from tests.support.remote import recorded_request
 from tests.support.tiny_model import REPO_ID, client_model
 

@@ -88,7 +88,8 @@ class _ForksTheGpuWay:
         self.model = model
 
     def fork(self, out_fd, in_fd, policy, workdir, cgroup):
-        from workers.isolation.child import kill_group, main as child_main
+        from workers.isolation.child import kill_group
+        from workers.isolation.child import main as child_main
 
         def child() -> None:
             child_main(self.model, policy, out_fd, in_fd, workdir, cgroup, before_jail=lambda: None)
@@ -137,7 +138,8 @@ def test_the_gpu_childs_path_runs_a_request_jailed(resident, hf_home, monkeypatc
     import nnsight
     from nnsight.schema.request import RequestModel
 
-    from workers.isolation import parent as isolate, jail
+    from workers.isolation import jail
+    from workers.isolation import parent as isolate
 
     blobs = []
     original = RequestModel.serialize.__func__

@@ -39,9 +39,8 @@ import uuid
 import warnings
 from typing import Any, Callable
 
-import torch
-
 import nnsight
+import torch
 from nnsight.intervention.cache import Cache, CacheView
 
 from tests.support.tiny_model import HIDDEN, N_LAYER, PROMPT, PROMPTS, REPO_ID, VOCAB, client_model

@@ -18,8 +18,8 @@ import pytest
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from ndif_celery.farm import actions as farm
-from tests.support.tiny_model import PROMPT
 from tests.support import pace
+from tests.support.tiny_model import PROMPT
 from tests.support.waiting import wait_until
 
 

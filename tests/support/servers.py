@@ -27,7 +27,6 @@ from ndif_celery import config
 from ndif_celery.host import embedded_redis as redis_server
 from tests.support.waiting import wait_until
 
-
 # The node id of the test being set up or run when it is in the fast tier
 # (tests/unit or tests/inprocess), set by tests/conftest.py. Starting a real
 # stack or server process there is a placement mistake (the tier would silently

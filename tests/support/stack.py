@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from tests.support import pace
 from tests.support.paths import ROOT
 from tests.support.servers import free_ports, refuse_in_fast_tier
-from tests.support import pace
-
 
 # Inherited settings that would point the stack at someone else's services or
 # files; a test that wants one passes it in ``env``.

@@ -27,10 +27,23 @@ import pytest
 
 from ndif_celery.cli import main as cli_main
 from tests.support.deploy_recipes import (
-    COMPOSE_FILE, DOCKERFILE, ENV_EXAMPLE, PROCFILE, ROOT, SYSTEMD, VENV_BIN, cfg_list, config_variables,
-    dockerfile, dockerfile_env, exec_form, load_settings, parse_cli, setup_cfg, words,
+    COMPOSE_FILE,
+    DOCKERFILE,
+    ENV_EXAMPLE,
+    PROCFILE,
+    ROOT,
+    SYSTEMD,
+    VENV_BIN,
+    cfg_list,
+    config_variables,
+    dockerfile,
+    dockerfile_env,
+    exec_form,
+    load_settings,
+    parse_cli,
+    setup_cfg,
+    words,
 )
-
 
 # --------------------------------------------------------------------------------
 # The parser these checks use

@@ -17,9 +17,16 @@ import yaml
 from ndif_celery import config
 from ndif_celery.host.services import SERVICES
 from tests.support.deploy_recipes import (
-    COMPOSE_FILE, DOCKERFILE, ROOT, dockerfile, dockerfile_env, exec_form, load_settings, parse_cli, words,
+    COMPOSE_FILE,
+    DOCKERFILE,
+    ROOT,
+    dockerfile,
+    dockerfile_env,
+    exec_form,
+    load_settings,
+    parse_cli,
+    words,
 )
-
 
 _VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?P<sep>:?-)?(?P<default>[^}]*)\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
 

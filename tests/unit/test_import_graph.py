@@ -114,3 +114,13 @@ def test_a_clean_tree_passes(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "web.routes -> ndif_celery.state.jobs, ndif_celery.wire" in result.stdout
     assert "workers.tasks -> ndif_celery.state.jobs" in result.stdout
+
+
+def test_an_import_for_type_checkers_only_is_no_edge(tmp_path):
+    root = tree(tmp_path, {
+        "ndif_celery/a.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ndif_celery import b\n",
+        "ndif_celery/b.py": "from ndif_celery import a\n",
+    })
+    result = run("--root", str(root))
+    assert "cycle" not in result.stderr
+    assert "ndif_celery.a -> -" in result.stdout and "ndif_celery.b -> ndif_celery.a" in result.stdout

@@ -28,8 +28,9 @@ import time
 import torch
 
 from workers import execute, results
-from . import jail
 from workers.execute import RequestError, result_too_big
+
+from . import jail
 from .frames import receive_request, send
 
 try:  # import the seccomp binding once here, in the zygote, so no child pays for finding libseccomp

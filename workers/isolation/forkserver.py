@@ -247,8 +247,8 @@ def start(secrets: Iterable[str], keep_env: Iterable[str]) -> ForkServer:
     thread at ``worker_init``, before any client, job or CUDA). The heavy
     imports come first, so the server and every zygote share their pages."""
     global _server
-    import torch  # noqa: F401 - before the fork: shared, and never CUDA-initialised here
     import nnsight.modeling.transformers  # noqa: F401
+    import torch  # noqa: F401 - before the fork: shared, and never CUDA-initialised here
 
     from workers.cuda import cuda_initialized
 

@@ -43,10 +43,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ndif_celery import output_bounds as bounds, messages
+from ndif_celery import messages
+from ndif_celery import output_bounds as bounds
+from workers.execute import RequestError, result_too_big
 
 from . import jail
-from workers.execute import RequestError, result_too_big
 from .frames import FRAME_LIMITS, FRAME_NAMES, HEADER, request_frames
 
 #: How long reaping a SIGKILLed child may take before the worker stops waiting for it.

@@ -36,7 +36,8 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from . import control_channel as control, jail
+from . import control_channel as control
+from . import jail
 from .child import kill_group
 from .child import main as child_main
 from .parent import IsolationPolicy

@@ -65,14 +65,16 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
-from ndif_celery.state import jobs
 from ndif_celery import messages, statuses, wire
-from ndif_celery.monitoring import metrics as farm_metrics
 from ndif_celery.exit_codes import REPLACE_EXIT_CODE
-
+from ndif_celery.monitoring import metrics as farm_metrics
+from ndif_celery.state import jobs
 from workers import metrics
+
+if TYPE_CHECKING:  # a job's steps run on the worker's state; only for readers and checkers
+    from workers.worker import WorkerState
 
 log = logging.getLogger("ndif_celery.worker")
 
@@ -332,7 +334,7 @@ def where(thread: int, frames: int = 12) -> str:
     return "".join(traceback.format_stack(frame)[-frames:]) if frame is not None else "(the thread has ended)"
 
 
-def replace_worker(worker, job_id: str, why: str, exit: Callable[[int], None] = os._exit) -> None:
+def replace_worker(worker: WorkerState, job_id: str, why: str, exit: Callable[[int], None] = os._exit) -> None:
     """The job's thread is stuck in code no exception can reach: let go of
     what this process holds and exit with ``REPLACE_EXIT_CODE`` for a fresh one.
 

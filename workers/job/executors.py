@@ -39,12 +39,13 @@ from huggingface_hub import constants as hf_constants
 
 from ndif_celery import config, statuses
 from ndif_celery.state import jobs
-
 from workers import cobatch, execute, results
-from . import deadline
-from workers.isolation import forkserver, parent as isolate, jail
-from workers.models.resident import ResidentModels
+from workers.isolation import forkserver, jail
+from workers.isolation import parent as isolate
 from workers.isolation.zygote import ZygoteError
+from workers.models.resident import ResidentModels
+
+from . import deadline
 
 log = logging.getLogger("ndif_celery.worker")
 

@@ -38,13 +38,16 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import TYPE_CHECKING
 
-from ndif_celery.state import jobs, queues
-from ndif_celery import wire
 from ndif_celery.celery_app import MAINTENANCE_QUEUE, queue_for, send_job, worker_queue
+from ndif_celery.state import jobs, queues
 
 from . import life as job_life
-from .executors import JobCancelled, JobTimedOut, ms_since
+from .executors import ms_since
+
+if TYPE_CHECKING:  # a job's steps run on the worker's state; only for readers and checkers
+    from workers.worker import WorkerState
 
 log = logging.getLogger("ndif_celery.worker")
 
@@ -54,7 +57,7 @@ log = logging.getLogger("ndif_celery.worker")
 CHAIN_MAX = 64
 
 
-def next_job(worker, done: jobs.Job, chained: int):
+def next_job(worker: WorkerState, done: jobs.Job, chained: int):
     """The job to run right after ``done`` without a trip through Celery, or None.
 
     Why: with a prefetch of one and late acknowledgement, Celery fetches the
@@ -91,12 +94,12 @@ def next_job(worker, done: jobs.Job, chained: int):
     return worker.take_next(head)
 
 
-def may_gather(worker, job: jobs.Job) -> bool:
+def may_gather(worker: WorkerState, job: jobs.Job) -> bool:
     """Whether ``job`` leads a co-batch when it starts: co-batching on, trusted, first attempt."""
     return worker.settings.cobatch_max > 1 and job.trusted and job.attempt < 2
 
 
-def gather(worker, lead: job_life.Life) -> list[jobs.Job]:
+def gather(worker: WorkerState, lead: job_life.Life) -> list[jobs.Job]:
     """Up to ``NDIF_COBATCH_MAX - 1`` of the model's waiting jobs that may share
     with ``lead``, taken out of the queue and reported as this worker's."""
     key = lead.job.model_key
@@ -107,7 +110,7 @@ def gather(worker, lead: job_life.Life) -> list[jobs.Job]:
     return worker.take(waiting) if waiting else []
 
 
-def perform(worker, lead: job_life.Life) -> None:
+def perform(worker: WorkerState, lead: job_life.Life) -> None:
     """``job.run``'s ``perform`` for a job that may lead a co-batch: gather,
     run together, answer every taken job; the lead's own answer is delivered,
     or raised for ``job.run`` to fail it. Without partners, ``job.perform``."""
@@ -137,7 +140,7 @@ def perform(worker, lead: job_life.Life) -> None:
                 job_life.close(worker, life)
 
 
-def _join(worker, job: jobs.Job):
+def _join(worker: WorkerState, job: jobs.Job):
     """A taken job started and announced RUNNING, as ``job.run`` does; None if
     it is not to run (it ended meanwhile) or was answered already (its payload gone)."""
     life = job_life.start(worker, job)
@@ -152,7 +155,7 @@ def _join(worker, job: jobs.Job):
     return life
 
 
-def _together(worker, lead: job_life.Life, lives: list, answered: set) -> None:
+def _together(worker: WorkerState, lead: job_life.Life, lives: list, answered: set) -> None:
     runs = [(life.job, life.blob, life.channel, life.meta) for life in (lead, *lives)]
     lead.jobs_run = len(runs)  # its finish counts them all towards the next whole weight check
     started = time.perf_counter()
@@ -170,7 +173,7 @@ def _together(worker, lead: job_life.Life, lives: list, answered: set) -> None:
     answered.update(life.job.id for life, _ in handed)
 
 
-def _within_limit(worker, life: job_life.Life, answer, run_ms: float):
+def _within_limit(worker: WorkerState, life: job_life.Life, answer, run_ms: float):
     """The job's result bytes within the result limit, or the exception that is its answer."""
     if isinstance(answer, BaseException):
         return answer
@@ -180,13 +183,13 @@ def _within_limit(worker, life: job_life.Life, answer, run_ms: float):
         return error
 
 
-def _answer(worker, life: job_life.Life, answer, run_ms: float, answered: set) -> None:
+def _answer(worker: WorkerState, life: job_life.Life, answer, run_ms: float, answered: set) -> None:
     """One job of the batch answered now: its result delivered, or its ERROR."""
     answered.add(life.job.id)
     job_life.answer(worker, life, _within_limit(worker, life, answer, run_ms))
 
 
-def _send_back(worker, job_ids: list) -> None:
+def _send_back(worker: WorkerState, job_ids: list) -> None:
     """Jobs taken for a batch that ended before they started: back to their queue
     (unless they ended, or are still waiting there)."""
     if not job_ids:

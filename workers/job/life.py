@@ -48,17 +48,21 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-from ndif_celery.state import expiry as cleanup, jobs, registry
 from ndif_celery import messages, statuses, wire
 from ndif_celery.celery_app import send_job
+from ndif_celery.state import expiry as cleanup
+from ndif_celery.state import jobs, registry
 from ndif_celery.store import StoreUnavailable
-
-from . import deadline
 from workers import metrics, results
 from workers.execute import RequestError, result_too_big
+
+from . import deadline
 from .executors import JobCancelled, JobTimedOut, ms_since
+
+if TYPE_CHECKING:  # a job's steps run on the worker's state; only for readers and checkers
+    from workers.worker import WorkerState
 
 log = logging.getLogger("ndif_celery.worker")
 
@@ -80,14 +84,14 @@ class Life:
     jobs_run: int = 1  # the jobs of the co-batch it led (workers.job.gather), itself included
 
 
-def perform(worker, life: Life) -> None:
+def perform(worker: WorkerState, life: Life) -> None:
     """The job's work once it runs: :func:`execute`, then :func:`deliver`
     (through :func:`hand_over`: off the forward's path)."""
     data = execute(worker, life)
     hand_over(worker, [(life, data)])
 
 
-def run(worker, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -> None:
+def run(worker: WorkerState, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -> None:
     """A job's whole life on ``worker`` (a ``workers.worker.WorkerState``).
 
     ``perform``: its work once RUNNING; ``workers.job.gather.perform`` instead for a
@@ -110,7 +114,7 @@ def run(worker, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -
         pass  # an interruption that landed just as the job ended; it has already answered
 
 
-def start(worker, job: jobs.Job) -> Optional[Life]:
+def start(worker: WorkerState, job: jobs.Job) -> Optional[Life]:
     """What the job needs to start, in one round trip; None when this worker
     is not to run it (it already ended, or the model is gone)."""
     pipe = worker.redis.pipeline(transaction=False)
@@ -144,7 +148,7 @@ def start(worker, job: jobs.Job) -> Optional[Life]:
     return life
 
 
-def announce(worker, life: Life) -> None:
+def announce(worker: WorkerState, life: Life) -> None:
     """RUNNING, on the round trip :func:`start` queued; a payload gone
     (expired while queued) ends the job instead."""
     if life.blob is None:
@@ -155,14 +159,14 @@ def announce(worker, life: Life) -> None:
     life.pipe.execute()
 
 
-def execute(worker, life: Life) -> bytes:
+def execute(worker: WorkerState, life: Life) -> bytes:
     """Run the block through the job's executor; its result bytes, within the result limit."""
     run_started = time.perf_counter()
     data = life.executor.run(life.model, life.job, life.blob, life.channel, life.meta)
     return within_limit(worker, life, data, ms_since(run_started))
 
 
-def within_limit(worker, life: Life, data: bytes, run_ms: float) -> bytes:
+def within_limit(worker: WorkerState, life: Life, data: bytes, run_ms: float) -> bytes:
     """The run's figures in the job's meta; ``data`` unless it is over the result limit."""
     meta = life.meta
     meta["run_ms"] = run_ms
@@ -174,7 +178,7 @@ def within_limit(worker, life: Life, data: bytes, run_ms: float) -> bytes:
     return data
 
 
-def deliver(worker, life: Life, data: bytes) -> None:
+def deliver(worker: WorkerState, life: Life, data: bytes) -> None:
     """Inline on the websocket when small and someone listens, else through the
     store as a URL (which ``GET /response/<id>`` also returns)."""
     job, meta, channel = life.job, life.meta, life.channel
@@ -195,7 +199,7 @@ def deliver(worker, life: Life, data: bytes) -> None:
     channel.send(wire.COMPLETED, description, data=worker.store.url(key), meta=meta)
 
 
-def hand_over(worker, answers: list) -> None:
+def hand_over(worker: WorkerState, answers: list) -> None:
     """Answer (:func:`answer`) and close each ``(life, result or exception)``.
 
     The worker's delivery thread (``workers.job.deliveries``) does it, in
@@ -210,7 +214,7 @@ def hand_over(worker, answers: list) -> None:
         answer(worker, life, result)
 
 
-def answer(worker, life: Life, result) -> None:
+def answer(worker: WorkerState, life: Life, result) -> None:
     """The job's result delivered (COMPLETED), or ``result``, an exception, failed."""
     try:
         if isinstance(result, BaseException):
@@ -221,7 +225,7 @@ def answer(worker, life: Life, result) -> None:
         fail(worker, life, error)
 
 
-def fail(worker, life: Life, error: BaseException) -> None:
+def fail(worker: WorkerState, life: Life, error: BaseException) -> None:
     """The ERROR the client sees, for every way a job can end badly. Called
     while ``error`` is being handled (``log.exception`` logs it)."""
     job, meta, channel = life.job, life.meta, life.channel
@@ -241,7 +245,7 @@ def fail(worker, life: Life, error: BaseException) -> None:
                      meta=meta, kind="server")
 
 
-def finish(worker, life: Life) -> None:
+def finish(worker: WorkerState, life: Life) -> None:
     """However the job ended, after its answer and before the next job (after
     every job of its co-batch): the worker free, the weight checks, then :func:`close`."""
     worker.end()
@@ -250,7 +254,7 @@ def finish(worker, life: Life) -> None:
         close(worker, life)
 
 
-def close(worker, life: Life) -> None:
+def close(worker: WorkerState, life: Life) -> None:
     """What every answered job leaves behind: its metrics, and its payload deleted."""
     try:
         metrics.job_ended(life.outcome, time.time() - life.started)

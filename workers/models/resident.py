@@ -26,10 +26,10 @@ from nnsight.modeling.mixins.remotable import Remotable
 from ndif_celery import config
 from ndif_celery.policy import models as model_policy
 from ndif_celery.wire import repo_fields
-
 from workers import cuda
 from workers.execute import RequestError, no_grad_weights
-from workers.isolation import parent as isolate, shared_weights
+from workers.isolation import parent as isolate
+from workers.isolation import shared_weights
 from workers.isolation.zygote import Zygote
 
 from . import integrity

@@ -25,8 +25,8 @@ import torch
 import websocket
 from nnsight.intervention.backends.remote import RemoteError
 
-from ndif_celery.accounts import auth, db, limits
 from ndif_celery import config
+from ndif_celery.accounts import auth, db, limits
 from tests.support.remote import final_status, poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT

@@ -12,10 +12,10 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
+from tests.support import pace
 from tests.support.remote import poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT
-from tests.support import pace
 
 PAYLOAD_LIMIT = 200_000
 RESULT_LIMIT = 100_000

@@ -197,8 +197,8 @@ def test_a_job_put_on_the_broker_directly_is_refused_by_the_worker(auth_stack, c
     """Defence in depth: the web is bypassed (a job message sent straight to the
     broker, as anyone holding the broker could). The controller and worker
     refuse the key: ERROR naming the reason, no load, no remote code."""
-    from ndif_celery.state import jobs, registry
     from ndif_celery.celery_app import make_app, queue_for, send_job
+    from ndif_celery.state import jobs, registry
 
     settings = config.load(auth_stack.env)
     client = jobs.connect(settings.redis_url, 5)

@@ -181,7 +181,6 @@ def test_cobatch_targets_are_checked_on_the_compute_bound_cells():
     sys.path.insert(0, str(ROOT))
     from bench import run
     from bench.plan import COBATCH_TOLERANCE
-
     from tests.support.load import COBATCH_TOLERANCE as STATED
 
     assert STATED == COBATCH_TOLERANCE

@@ -116,8 +116,7 @@ def test_a_database_outage_keeps_ended_jobs_in_redis_until_it_is_back(tmp_path_f
     in the worker's log), and they land once it is back, without a restart."""
     from sqlalchemy import create_engine, text
 
-    from tests.support.servers import TcpProxy
-    from tests.support.servers import postgres_database
+    from tests.support.servers import TcpProxy, postgres_database
 
     url, drop = postgres_database()
     proxy = TcpProxy("127.0.0.1", 5432).start()

@@ -13,7 +13,8 @@ import redis
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend
 
-from ndif_celery.state import expiry as cleanup, jobs
+from ndif_celery.state import expiry as cleanup
+from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore
 from tests.support.remote import poll, slow_job
 from tests.support.stack import client_on_stack

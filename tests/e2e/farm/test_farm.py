@@ -20,10 +20,10 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
+from tests.support import pace
 from tests.support.remote import poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
-from tests.support import pace
 
 GiB = 1024**3
 SMALL = ["farm/m1", "farm/m2", "farm/m3", "farm/m4"]

@@ -22,14 +22,13 @@ import time
 
 import pytest
 
-from ndif_celery.state import jobs, registry
 from ndif_celery import messages
-from tests.support import conformance, netns
-from tests.support.remote import poll
+from ndif_celery.state import jobs, registry
+from tests.support import conformance, netns, pace
 from tests.support.host_farm import HostFarm
+from tests.support.remote import poll
 from tests.support.servers import refuse_in_fast_tier
 from tests.support.tiny_model import PROMPT, PROMPTS, REPO_ID, client_model
-from tests.support import pace
 
 # Results above this go through the store (NDIF_MAX_INLINE_BYTES on every host):
 # the logits of one prompt (~18 KiB) ride inline, every layer's output does not.

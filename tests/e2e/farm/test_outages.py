@@ -127,8 +127,7 @@ def test_a_database_outage_is_refused_with_503_and_recovers(tmp_path):
     in unchecked); once it is back the same key works again, no restart."""
     from ndif_celery import config
     from ndif_celery.accounts import db
-    from tests.support.servers import TcpProxy
-    from tests.support.servers import postgres_database
+    from tests.support.servers import TcpProxy, postgres_database
     from web.app import create_app
 
     url, drop = postgres_database()

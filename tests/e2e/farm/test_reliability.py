@@ -15,10 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from nnsight.intervention.backends.remote import RemoteBackend
 
+from tests.support import pace
 from tests.support.remote import blocking_client_in_background, poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
-from tests.support import pace
 
 REPO = "reliability/tiny"
 W0, W1, W2 = "gpu0@reliability", "gpu1@reliability", "gpu2@reliability"

@@ -22,9 +22,9 @@ import pytest
 import redis
 
 from ndif_celery.state import registry
+from tests.support import pace
 from tests.support.servers import port_open
 from tests.support.stack import ROOT, Stack
-from tests.support import pace
 from tests.support.waiting import wait_until
 
 SERVICES = ("redis", "web", "worker", "beat", "flower")

@@ -24,11 +24,11 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.farm import actions as farm
+from tests.support import pace
 from tests.support.remote import client_pointed_at, kill_stuck, poll, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.stack_pool import JAIL_TIMEOUT_S
 from tests.support.tiny_model import PROMPT
-from tests.support import pace
 
 pytestmark = pytest.mark.pools("isolated", "zygote")
 

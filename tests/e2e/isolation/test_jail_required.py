@@ -19,9 +19,8 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.policy.jail_layers import LAYERS
-from tests.support.jail_fixtures import attempt
+from tests.support.jail_fixtures import attempt, connect_unix, listen_beside, unix_socket_targets
 from tests.support.stack import Stack, offline_env
-from tests.support.jail_fixtures import connect_unix, listen_beside, unix_socket_targets
 from tests.support.tiny_model import PROMPT
 
 nnsight.register(__name__)

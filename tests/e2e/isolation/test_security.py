@@ -20,11 +20,11 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from tests.support.remote import final_status, kill_stuck, poll
+from tests.support import pace
 from tests.support.jail_fixtures import attempt, isolation, jail, still_serving_after, worker_pid  # noqa: F401
+from tests.support.remote import final_status, kill_stuck, poll
 from tests.support.stack_pool import JAIL_TIMEOUT_S, SECRETS
 from tests.support.tiny_model import PROMPT
-from tests.support import pace
 
 nnsight.register(__name__)  # the helpers below ship with the blocks, by value
 
@@ -149,9 +149,8 @@ def test_the_parent_worker_cannot_be_killed(jail, model, worker_pid):
 
 
 def escape_with_ctypes():
-    import ctypes
-
     import _ctypes
+    import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     shutil.copy(_ctypes.__file__, "escape.so")

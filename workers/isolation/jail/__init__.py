@@ -65,10 +65,18 @@ from ndif_celery.policy.jail_layers import LAYERS, WAIVABLE, parse_disable, pars
 # The public face of the jail: every layer's entry points, under ``jail.``.
 from .access import SYSTEM_READABLE, landlock, readable_by_others, readable_paths  # noqa: F401
 from .cgroups import in_pids_cgroup, join_cgroup, pids_cgroup_path, remove_cgroup  # noqa: F401
-from .kernel import JailError, NOBODY  # noqa: F401
+from .kernel import NOBODY, JailError  # noqa: F401
 from .namespaces import die_with_parent, enter_namespaces, fresh_proc, make_private, private_mounts, proc_hidepid  # noqa: F401
-from .process import (ENV_ALLOWLIST, Limits, close_inherited_fds, drop_privileges, no_new_privs,  # noqa: F401
-                      open_fds, scrub_secrets, set_limits)
+from .process import (  # noqa: F401
+    ENV_ALLOWLIST,
+    Limits,
+    close_inherited_fds,
+    drop_privileges,
+    no_new_privs,
+    open_fds,
+    scrub_secrets,
+    set_limits,
+)
 from .seccomp import SECCOMP_DENIED, load_seccomp_binding, seccomp_filter  # noqa: F401
 from .sockets import ALWAYS_HIDDEN, hide_unix_sockets, listening_unix_paths, seal_masks  # noqa: F401
 

@@ -11,9 +11,26 @@ from __future__ import annotations
 import os
 import signal
 
-from .kernel import (CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWUSER, CLONE_NEWUTS, MS_NODEV,
-                     MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_REC, NOBODY, PR_SET_PDEATHSIG, check, libc, real_root,
-                     write_file)
+from .kernel import (
+    CLONE_NEWIPC,
+    CLONE_NEWNET,
+    CLONE_NEWNS,
+    CLONE_NEWPID,
+    CLONE_NEWUSER,
+    CLONE_NEWUTS,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_REC,
+    NOBODY,
+    PR_SET_PDEATHSIG,
+    check,
+    libc,
+    real_root,
+    write_file,
+)
+
 
 def enter_namespaces(pid: bool = True) -> None:
     """New mount, network, PID, IPC and UTS namespaces (user namespace if not root).

@@ -13,7 +13,7 @@ import ctypes
 import errno
 import os
 
-from .kernel import JailError, MS_NODEV, MS_NOEXEC, MS_NOSUID, check, libc
+from .kernel import MS_NODEV, MS_NOEXEC, MS_NOSUID, JailError, check, libc
 
 ALWAYS_HIDDEN = ("/run", "/var/run", "/tmp", "/var/tmp")  # where sockets live, and nothing a job reads
 MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
