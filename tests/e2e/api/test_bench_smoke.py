@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+from tests.support import launcher
 from tests.support.paths import ROOT
 
 TIMED = ("small_trace", "every_layer", "generate", "session", "big_result", "cold_start")
@@ -22,9 +23,14 @@ COLUMNS = ("local", "null", "ours")
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    # The bench's stacks inherit this environment: their workers start warm, forked
+    # from this pytest process's launcher (tests/support/launcher.py), since what a
+    # smoke run proves is that every workload is measured and exact, not a worker's start.
+    env = dict(os.environ)
+    env.update(launcher.stack_env(env))
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run.py"), *args],
-        cwd=ROOT, env=dict(os.environ), capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )
 
 
