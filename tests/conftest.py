@@ -18,8 +18,10 @@ Constants (``PROMPT``, ``HIDDEN``, ``VOCAB``, ``N_LAYER``, ``REPO_ID``) live in
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -161,27 +163,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if in_e2e_tier(item.path):
             item.add_marker(pytest.mark.e2e)
-        group = pool_group(item)
-        if group is None and "stack_pool" in getattr(item, "fixturenames", ()):
-            raise pytest.UsageError(f"{item.nodeid} takes stacks from stack_pool without naming their kinds: "
-                                    "mark it @pytest.mark.pools(\"fs\", ...) (tests/conftest.py groups by them)")
-        item.add_marker(pytest.mark.xdist_group(group or _module(item)))
+    groups = {item.nodeid: group_of(item) for item in items}
     cache = getattr(config, "cache", None)
     durations = cache.get(DURATIONS_KEY, {}) if cache is not None else {}
     if durations:
         # Stable: a module's own order is kept, and so is the order of modules without a time.
         items.sort(key=lambda item: -durations.get(_module(item), 0.0))
+    if os.environ.get(GROUPS_FILE_ENV) and hasattr(config, "workerinput"):
+        _write_groups(os.environ[GROUPS_FILE_ENV], groups)
 
 
 # --- which pytest process runs what -------------------------------------------------
 #
 # ``make test`` runs ``--dist loadgroup``: the tests of one group run in one
-# pytest process. A module is a group of its own (its module-scoped stack starts
-# once), except the tests on the shared stacks of tests/support/stack_pool.py:
-# every user of the trusted kinds joins one group, every user of the jailed kinds
-# another, so each kind starts once per run, not once per process. A test names
-# the kinds it takes from ``stack_pool`` by hand with ``@pytest.mark.pools(...)``;
-# the pool fixtures say it for themselves.
+# pytest process, a group at a time. A module is a group of its own (its
+# module-scoped stack starts once), except the tests on the shared stacks of
+# tests/support/stack_pool.py: every user of the trusted kinds joins one group,
+# every user of the jailed kinds another, so each kind starts once per run, not
+# once per process. A test names the kinds it takes from ``stack_pool`` by hand
+# with ``@pytest.mark.pools(...)``; the pool fixtures say it for themselves.
+#
+# The grouping is ours, not pytest-xdist's ``xdist_group`` mark: xdist 3.8 puts
+# the group into a test's nodeid, which pytest 9 no longer lets a plugin change.
+# So each pytest process writes every test's group to a file the controlling
+# process named (its collection is the same in each), and the controlling
+# process's scheduler (``GroupScheduling``) reads it once collection is done.
+
+GROUPS_FILE_ENV = "NDIF_TEST_GROUPS"
 
 JAILED_KINDS = frozenset({"isolated", "zygote"})
 _JAIL_FIXTURES = frozenset({"jail", "worker_pid", "still_serving_after"})
@@ -202,6 +210,51 @@ def pool_kinds(item) -> set:
     if "variant" in names and callspec is not None:
         kinds.add(callspec.params["variant"].stack)
     return kinds
+
+
+def group_of(item) -> str:
+    """The group a test runs in: its pool's, else its module's."""
+    group = pool_group(item)
+    if group is None and "stack_pool" in getattr(item, "fixturenames", ()):
+        raise pytest.UsageError(f"{item.nodeid} takes stacks from stack_pool without naming their kinds: "
+                                "mark it @pytest.mark.pools(\"fs\", ...) (tests/conftest.py groups by them)")
+    return group or _module(item)
+
+
+def _write_groups(path: str, groups: dict) -> None:
+    partial = f"{path}.{os.getpid()}"
+    with open(partial, "w") as out:
+        json.dump(groups, out)
+    os.replace(partial, path)  # whole or absent: every process writes the same
+
+
+def scope_of(nodeid: str, groups: dict) -> str:
+    """The scheduling scope of a test: its group as written by the pytest processes, else its module."""
+    return groups.get(nodeid) or nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """Load-scope scheduling whose scope is a test's group (``group_of``)."""
+
+        groups = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # first asked once every process has collected
+                try:
+                    with open(os.environ[GROUPS_FILE_ENV]) as written:
+                        self.groups = json.load(written)
+                except (KeyError, OSError, ValueError):
+                    self.groups = {}
+            return scope_of(nodeid, self.groups)
+
+    config.option.loadscopereorder = False  # keep our order: the longest modules first
+    return GroupScheduling(config, log)
 
 
 def pool_group(item):
@@ -252,3 +305,6 @@ def pytest_configure(config):
     # Recorded by the controlling process only: an xdist worker's reports reach it too.
     if not hasattr(config, "workerinput"):
         config.pluginmanager.register(_ModuleDurations(), "ndif-module-durations")
+        if getattr(config.option, "dist", "no") == "loadgroup":
+            # Before the pytest processes start: they inherit it (see GroupScheduling).
+            os.environ[GROUPS_FILE_ENV] = os.path.join(tempfile.mkdtemp(prefix="ndif-test-groups-"), "groups.json")

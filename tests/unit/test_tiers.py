@@ -118,11 +118,33 @@ def test_the_tests_of_each_pool_share_one_process_and_the_rest_go_by_module():
         Item("tests/e2e/api/e.py::both", ["fs_stack", "stack_pool"], [pytest.mark.pools("isolated")]),
         Item("tests/e2e/farm/f.py::w", ["hf_home"]),
     ]
-    conftest.pytest_collection_modifyitems(types.SimpleNamespace(cache=None), items)
-    assert [item.marked["xdist_group"] for item in items] == [
-        ("pool-trusted",), ("pool-jailed",), ("pool-jailed",), ("pool-trusted",), ("pool-jailed",),
-        ("pool-jailed",), ("tests/e2e/farm/f.py",)]
+    groups = {item.nodeid: conftest.group_of(item) for item in items}
+    assert list(groups.values()) == [
+        "pool-trusted", "pool-jailed", "pool-jailed", "pool-trusted", "pool-jailed", "pool-jailed",
+        "tests/e2e/farm/f.py"]
+    # The controlling process schedules by what the pytest processes wrote.
+    assert conftest.scope_of("tests/e2e/api/d.py::v[s3]", groups) == "pool-trusted"
+    assert conftest.scope_of("tests/e2e/farm/g.py::not_written", groups) == "tests/e2e/farm/g.py"
 
     unnamed = Item("tests/e2e/api/g.py::takes_its_own", ["stack_pool"])
     with pytest.raises(pytest.UsageError, match="mark it @pytest.mark.pools"):
-        conftest.pytest_collection_modifyitems(types.SimpleNamespace(cache=None), [unnamed])
+        conftest.group_of(unnamed)
+
+
+def test_make_test_keeps_each_group_in_one_process(tmp_path):
+    """Two pytest processes under ``--dist loadgroup``: a module's tests all run in one."""
+    import subprocess
+    import sys
+
+    (tmp_path / "test_a.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(6)))
+    (tmp_path / "test_b.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(6)))
+    (tmp_path / "conftest.py").write_text(
+        "from tests.conftest import pytest_collection_modifyitems, pytest_configure, pytest_xdist_make_scheduler\n")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+                             "-v", "--rootdir", str(tmp_path), str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    runs = [line.split()[0] + " " + line.split("::")[0].rsplit("/", 1)[-1]
+            for line in result.stdout.splitlines() if "PASSED" in line and line.startswith("[gw")]
+    assert len(runs) == 12, result.stdout[-3000:]
+    for module in ("test_a.py", "test_b.py"):
+        assert len({run.split()[0] for run in runs if run.endswith(module)}) == 1, runs
