@@ -18,11 +18,15 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:
+    """The three packages, and ``files`` with a package (an ``__init__.py``) around each."""
     for package in ("ndif_celery", "workers", "web"):
         (root / package).mkdir(parents=True, exist_ok=True)
         (root / package / "__init__.py").touch()
     for name, text in files.items():
-        (root / name).write_text(text)
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        (path.parent / "__init__.py").touch()
+        path.write_text(text)
     return root
 
 
@@ -81,17 +85,11 @@ def test_the_core_importing_workers_or_web_is_refused(tmp_path):
 
 
 def test_an_import_from_a_layer_above_is_refused(tmp_path):
-    (tmp_path / "ndif_celery" / "state").mkdir(parents=True)
-    (tmp_path / "ndif_celery" / "state" / "__init__.py").touch()
     root = tree(tmp_path, {
         "ndif_celery/state/jobs.py": "def later():\n    from ndif_celery.accounts import limits\n",
-        "ndif_celery/accounts.py": "",
+        "ndif_celery/accounts/limits.py": "from ndif_celery.state import jobs\n",
         "ndif_celery/stray.py": "",
     })
-    root.joinpath("ndif_celery/accounts.py").unlink()
-    (root / "ndif_celery" / "accounts").mkdir()
-    (root / "ndif_celery" / "accounts" / "__init__.py").touch()
-    (root / "ndif_celery" / "accounts" / "limits.py").write_text("from ndif_celery.state import jobs\n")
     result = run("--root", str(root), "--quiet")
     assert result.returncode == 1
     assert ("ndif_celery.state.jobs imports ndif_celery.accounts.limits from a layer above its own"
@@ -102,8 +100,6 @@ def test_an_import_from_a_layer_above_is_refused(tmp_path):
 
 
 def test_a_clean_tree_passes(tmp_path):
-    (tmp_path / "ndif_celery" / "state").mkdir(parents=True)
-    (tmp_path / "ndif_celery" / "state" / "__init__.py").touch()
     root = tree(tmp_path, {
         "ndif_celery/wire.py": "import json\n",
         "ndif_celery/state/jobs.py": "from ndif_celery import wire\n",
