@@ -173,8 +173,9 @@ def serve(path: str) -> None:
     child_of: dict = {}  # connection -> worker pid
     conn_of: dict = {}  # worker pid -> connection
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    parent = os.getppid()
     try:
-        while True:
+        while os.getppid() == parent:  # a pytest process killed outright leaves no launcher behind
             for key, _ in selector.select(timeout=0.2):
                 if key.fileobj is listener:
                     conn, _ = listener.accept()
