@@ -29,6 +29,7 @@ from tests.support.host_farm import HostFarm
 from tests.support.remote import poll
 from tests.support.servers import refuse_in_fast_tier
 from tests.support.tiny_model import PROMPT, PROMPTS, REPO_ID, client_model
+from tests.support.waiting import wait_until
 
 # Results above this go through the store (NDIF_MAX_INLINE_BYTES on every host):
 # the logits of one prompt (~18 KiB) ride inline, every layer's output does not.
@@ -311,7 +312,9 @@ def test_the_harness_leaves_nothing_behind_even_when_a_test_fails(tmp_path):
         with netns.Network(tmp_path) as network:
             a, b = network.add("a"), network.add("b")
             sleeper = a.start("sleep", ["sleep", "600"])
-            assert a.pids() and network.switch in netns._namespaces()
+            # `ip netns exec` enters the namespace a moment after it starts: wait for it there.
+            wait_until(a.pids, pace.bound(10), "the sleep to run inside host a's namespace")
+            assert network.switch in netns._namespaces()
             inside = f"net:[{os.stat(f'/var/run/netns/{b.namespace}').st_ino}]"
             assert b.call(os.readlink, "/proc/thread-self/ns/net") == inside  # a thread of host b
             assert os.readlink("/proc/thread-self/ns/net") != inside  # this one stays in the machine's
