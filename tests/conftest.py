@@ -192,6 +192,7 @@ def pytest_collection_modifyitems(config, items):
 GROUPS_FILE_ENV = "NDIF_TEST_GROUPS"
 
 JAILED_KINDS = frozenset({"isolated", "zygote"})
+AUTH_KINDS = frozenset({"auth"})
 _JAIL_FIXTURES = frozenset({"jail", "worker_pid", "still_serving_after"})
 _FS_FIXTURES = frozenset({"fs_stack", "on_fs_stack"})
 
@@ -258,14 +259,17 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pool_group(item):
-    """``pool-jailed`` or ``pool-trusted`` for a test on the shared stacks, else None.
+    """``pool-jailed``, ``pool-auth`` or ``pool-trusted`` for a test on the shared stacks, else None.
 
     A test that needs a jailed kind runs with the jailed kinds, even if it also
-    takes a trusted one (that one then starts a second time, in that process)."""
+    takes another one (that one then starts a second time, in that process);
+    one that needs the auth farm, with the auth farm."""
     kinds = pool_kinds(item)
     if not kinds:
         return None
-    return "pool-jailed" if kinds & JAILED_KINDS else "pool-trusted"
+    if kinds & JAILED_KINDS:
+        return "pool-jailed"
+    return "pool-auth" if kinds & AUTH_KINDS else "pool-trusted"
 
 
 # --- order: the longest modules first ------------------------------------------------

@@ -1,7 +1,7 @@
 """``ndif-celery version``, ``doctor`` and ``logs`` without a stack, run for
 real: subprocesses, closed loopback ports standing in for services that are
-not there. No mocks. The healthy case and ``logs`` of a running stack are
-tests/e2e/host/test_doctor.py.
+not there. No mocks. The healthy case and ``logs`` of a running stack are in
+tests/e2e/host/test_cli.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The client version gate (NDIF_MIN_NNSIGHT_VERSION, NDIF_MIN_PYTHON_VERSION):
 each check at its edges and the web refusing before it touches Redis (Flask's
-test client). The real client against stacks is tests/e2e/access/test_versions.py.
+test client). The real client against a stack at the gate is tests/e2e/access/test_limits.py.
 """
 
 from __future__ import annotations

@@ -67,6 +67,23 @@ def test_worker_init_sets_the_environment_before_torch():
     assert found == {"gpus": "3", "omp": "2", "torch": False, "fork_server": False}
 
 
+def test_torch_threads_setting_reaches_the_workers_torch():
+    """NDIF_TORCH_THREADS sets the intra-op threads of the worker's torch (what a
+    trusted job in the worker sees): set at ``worker_init``, before torch."""
+    found = _python(
+        "import json\n"
+        "from workers import tasks\n"
+        "tasks._on_init(sender=None)\n"
+        "import torch\n"
+        "print(json.dumps({'threads': torch.get_num_threads()}))",
+        NDIF_TORCH_THREADS="1",
+    )
+    assert found == {"threads": 1}
+    import torch
+
+    assert torch.get_num_threads() > 1, "this machine has one core: the test shows nothing"
+
+
 class _Channel:
     def __init__(self) -> None:
         self.sent: list = []

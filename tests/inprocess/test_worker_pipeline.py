@@ -256,6 +256,8 @@ def test_waiting_jobs_run_in_order_in_one_task_each_once(worker, web, redis, cli
     ended = []
     for job_id in ids:
         assert torch.equal(result(worker, redis, job_id)["out"], reference)
+        # NDIF_COBATCH_MAX=1: four trusted jobs of one model, waiting together, each ran alone.
+        assert (latest(redis, job_id)["meta"] or {}).get("cobatch", 1) == 1, latest(redis, job_id)
         ended.append(redis.zscore(jobs.ENDED, job_id))
         assert redis.get(jobs.payload_key(job_id)) is None, "its payload is deleted once delivered"
     assert ended == sorted(ended), "in the queue's order"

@@ -52,15 +52,17 @@ def recorded_request(fn, *args, **kwargs):
 
 @contextlib.contextmanager
 def client_pointed_at(url: str, compress: bool = True):
-    """The real client's host (and compression) set to ``url`` for a while, restored after."""
+    """The real client's host (and compression) set to ``url`` for a while; its
+    host, compression and API key restored after."""
     import nnsight
 
-    saved = (nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS)
-    nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = url, compress
+    api = nnsight.CONFIG.API
+    saved = (api.HOST, api.COMPRESS, api.APIKEY)
+    api.HOST, api.COMPRESS = url, compress
     try:
         yield
     finally:
-        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
+        api.HOST, api.COMPRESS, api.APIKEY = saved
 
 
 def poll(backend, timeout_s: float = 60.0, interval_s: float = 0.1):
@@ -191,7 +193,6 @@ VARIANTS = [
     Variant("fs", blocking=True, compress=False, inline=True),
     Variant("fs", blocking=False, compress=True, inline=False),
     Variant("fs", blocking=False, compress=False, inline=False),
-    Variant("fs-noinline", blocking=True, compress=False, inline=False),
     Variant("s3", blocking=True, compress=True, inline=False),
     Variant("s3", blocking=True, compress=False, inline=False),
     Variant("s3", blocking=False, compress=True, inline=False),

@@ -2,9 +2,10 @@
 
 Each *kind* is a whole single-host stack (embedded Redis, gunicorn web, Celery
 worker, Flower) started through the real CLI, differing only in where results
-go: inline when small with the filesystem store (the default), always through
-the filesystem store, or always through S3 (moto's S3-protocol server, run as
-a separate process on loopback).
+go and who is trusted: inline when small with the filesystem store (the
+default), always through S3 (moto's S3-protocol server, run as a separate
+process on loopback), every request untrusted and jailed, or auth on
+with its keys' limits off (the farm the access tests share).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from pathlib import Path
 from tests.support.servers import MotoServer
 from tests.support.stack import Stack
 
-STACK_KINDS = ("fs", "fs-noinline", "s3", "isolated", "zygote")
+STACK_KINDS = ("fs", "s3", "isolated", "zygote", "auth")
 
 # The jailed stacks' deadline: short, since attacks that spin or hang wait it
 # out, yet with room for the residue scans (a walk over every object a child
 # holds took 3.5 s idle and ran past 6 s on a loaded CI machine).
 JAIL_TIMEOUT_S = 10
+AUTH_LIMITS_OFF = {"NDIF_MAX_CONCURRENT_JOBS": "0", "NDIF_MAX_WEBSOCKETS_PER_KEY": "0", "NDIF_RATE_LIMIT_PER_MIN": "0",
+                   "NDIF_MAX_QUEUE_DEPTH": "0", "NDIF_EXECUTION_TIMEOUT_S": "300"}
 SECRETS = {
     "NDIF_SECRET_KEY": "ndif-signing-secret-4f1d2a9c7e",
     "NDIF_OBJECT_STORE_SECRET_KEY": "object-store-secret-8b3e6d0a1f",
@@ -49,16 +52,6 @@ class StackPool:
     def _env_for(self, kind: str) -> dict:
         if kind == "fs":
             return {}
-        if kind == "fs-noinline":
-            # Its variant is one transport (results always through the store);
-            # settings that change nothing a conformance case computes ride
-            # along, so the tests that need them share this stack instead of
-            # starting one each: co-batching off (test_cobatch_e2e; requests
-            # sent one at a time never share a forward anyway). Not
-            # NDIF_TORCH_THREADS: on some CPUs the BLAS sums in another order
-            # with another thread count, and the values would differ from the
-            # test process's own bit for bit.
-            return {"NDIF_MAX_INLINE_BYTES": "0", "NDIF_COBATCH_MAX": "1"}
         if kind == "isolated":
             # Auth off, but every request untrusted, NDIF_ISOLATION=fork: the
             # children come from zygotes forked off the worker's fork server,
@@ -79,6 +72,14 @@ class StackPool:
                 "NDIF_OBJECT_STORE_REGION": self.moto.region,
                 "NDIF_OBJECT_STORE_BUCKET": "ndif-test-results",
             }
+        if kind == "auth":
+            # Auth on, for the modules whose subject is keys: which key is refused,
+            # trusted, admin, whose job is whose, which jobs may share a forward.
+            # The per-key limits are off (sixteen jobs of one key at once; the
+            # auth-on defaults are test_auth_defaults', each limit test_limits');
+            # the cache off, so a revoked key is refused at once; fork zygotes,
+            # as no test here is about where a zygote comes from.
+            return {"NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_ISOLATION": "fork", **AUTH_LIMITS_OFF}
         raise KeyError(f"unknown stack kind {kind!r}; known: {STACK_KINDS}")
 
     def stored_result_exists(self, stack: Stack, job_id: str) -> bool:

@@ -104,7 +104,8 @@ def test_the_stack_fixtures_are_defined_only_for_the_e2e_tier():
 
 def test_the_tests_of_each_pool_share_one_process_and_the_rest_go_by_module():
     """Under ``--dist loadgroup``: one group for the trusted pooled kinds, one for the
-    jailed ones (each pooled stack starts once per run), a module of its own otherwise."""
+    jailed ones, one for the auth farm (each pooled stack starts once per run), a
+    module of its own otherwise."""
     from tests import conftest
     from tests.support.remote import VARIANTS
 
@@ -116,12 +117,13 @@ def test_the_tests_of_each_pool_share_one_process_and_the_rest_go_by_module():
         Item("tests/e2e/api/d.py::v[s3]", ["variant", "stack_pool"], params={"variant": by_kind["s3"]}),
         Item("tests/e2e/api/d.py::v[zygote]", ["variant", "stack_pool"], params={"variant": by_kind["zygote"]}),
         Item("tests/e2e/api/e.py::both", ["fs_stack", "stack_pool"], [pytest.mark.pools("isolated")]),
+        Item("tests/e2e/access/h.py::k[sqlite]", ["stack_pool"], [pytest.mark.pools("auth")]),
         Item("tests/e2e/farm/f.py::w", ["hf_home"]),
     ]
     groups = {item.nodeid: conftest.group_of(item) for item in items}
     assert list(groups.values()) == [
         "pool-trusted", "pool-jailed", "pool-jailed", "pool-trusted", "pool-jailed", "pool-jailed",
-        "tests/e2e/farm/f.py"]
+        "pool-auth", "tests/e2e/farm/f.py"]
     # The controlling process schedules by what the pytest processes wrote.
     assert conftest.scope_of("tests/e2e/api/d.py::v[s3]", groups) == "pool-trusted"
     assert conftest.scope_of("tests/e2e/farm/g.py::not_written", groups) == "tests/e2e/farm/g.py"

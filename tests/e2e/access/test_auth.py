@@ -14,26 +14,30 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
-from tests.support.remote import poll
+from tests.support.remote import client_pointed_at, poll
 from tests.support.servers import postgres_database
 from tests.support.stack import client_on_stack
+from tests.support.stack_pool import AUTH_LIMITS_OFF
 from tests.support.tiny_model import PROMPT
 
 
-@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+@pytest.fixture(scope="module", params=[pytest.param("sqlite", marks=pytest.mark.pools("auth")), "postgresql"])
 def stack(request, tmp_path_factory, hf_home):
-    # fork: untrusted jobs here are not about where a zygote comes from (the jail pools and
-    # test_zygote are), and an exec'd zygote per model load costs an interpreter and its imports.
-    env = {"NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_ISOLATION": "fork"}
-    drop = None
-    if request.param == "postgresql":
-        env["NDIF_DATABASE_URL"], drop = postgres_database()
+    """The shared auth farm (SQLite keys; tests/support/stack_pool.py), and a
+    stack of the same settings whose keys live in PostgreSQL."""
+    if request.param == "sqlite":
+        stack = request.getfixturevalue("stack_pool").get("auth")
+        with client_pointed_at(stack.url):
+            yield stack
+        return
+    url, drop = postgres_database()
+    env = {"NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_ISOLATION": "fork", **AUTH_LIMITS_OFF,
+           "NDIF_DATABASE_URL": url}
     try:
-        with client_on_stack(tmp_path_factory.mktemp(f"auth-{request.param}"), hf_home, env) as stack:
+        with client_on_stack(tmp_path_factory.mktemp("auth-postgresql"), hf_home, env) as stack:
             yield stack
     finally:
-        if drop:
-            drop()
+        drop()
 
 
 def make_key(stack, email, *flags) -> str:

@@ -1,9 +1,16 @@
 """Each limit at its edge: just under passes, just over is refused with a
-message naming the limit, and the next request is fine."""
+message naming the limit, and the next request is fine. The client version
+gate (NDIF_MIN_NNSIGHT_VERSION, NDIF_MIN_PYTHON_VERSION) is one more: this
+stack's minimums are exactly this client's nnsight and Python, so the real
+client is at the gate, and one that reports an older version is below it.
+Each check at its edges: tests/inprocess/test_versions.py."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
+import sys
 import time
 
 import httpx
@@ -20,6 +27,10 @@ from tests.support.tiny_model import PROMPT
 PAYLOAD_LIMIT = 200_000
 RESULT_LIMIT = 100_000
 TIMEOUT_S = 3
+INSTALLED = importlib.metadata.version("nnsight")
+HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
+# What the real client sends with every request (the raw requests below send it too).
+VERSION_HEADERS = {"nnsight-version": INSTALLED, "python-version": sys.version}
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +39,7 @@ def stack(tmp_path_factory, hf_home):
         "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_ISOLATION": "fork",  # no zygote is the subject here
         "NDIF_MAX_PAYLOAD_BYTES": str(PAYLOAD_LIMIT), "NDIF_MAX_RESULT_BYTES": str(RESULT_LIMIT),
         "NDIF_EXECUTION_TIMEOUT_S": str(TIMEOUT_S), "NDIF_MAX_QUEUE_DEPTH": "2",
+        "NDIF_MIN_NNSIGHT_VERSION": INSTALLED, "NDIF_MIN_PYTHON_VERSION": HERE,
     }
     with client_on_stack(tmp_path_factory.mktemp("limits"), hf_home, env) as stack:
         yield stack
@@ -50,7 +62,8 @@ def _post(stack, key, model, blob):
     envelope = {"model_key": model.to_model_key(), "session_id": "", "compress": False, "env": {}}
     return httpx.post(
         f"{stack.url}/request", data={"data": json.dumps(envelope)},
-        files={"blob": ("request", blob, "application/octet-stream")}, headers={"ndif-api-key": key},
+        files={"blob": ("request", blob, "application/octet-stream")},
+        headers={"ndif-api-key": key, **VERSION_HEADERS},
     )
 
 
@@ -143,3 +156,51 @@ def test_queue_depth_per_model(stack, model, monkeypatch):
     for backend in [running, *waiting]:
         poll(backend)
     _works(model)
+
+
+# -- the client version gate --
+
+
+def _below(version: str) -> str:
+    """A version just below ``version`` (its last part one less, or the one before it)."""
+    parts = [int(p) for p in re.findall(r"\d+", version)[:3]]
+    for i in reversed(range(len(parts))):
+        if parts[i] > 0:
+            parts[i] -= 1
+            return ".".join(map(str, parts))
+    raise ValueError(f"nothing is below {version}")
+
+
+def test_client_below_the_minimum_raises_with_the_message(stack, model, trusted_key, monkeypatch):
+    from nnsight.intervention.backends import remote
+
+    older = _below(INSTALLED)
+    # The real client, reporting an older nnsight: the header is all the server reads of it.
+    monkeypatch.setattr(remote, "_NNSIGHT_VERSION", older)
+    message = (f"Client nnsight version {older} is below the minimum supported {INSTALLED}. "
+               "Please `pip install --upgrade nnsight`.")
+    for blocking in (True, False):
+        with pytest.raises(RemoteError) as caught:
+            with model.trace(PROMPT, remote=True, blocking=blocking):
+                model.transformer.h[0].output.save()
+        assert message in str(caught.value), (blocking, str(caught.value))
+    # A new enough nnsight on an old python: the python message.
+    old_python = f"{_below(HERE)} (main, Jan  1 2020, 00:00:00) [GCC 9.0.0]"
+    envelope = {"model_key": model.to_model_key(), "session_id": "", "compress": False, "env": {}}
+    response = httpx.post(
+        f"{stack.url}/request", data={"data": json.dumps(envelope)},
+        files={"blob": ("request", b"x", "application/octet-stream")},
+        headers={"nnsight-version": INSTALLED, "python-version": old_python, "ndif-api-key": trusted_key},
+        timeout=30,
+    )
+    assert response.status_code == 400
+    assert response.json() == {"detail": f"Client python version {_below(HERE)} is below the minimum supported "
+                                         f"{HERE}. Please update python."}
+
+
+def test_client_at_the_minimum_works(stack, model, trusted_key):
+    with model.trace(PROMPT, remote=True):
+        remote = model.transformer.h[0].output.save()
+    with model.trace(PROMPT):
+        local = model.transformer.h[0].output.save()
+    assert torch.equal(remote, local)

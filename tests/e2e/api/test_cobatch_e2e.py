@@ -12,9 +12,11 @@ engine's stated tolerance (``tests.support.load.COBATCH_TOLERANCE``, measured in
 on float values; token ids always exact). The raising user gets its own error,
 and ``meta`` shows that requests shared forwards.
 
-Also: with ``NDIF_COBATCH_MAX=1`` everything runs alone, and an untrusted job
-(auth on, a key without the ``trusted`` tag) is never merged: it runs in its
-jailed child while the trusted jobs queued around it share a forward.
+Also: an untrusted job (auth on, a key without the ``trusted`` tag) is never
+merged: it runs in its jailed child while the trusted jobs queued around it
+share a forward. All on the shared auth farm (tests/support/stack_pool.py).
+With ``NDIF_COBATCH_MAX=1`` each waiting job runs alone:
+tests/inprocess/test_worker_pipeline.py.
 """
 
 from __future__ import annotations
@@ -37,10 +39,9 @@ from tests.support import conformance
 from tests.support.load import COBATCH_TOLERANCE as TOLERANCE
 from tests.support.load import compile_one_at_a_time
 from tests.support.remote import PollUntilDone, client_pointed_at, final_status, poll, slow_job, wait_status
-from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT
 
-pytestmark = pytest.mark.pools("fs-noinline")
+pytestmark = pytest.mark.pools("auth")
 
 GEN = dict(max_new_tokens=4, do_sample=False)
 RAISED = "user 9 asked for this error"
@@ -259,10 +260,6 @@ def _remote(model, user, blocking: bool, api_key=None):
 
 # --- the stacks -------------------------------------------------------------------------
 
-UNLIMITED = {"NDIF_MAX_CONCURRENT_JOBS": "0", "NDIF_MAX_WEBSOCKETS_PER_KEY": "0", "NDIF_RATE_LIMIT_PER_MIN": "0",
-             "NDIF_MAX_QUEUE_DEPTH": "0", "NDIF_AUTH_CACHE_S": "0", "NDIF_EXECUTION_TIMEOUT_S": "300"}
-
-
 def _key(stack, email: str, *flags: str) -> str:
     result = stack.cli("keys", "create", "--email", email, *flags)
     assert result.returncode == 0, result.stderr
@@ -270,10 +267,12 @@ def _key(stack, email: str, *flags: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def auth_stack(tmp_path_factory, hf_home, model):
-    """Auth on, per-key limits off (sixteen jobs of one key at once); the client
-    holds a trusted key; ``stack.untrusted`` is a key without the tag."""
-    with client_on_stack(tmp_path_factory.mktemp("cobatch"), hf_home, {"NDIF_AUTH": "1", "NDIF_ISOLATION": "fork", **UNLIMITED}) as stack:
+def auth_stack(stack_pool, model):
+    """The shared auth farm: auth on, per-key limits off (sixteen jobs of one key
+    at once); the client holds a trusted key; ``stack.untrusted`` is a key
+    without the tag."""
+    stack = stack_pool.get("auth")
+    with client_pointed_at(stack.url):
         nnsight.CONFIG.API.APIKEY = _key(stack, "trusted@example.org", "--trusted")
         stack.untrusted = _key(stack, "untrusted@example.org")
         _remote(model, u_read, True)()  # the first request deploys the model
@@ -355,15 +354,3 @@ def test_a_worker_killed_mid_batch_loses_none_of_its_jobs(auth_stack, model):
     beat = (auth_stack.logs_dir / "beat.log").read_text(errors="replace")
     for backend in batch:  # every one rescued by the watchdog, the three taken ones included
         assert f"job {backend.job_id} lost with worker" in beat, beat[-3000:]
-
-
-def test_cobatch_max_1_runs_everything_alone(stack_pool, model):
-    stack = stack_pool.get("fs-noinline")  # NDIF_COBATCH_MAX=1 (tests/support/stack_pool.py)
-    with client_pointed_at(stack.url):
-        _remote(model, u_read, True)()  # deployed
-        users = [u_read, u_logits, u_zero, u_mean, u_generate]
-        expected = [_local(model, user) for user in users]
-        answers = _at_once(stack, model, [_remote(model, user, blocking=i % 2 == 0) for i, user in enumerate(users)])
-        for user, want, (saves, meta) in zip(users, expected, answers):
-            assert conformance.diff(saves, want) is None, user.__name__
-            assert meta.get("cobatch", 1) == 1 and meta["isolated"] is False, meta

@@ -12,9 +12,8 @@ frame or through the filesystem store or S3 by URL. So:
   process, result inline), ``isolated-blocking-zstd`` and ``zygote-blocking-zstd``
   (a fresh jailed child per request, its zygote forked from the fork server,
   ``NDIF_ISOLATION=fork``, or exec'd, ``=zygote``: see docs/security.md);
-* the **transport-only variants** (fs raw, fs non-blocking x2, fs-noinline,
-  S3 x3, isolated and zygote non-blocking) run TRANSPORT_CASES, the cases
-  whose requests or results stress what differs between transports: plain
+* the **transport-only variants** (fs raw, fs non-blocking x2, S3 x3,
+  isolated and zygote non-blocking) run TRANSPORT_CASES, the cases whose requests or results stress what differs between transports: plain
   tensors (``read_outputs``), the largest single tensor (``read_logits``,
   vocabulary-wide logits), the largest and most nested result (``cache_all``,
   Cache objects of every module), several traces in one request

@@ -157,17 +157,12 @@ def test_with_auth_only_an_admin_key_opens_it(chromium, fs_stack, tmp_path):
     assert web.get("/dashboard", headers={"ndif-api-key": admin}).status_code == 401, "Basic credentials only"
 
 
-def test_with_auth_a_browser_signs_in_with_an_admin_key(chromium, tmp_path_factory, hf_home):
-    """The same through gunicorn and a browser: refused, then shown once the
-    browser sends the admin key as the Basic password."""
-    from tests.support.stack import Stack
-
-    stack = Stack(tmp_path_factory.mktemp("dashboard-auth"), env={
-        "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NDIF_AUTH": "1",
-        "NDIF_ISOLATION": "fork",  # no untrusted job: the fork server's zygotes cost nothing to start
-    })
+@pytest.mark.pools("auth")
+def test_with_auth_a_browser_signs_in_with_an_admin_key(chromium, stack_pool):
+    """The same through gunicorn and a browser, on the shared auth farm: refused,
+    then shown once the browser sends the admin key as the Basic password."""
+    stack = stack_pool.get("auth")
     try:
-        stack.start()
         key = stack.cli("keys", "create", "--email", "ops@example.org", "--admin", check=True).stdout.split()[-1]
         plain = stack.cli("keys", "create", "--email", "dev@example.org", check=True).stdout.split()[-1]
         assert httpx.get(stack.url + "/dashboard").status_code == 401
@@ -180,4 +175,3 @@ def test_with_auth_a_browser_signs_in_with_an_admin_key(chromium, tmp_path_facto
         chromium.screenshot(OUT_DIR / "dashboard" / "dashboard-auth.png")
     finally:
         chromium.set_headers({})
-        stack.discard()

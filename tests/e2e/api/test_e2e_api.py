@@ -347,19 +347,3 @@ def test_trusted_weight_edits_do_not_reach_the_next_job(on_fs_stack, model):
     assert torch.equal(after, clean)
     log = (on_fs_stack.logs_dir / "worker.log").read_text()
     assert f"job {tracer.backend.meta['job_id']} changed 3 weight tensors; model reloaded" in log
-
-
-def read_torch_threads():
-    return torch.get_num_threads()
-
-
-def test_torch_threads_setting_reaches_the_worker(tmp_path, hf_home):
-    """NDIF_TORCH_THREADS sets the worker's intra-op threads (what a job sees)."""
-    from tests.support.stack import client_on_stack
-
-    with client_on_stack(tmp_path / "threads", hf_home, {"NDIF_TORCH_THREADS": "1"}):
-        model = client_model(REPO_ID)
-        with model.trace(PROMPT, remote=True):
-            threads = nnsight.save(read_torch_threads())
-    assert threads == 1
-    assert torch.get_num_threads() > 1, "this machine has one core: the test shows nothing"

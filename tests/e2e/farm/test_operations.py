@@ -3,8 +3,8 @@ pins, synthetic health probes and usage, driven through the real CLI, the real
 nnsight client and raw HTTP against one stack (``up``: embedded Redis,
 gunicorn, a Celery worker, beat, Flower) with auth on, plus a second worker
 that joins. The tests run in order and share the farm; each says what it
-starts from. Short intervals come from the NDIF_* variables (a probe every
-second, the controller every 0.5 s). Parsing and window logic are unit-tested
+starts from. Short intervals come from the NDIF_* variables (a probe every two
+seconds, the controller every 0.5 s). Parsing and window logic are unit-tested
 in tests/inprocess/test_deployments.py, test_schedules.py, test_probes.py and
 test_usage.py.
 
@@ -55,7 +55,7 @@ def ops(tmp_path_factory, hf_home):
         "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
         "NDIF_AUTH": "1", "NDIF_ISOLATION": "fork",  # every key trusted: no job needs an exec'd zygote
         "NDIF_DEPLOYMENTS": f"[{{repo: {BOOT}, pin: true}}]",
-        "NDIF_PROBE_INTERVAL_S": "1", "NDIF_PROBE_TIMEOUT_S": "30", "NDIF_PROBE_API_KEY": keys["probe"],
+        "NDIF_PROBE_INTERVAL_S": "2", "NDIF_PROBE_TIMEOUT_S": "30", "NDIF_PROBE_API_KEY": keys["probe"],
         "NDIF_ALERT_WEBHOOK_URL": receiver.url,
         "NDIF_WORKER_NAME": W0, "NDIF_WORKER_GPUS": "0,1", "NDIF_WORKER_MEMORY_GIB": "1",
         "NDIF_PADDING_FACTOR": "0", "NDIF_PADDING_BYTES": "0",

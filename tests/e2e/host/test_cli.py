@@ -1,7 +1,9 @@
 """The ``ndif-celery`` CLI, run for real: subprocesses, a temporary NDIF_HOME,
 free loopback ports, the real embedded Redis, gunicorn web, Celery worker and
 Flower. Nothing here needs a Redis, PostgreSQL or RabbitMQ of the machine.
-The pieces that need no stack are tests/inprocess/test_cli.py.
+One detached stack serves `up`, `status`, `doctor` (healthy, then with its
+Redis frozen), `logs` and, last, `down`. The pieces that need no stack are
+tests/inprocess/test_cli.py and tests/inprocess/test_doctor.py.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +26,7 @@ import redis
 
 from ndif_celery.state import registry
 from tests.support import pace
+from tests.support.doctor import checks
 from tests.support.servers import port_open
 from tests.support.stack import ROOT, Stack
 from tests.support.waiting import wait_until
@@ -117,11 +121,105 @@ def test_up_twice_refuses_and_leaves_the_stack_alone(stack):
     assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == 200
 
 
-def test_down_stops_every_service(stack):
+# `doctor` and `logs` on the same running stack (their cases without one:
+# tests/inprocess/test_doctor.py).
+
+
+def test_doctor_passes_on_a_healthy_stack(stack):
+    result = stack.cli("doctor")
+    assert result.returncode == 0, result.stdout + result.stderr + stack.logs()
+    found = checks(result.stdout)
+    assert not [name for name, (status, _, _) in found.items() if status == "FAIL"], result.stdout
+    assert found["redis"][0] == "OK" and "answers PING" in found["redis"][1], result.stdout
+    assert found["api port"][0] == "OK" and "answered by this stack's web" in found["api port"][1], result.stdout
+    assert found["redis port"][0] == "OK" and "this stack's Redis" in found["redis port"][1], result.stdout
+    assert found["flower port"][0] == "OK" and "this stack's Flower" in found["flower port"][1], result.stdout
+    assert found["object store"][0] == "OK" and found["NDIF_HOME"][0] == "OK"
+    assert found["HF cache"][0] == "OK" and "HF_HUB_OFFLINE set" in found["HF cache"][1], result.stdout
+
+
+def test_doctor_fails_when_the_stacks_redis_is_gone(stack):
+    # The stack's record says Redis runs, but it no longer answers: a FAIL that
+    # points at its log. (Frozen with SIGSTOP, thawed right after.)
+    pids = stack.pids()
+    os.kill(pids["redis"], signal.SIGSTOP)
+    try:
+        result = stack.cli("doctor")
+    finally:
+        os.kill(pids["redis"], signal.SIGCONT)
+    assert result.returncode == 1, result.stdout
+    status, detail, fix = checks(result.stdout)["redis"]
+    assert status == "FAIL" and "embedded Redis" in detail and "ndif-celery logs redis" in fix, result.stdout
+
+
+def test_logs_prints_the_tail(stack):
+    path = stack.logs_dir / "web.log"
+    result = stack.cli("logs", "web", "-n", "5")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert 1 <= len(lines) <= 5
+    text = path.read_text(errors="replace").splitlines()
+    # Contiguous lines of the log, ending at (or just before, if the web wrote meanwhile) its end.
+    # Searched from the end: the health checks' /ping lines repeat word for word within a second.
+    found = [start for start in range(len(text) - len(lines), -1, -1) if text[start:start + len(lines)] == lines]
+    assert found, (lines, text[-10:])
+    whole = stack.cli("logs", "web", "-n", "100000")
+    assert whole.returncode == 0 and whole.stdout.startswith("==== "), whole.stdout[:200]
+    assert "ndif-celery starts web" in whole.stdout.splitlines()[0]
+    for service in SERVICES:
+        assert stack.cli("logs", service, "-n", "1").returncode == 0, service
+
+
+def test_logs_of_an_unknown_service_lists_what_exists(stack):
+    result = stack.cli("logs", "nosuch")
+    assert result.returncode != 0
+    assert "unknown service 'nosuch'" in result.stderr
+    assert "redis, web, worker, beat, flower" in result.stderr
+    for service in SERVICES:
+        assert service in result.stderr.split("logs in", 1)[1], result.stderr
+
+
+def test_logs_follow_prints_what_is_appended_until_interrupted(stack, tmp_path):
+    path = stack.logs_dir / "beat.log"
+    out = tmp_path / "follow.out"
+    with open(out, "wb") as sink:
+        # Ctrl-C's SIGINT as at a terminal: a test run started in the background
+        # (`make test &`, a CI runner) hands its children SIGINT ignored, and
+        # Python then never raises KeyboardInterrupt.
+        proc = subprocess.Popen([sys.executable, "-m", "ndif_celery.cli", "logs", "beat", "-n", "0", "-f"],
+                                cwd=ROOT, env=stack.env, stdout=sink, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        # -n 0 prints nothing of the past: whatever shows up was followed.
+        deadline = time.monotonic() + 30
+        written = 0
+        while "follow-marker" not in out.read_text():
+            assert proc.poll() is None, out.read_text()
+            assert time.monotonic() < deadline, "nothing followed within 30 s"
+            with open(path, "a") as log:
+                log.write(f"follow-marker {written}\n")
+            written += 1
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=15) == 0, out.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    markers = [int(m) for m in re.findall(r"follow-marker (\d+)", out.read_text())]
+    assert markers and markers == sorted(markers) and markers == list(range(markers[0], markers[-1] + 1))
+    assert "Traceback" not in out.read_text() and "Aborted" not in out.read_text()
+
+
+def test_down_stops_every_service_and_the_supervisor(stack):
     pids = stack.pids()
     assert set(pids) == set(SERVICES)
+    keeper = json.loads((stack.home / "run" / "supervisor.json").read_text())["pid"]
+    assert running(keeper)
     result = stack.stop()
     assert result.returncode == 0, result.stderr
+    assert "supervisor: stopped" in result.stdout, result.stdout
+    assert not running(keeper), "`down` left the detached `up` (the supervisor) running"
     for service in SERVICES:
         assert f"{service}: stopped" in result.stdout, result.stdout
     assert_all_gone(stack, pids)
@@ -162,21 +260,14 @@ def _foreground_up(tmp_path: Path) -> Iterator[tuple[Stack, subprocess.Popen, Pa
         stack.discard()
 
 
-def test_foreground_up_stops_everything_on_sigterm(tmp_path):
+def test_foreground_up_restarts_a_service_that_dies_and_stops_everything_on_sigterm(tmp_path):
+    """The foreground `up` is the supervisor (ndif_celery.host.supervisor): a worker
+    killed is started again and said so; SIGTERM (as Ctrl-C) stops every service.
+    `down` from elsewhere ending a supervisor: test_down_stops_every_service_and_the_supervisor."""
     with _foreground_up(tmp_path) as (stack, proc, out):
         pids = stack.pids()
         assert set(pids) == set(SERVICES)
         assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == 200
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) == 0, out.read_text()
-        assert_all_gone(stack, pids)
-
-
-def test_foreground_up_restarts_a_service_that_dies(tmp_path):
-    """The foreground `up` is the supervisor (ndif_celery.host.supervisor): a worker
-    killed is started again and said so; `down` from elsewhere ends `up` too."""
-    with _foreground_up(tmp_path) as (stack, proc, out):
-        pids = stack.pids()
         os.kill(pids["worker"], signal.SIGKILL)
         wait_until(lambda: stack.pids().get("worker") not in (None, pids["worker"]), 30, "the worker restarted")
         # The supervisor records the new pid before it says so: wait for its line too.
@@ -185,9 +276,9 @@ def test_foreground_up_restarts_a_service_that_dies(tmp_path):
         assert "worker (pid" in text and "killed by SIGKILL" in text and "worker restarted" in text, text
         assert proc.poll() is None, text
         new = stack.pids()
-        assert stack.stop().returncode == 0
+        proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=90) == 0, out.read_text()
-        assert "stopped by `ndif-celery down`" in out.read_text()
+        assert "stopped" in out.read_text().splitlines()[-1], out.read_text()
         assert_all_gone(stack, {**pids, **{f"new-{k}": v for k, v in new.items()}})
 
 
@@ -214,59 +305,6 @@ def test_not_ready_in_time_stops_what_it_started(tmp_path):
     assert not (stack.home / "run" / "stack.json").exists()
     for port in (stack.api_port, stack.redis_port, stack.flower_port):
         assert not port_open(port)
-
-
-# -- one service per command, as a Procfile runs them --
-
-
-def test_procfile_commands_make_a_farm(tmp_path):
-    stack = Stack(tmp_path / "home", full=True)
-    procs = {}
-
-    def run(*args):
-        log = open(tmp_path / f"{args[0]}.log", "wb")
-        procs[args[0]] = subprocess.Popen([sys.executable, "-m", "ndif_celery.cli", *args], cwd=ROOT,
-                                          env=stack.env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
-
-    def logs():
-        return "\n".join(f"==> {p.name}\n{p.read_text()[-3000:]}" for p in tmp_path.glob("*.log"))
-
-    try:
-        run("redis")
-        wait_until(lambda: port_open(stack.redis_port), 30, "`ndif-celery redis` to listen")
-        assert (stack.home / "redis").is_dir()
-        run("web")
-        run("worker", "--name", "procfile@test")
-        run("beat")
-        run("flower")
-        client = redis.Redis.from_url(stack.redis_url)
-        try:
-            def up():
-                for name, proc in procs.items():
-                    assert proc.poll() is None, f"`ndif-celery {name}` exited {proc.returncode}\n{logs()}"
-                return (client.hexists(registry.WORKERS, "procfile@test") and port_open(stack.api_port)
-                        and port_open(stack.flower_port))
-
-            wait_until(up, 120, "web, worker and flower")
-        finally:
-            client.close()
-        assert httpx.get(f"{stack.url}/ping", timeout=10).status_code == 200
-        assert httpx.get(f"{stack.flower_url}/healthcheck", timeout=10).status_code == 200
-        # exec, not a child: the pid we started is the service itself
-        assert "redis-server" in Path(f"/proc/{procs['redis'].pid}/cmdline").read_bytes().decode()
-        assert b"beat" in Path(f"/proc/{procs['beat'].pid}/cmdline").read_bytes()
-    finally:
-        for proc in reversed(list(procs.values())):
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
 
 
 # -- failures that start nothing --

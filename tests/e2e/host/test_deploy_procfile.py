@@ -72,6 +72,30 @@ def _still_alive(known: dict[int, tuple[str, str]]) -> dict[int, str]:
     }
 
 
+def _started_by_honcho(honcho: int) -> list[str]:
+    """The command line of what each Procfile line became.
+
+    honcho runs each line from a copy of itself, through ``sh -c``: the line's
+    process is the shell's child, or the shell itself where it execs its
+    last command."""
+    procs = _processes()
+
+    def children(pid: int) -> list[int]:
+        return [c for c, (parent, state, _, _) in procs.items() if parent == pid and state not in "ZX"]
+
+    became, frontier = [], children(honcho)
+    while frontier:
+        pid = frontier.pop()
+        cmdline = procs[pid][3]
+        if cmdline == procs[honcho][3]:  # honcho's copy of itself for one line
+            frontier.extend(children(pid))
+        elif cmdline.startswith("/bin/sh -c") and len(children(pid)) == 1:
+            became.append(procs[children(pid)[0]][3])
+        else:
+            became.append(cmdline)
+    return became
+
+
 def _tail(path: Path, lines: int = 80) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
@@ -151,6 +175,13 @@ def test_honcho_runs_the_procfile_as_a_working_farm_and_stops_all_of_it(tmp_path
         running = " ".join(cmdline for _, cmdline in seen.values())
         for program in ("redis-server", "gunicorn", "celery"):
             assert program in running, f"no {program} under honcho: {running}"
+        # Each `ndif-celery <service>` execs its program: what honcho's shell started
+        # is the service itself, not a Python process in front of it.
+        became = _started_by_honcho(proc.pid)
+        assert len(became) == len(procfile()), became
+        assert not [line for line in became if "ndif-celery" in line or "ndif_celery.cli" in line], became
+        for program in ("redis-server", "gunicorn", " worker", " beat", " flower"):
+            assert [line for line in became if program in line], f"no line became {program}: {became}"
         started = log.read_text(errors="replace")
         for name in procfile():
             assert f"{name}.1 started" in started and f"{name}.1 stopped" not in started, f"{name}:\n{_tail(log)}"

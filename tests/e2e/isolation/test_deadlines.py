@@ -23,9 +23,8 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from ndif_celery.farm import actions as farm
 from tests.support import pace
-from tests.support.remote import client_pointed_at, kill_stuck, poll, wait_status
+from tests.support.remote import client_pointed_at, kill_stuck, poll
 from tests.support.stack import client_on_stack
 from tests.support.stack_pool import JAIL_TIMEOUT_S
 from tests.support.tiny_model import PROMPT
@@ -123,7 +122,12 @@ def _replaced(stack, old_pid: int, block=None) -> None:
     assert "ndif_worker_replacements_total{worker=" in metrics, metrics[-2000:]
 
 
-@pytest.mark.parametrize("name", list(BLOCKS))
+# Two of the four blocks on the trusted stack, one per road out: a block that
+# released the GIL (libc's sleep; time.sleep and the pipe read wait in a system
+# call the same way) leaves the watchdog to send the ERROR and the worker to
+# replace itself; one that holds it leaves only the C-level backstop. Each costs
+# a worker restart and a model load; all four blocks run on the zygote stack below.
+@pytest.mark.parametrize("name", ["libc sleep", "C loop holding the GIL"])
 def test_a_trusted_block_stuck_in_c_gets_its_error_at_the_limit(stack, model, name):
     _right(model)  # deployed, and the worker ready (after any earlier replacement)
     pid = _worker_pid(stack)
