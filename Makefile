@@ -1,6 +1,7 @@
 # make install   build .venv (CPU torch first, then the project with its test extras)
 # make run       run the whole farm on this host in the foreground (Ctrl-C stops it)
 # make test      run the whole test suite, both tiers, as CI does (extra pytest arguments: PYTEST_ARGS="-k cli -x")
+# make test-bench the bench's smoke run under pytest (every workload measured and exact); CI runs it after make test
 # make test-fast the fast tier only (tests/unit and tests/inprocess, no real stacks; under 90 s)
 # make clean     remove build and test leftovers (make distclean also removes .venv)
 # make bench     measure local vs null server vs the stack, one table per workload (bench-smoke: ~1 min; BENCH_ARGS="--only small_trace")
@@ -14,7 +15,7 @@ TORCH := torch==2.13.0
 STAMP := $(VENV)/.ndif-celery-installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast clean distclean
+.PHONY: install run test test-fast test-bench clean distclean
 
 install: $(STAMP)
 
@@ -43,8 +44,13 @@ run: install
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup)
 
+# The bench's smoke run tests bench/, not the farm: it starts stacks of its own
+# for a minute, so it is a target of its own (CI runs both).
 test: install
-	$(BIN)/python -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not bench_smoke" $(PYTEST_ARGS)
+
+test-bench: install
+	$(BIN)/python -m pytest -q -m bench_smoke tests/e2e/api/test_bench_smoke.py $(PYTEST_ARGS)
 
 # The fast tier: tests/unit and tests/inprocess; the end-to-end tier (tests/e2e, real stacks) is left out.
 test-fast: install

@@ -5,7 +5,8 @@ bench's CPU-side parts (``--dry-run``: the 1.1B Llama config, and every
 workload run locally on a scaled-down Llama built by the same code).
 
 Timings are not asserted (the targets are the bench's business, and this
-machine is shared); only that the numbers exist and are positive.
+machine is shared); only that the numbers exist and are positive. The smoke
+run is ``make test-bench``'s (CI runs it after ``make test``, which leaves it out).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from tests.support import launcher
 from tests.support.paths import ROOT
@@ -40,6 +43,7 @@ def _positive_cell(cell: dict, where: str) -> None:
     assert not cell.get("errors"), f"{where}: {cell['errors']}"
 
 
+@pytest.mark.bench_smoke  # `make test-bench`, not `make test`
 def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
     out = tmp_path / "bench.json"
     proc = _run(["--smoke", "--out", str(out)], timeout=600)
