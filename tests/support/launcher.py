@@ -1,9 +1,10 @@
-"""Celery workers forked from a warm process instead of started cold (tests only).
+"""Celery workers (and beats) forked from a warm process instead of started cold (tests only).
 
 A worker's start spends most of its CPU importing torch, transformers and
 nnsight, and the suite starts some fifty workers whose start is not what
 their tests prove. So each pytest process runs one *launcher*: a process that
-imports those modules once, then forks a worker for each request.
+imports those modules once, then forks a worker for each request. A stack's
+beat (Celery's imports, a second or so of CPU) comes from it the same way.
 
 How a stack's worker gets here. ``Stack(..., warm=True)`` puts
 ``tests/support/warm_start`` on the stack's ``PYTHONPATH`` and the

@@ -1,7 +1,8 @@
 """The tests' warm start of Celery workers (tests/support/launcher.py) keeps a
 worker what ``up`` expects: the recorded pid is the shim, the worker it stands
 for is forked from the launcher and serves exactly, and killing the shim as a
-supervisor would (SIGKILL) ends the worker; ``up`` then starts a fresh one."""
+supervisor would (SIGKILL) ends the worker; ``up`` then starts a fresh one.
+The stack's beat is forked from the launcher the same way."""
 
 from __future__ import annotations
 
@@ -28,6 +29,22 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _forked_for(launcher: int, home: str) -> set:
+    """The logs the launcher's children for the stack at ``home`` write to (their stdout)."""
+    logs = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if _parent(int(entry)) != launcher:
+                    continue
+                out = os.readlink(f"/proc/{entry}/fd/1")
+            except (OSError, ValueError):
+                continue
+            if out.startswith(home):
+                logs.add(os.path.basename(out))
+    return logs
+
+
 def _worker_pid(stack) -> int:
     (info,) = stack.farm()["cluster"]["workers"].values()
     return info["pid"]
@@ -39,6 +56,7 @@ def test_a_warm_worker_serves_and_ends_with_its_shim(tmp_path, hf_home, model):
         assert worker != shim, "the worker started cold"
         with open(f"/proc/{_parent(worker)}/cmdline", "rb") as cmdline:
             assert b"tests.support.launcher" in cmdline.read()
+        assert _forked_for(_parent(worker), stack.env["NDIF_HOME"]) == {"worker.log", "beat.log"}, "both forked"
         same_as_local(model)
 
         os.kill(shim, signal.SIGKILL)  # what `down` does to a group that does not stop

@@ -53,12 +53,15 @@ def read_a_silent_pipe():
     os.read(read, 1)
 
 
-def spin_holding_the_gil():
-    sum(range(10**15))  # one C call: no other thread of the process runs until it returns (days)
+def hold_the_gil_in_c():
+    # libc's sleep through PyDLL, which keeps the GIL for the call: no other thread of the
+    # process runs until it returns, as in a long C loop (sum(range(10**15))), without
+    # burning a core for the deadline, grace and backstop (15 s a case).
+    ctypes.PyDLL(None).sleep(600)
 
 
 BLOCKS = {"time.sleep": sleep_in_python, "libc sleep": sleep_in_c, "pipe read": read_a_silent_pipe,
-          "C loop holding the GIL": spin_holding_the_gil}
+          "C call holding the GIL": hold_the_gil_in_c}
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +115,8 @@ def _replaced(stack, old_pid: int, block=None) -> None:
     log = (stack.logs_dir / "worker.log").read_text(errors="replace")
     assert _worker_pid(stack) != old_pid
     status = stack.cli("status", check=True).stdout
-    if block is spin_holding_the_gil:
-        assert "Timeout (" in log and "spin_holding_the_gil" in log, log[-3000:]
+    if block is hold_the_gil_in_c:
+        assert "Timeout (" in log and "hold_the_gil_in_c" in log, log[-3000:]
         assert "exited with status 1" in status, status
         return
     assert "replacing this worker: job" in log and "did not unwind" in log, log[-3000:]
@@ -127,7 +130,7 @@ def _replaced(stack, old_pid: int, block=None) -> None:
 # call the same way) leaves the watchdog to send the ERROR and the worker to
 # replace itself; one that holds it leaves only the C-level backstop. Each costs
 # a worker restart and a model load; all four blocks run on the zygote stack below.
-@pytest.mark.parametrize("name", ["libc sleep", "C loop holding the GIL"])
+@pytest.mark.parametrize("name", ["libc sleep", "C call holding the GIL"])
 def test_a_trusted_block_stuck_in_c_gets_its_error_at_the_limit(stack, model, name):
     _right(model)  # deployed, and the worker ready (after any earlier replacement)
     pid = _worker_pid(stack)
@@ -169,9 +172,9 @@ def test_an_operator_kill_of_a_trusted_job_holding_the_gil(stack, model):
     worker's backstop restarts it at the job's deadline (grace and margin after)."""
     _right(model)
     pid = _worker_pid(stack)
-    kill_stuck(stack, model, spin_holding_the_gil, said="did not reply")
+    kill_stuck(stack, model, hold_the_gil_in_c, said="did not reply")
     _right(model)
-    _replaced(stack, pid, spin_holding_the_gil)
+    _replaced(stack, pid, hold_the_gil_in_c)
 
 
 # The four blocks on the zygote stack only (the default mode; each waits out

@@ -1,10 +1,10 @@
-"""The shim of a warm-started Celery worker (tests only; see tests/support/launcher.py).
+"""The shim of a warm-started Celery worker or beat (tests only; see tests/support/launcher.py).
 
 Python imports this at the start of every process of a stack started with
-``warm=True``. In anything but ``python -m celery ... worker`` it does
-nothing. In a worker it asks the test launcher to fork the worker, then
-stays as the process ``up`` knows: it passes signals on and ends as the
-worker ended. If the launcher cannot take it, the worker starts cold.
+``warm=True``. In anything but ``python -m celery ... worker`` or ``...
+beat`` it does nothing. In those it asks the test launcher to fork the
+service, then stays as the process ``up`` knows: it passes signals on and
+ends as the service ended. If the launcher cannot take it, it starts cold.
 """
 
 import os
@@ -17,7 +17,7 @@ def _shim() -> None:
 
     path = os.environ.get("NDIF_TEST_LAUNCHER")
     argv = list(getattr(sys, "orig_argv", ()))
-    if not path or argv[1:3] != ["-m", "celery"] or "worker" not in argv:
+    if not path or argv[1:3] != ["-m", "celery"] or not {"worker", "beat"} & set(argv):
         return
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
