@@ -22,7 +22,10 @@ work on the machine does not count. At the end (or on Ctrl-C) it prints
 the command's CPU seconds, each kind's share, and the machine's busy
 seconds from ``/proc/stat`` over the same wall time; the gap is other work
 and what no look saw (a process that lived and died between two looks, or
-the CPU a process spent after its last look). Linux only.
+the CPU a process spent after its last look), and the machine's speed
+before and after (the CPU-s of ``python -c "sum(range(10**8))"``: a
+command's CPU-s grow on a slower or busier host, so two figures compare only
+beside their calibrations). Linux only.
 The command's exit status is this script's.
 """
 
@@ -138,10 +141,25 @@ class Sampler:
                 "by_kind": {name: round(cpu, 1) for name, cpu in self.by_kind.most_common()}}
 
 
+CALIBRATION = "sum(range(10**8))"
+
+
+def calibration_s() -> float:
+    """CPU seconds of ``python -c "sum(range(10**8))"`` in a fresh interpreter:
+    this machine's speed now (a busy or slower host takes longer for the same
+    work, and so would the measured command)."""
+    code = f"import os; t = os.times(); {CALIBRATION}; u = os.times(); print(u.user - t.user + u.system - t.system)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return round(float(out), 2)
+
+
 def table(report: dict) -> str:
     total = report["total_s"] or 1.0
     lines = [f"wall {report['wall_s']:.0f} s, the command's CPU {report['total_s']:.0f} s; the machine busy "
              f"{report['busy_s']:.0f} CPU-s of {report['wall_s'] * report['cores']:.0f} on {report['cores']} cores"]
+    if "calibration_s" in report:
+        before, after = report["calibration_s"]
+        lines.append(f"calibration (python -c \"{CALIBRATION}\"): {before:.2f} CPU-s before, {after:.2f} after")
     for name, cpu in report["by_kind"].items():
         lines.append(f"{cpu:9.1f} CPU-s {100 * cpu / total:5.1f} %  {name}")
     lines.append(f"{report['unseen_s']:9.1f} CPU-s          "
@@ -158,6 +176,7 @@ def main(argv: Optional[list] = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command given (put it after --)")
+    before = calibration_s()  # not the command's: it carries no mark
     mark = f"{os.getpid()}-{time.time_ns()}"
     sampler = Sampler(f"{MARK}={mark}")
     proc = subprocess.Popen(command, env={**os.environ, MARK: mark})
@@ -168,6 +187,7 @@ def main(argv: Optional[list] = None) -> int:
     except KeyboardInterrupt:
         proc.wait()
     report = sampler.report()
+    report["calibration_s"] = [before, calibration_s()]
     print(table(report), file=sys.stderr)
     if args.out:
         with open(args.out, "w") as out:

@@ -1,6 +1,8 @@
 """NDIF_ISOLATION=zygote in-process: the weight sharing underneath it, the
-keyed weight check of the GPU path, and a GPU child's path run jailed. The
-zygote process itself on a real stack is tests/e2e/isolation/test_zygote.py.
+keyed weight check of the GPU path, a GPU child's path run jailed, and a
+child that lacks a layer the operator requires refusing its request. The
+zygote process itself on a real stack is tests/e2e/isolation/test_zygote.py;
+a stack whose jail lacks layers it waives, tests/e2e/isolation/test_jail_required.py.
 """
 
 from __future__ import annotations
@@ -168,3 +170,31 @@ def test_the_gpu_childs_path_runs_a_request_jailed(resident, hf_home, monkeypatc
     assert saved["pid"] != 1, "the child ran in a PID namespace of its own (the CPU path)"
     assert outcome.meta["jail"]["user"] in ("nobody", "root-without-capabilities")
     assert outcome.meta["jail"]["landlock_abi"] >= 4
+
+
+def test_a_child_lacking_a_required_layer_refuses_the_request(resident, hf_home, tmp_path):
+    """The pids cgroup root is a plain directory (no job cgroup can be made) and
+    seccomp is switched off (NDIF_JAIL_DISABLE); NDIF_JAIL_REQUIRE waives
+    neither: the child refuses before it reads the request, with an ERROR that
+    names both layers and the setting, and so does the next child."""
+    from workers.isolation import jail
+    from workers.isolation import parent as isolate
+
+    not_a_cgroup = tmp_path / "not-a-cgroup"
+    not_a_cgroup.mkdir()
+    _, model = resident
+    policy = isolate.IsolationPolicy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
+                                     readable=tuple(jail.readable_paths((str(hf_home / "hub"),))),
+                                     jail_disabled=("seccomp",), cgroup_root=str(not_a_cgroup))
+    for _ in range(2):  # the spare made after a refusal is refused the same way
+        spare = isolate.Spare(model, policy, zygote=_ForksTheGpuWay(model))
+        try:
+            with pytest.raises(isolate.RequestError) as refused:
+                spare.run(b"never read", False, {}, lambda line: None)
+        finally:
+            spare.close()
+        message = str(refused.value)
+        assert "did not run your job" in message, message
+        assert "missing jail layer(s): pids_cgroup (no writable pids cgroup controller" in message, message
+        assert "seccomp (disabled by NDIF_JAIL_DISABLE)" in message, message
+        assert "NDIF_JAIL_REQUIRE" in message, message

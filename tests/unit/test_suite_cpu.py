@@ -1,7 +1,8 @@
 """``tools/suite_cpu.py``, the account of a command's CPU by kind of process
 (it shows what to cut from a CPU-bound suite): it names every service by the
 command line ``ndif-celery up`` really gives it, it sees the CPU a child of
-the command burns, and it hands the command's exit status on."""
+the command burns, it hands the command's exit status on, and it states
+the machine's speed beside the figures."""
 
 from __future__ import annotations
 
@@ -39,3 +40,7 @@ def test_the_cpu_a_child_burns_is_counted_and_its_exit_status_kept(tmp_path):
     assert report["by_kind"].get("other python", 0) >= 0.8, report
     assert report["busy_s"] >= 0.8 and report["wall_s"] >= 1.0, report
     assert "other python" in result.stderr and "busy" in result.stderr
+    # The machine's speed, before and after; its own CPU is not the command's.
+    before, after = report["calibration_s"]
+    assert before > 0 and after > 0 and "calibration" in result.stderr, result.stderr
+    assert report["by_kind"]["other python"] < 1.0 + 0.5 * min(before, after), report

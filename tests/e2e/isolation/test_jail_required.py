@@ -1,12 +1,13 @@
-"""A worker whose host lacks a jail layer refuses untrusted jobs.
+"""A worker whose host lacks a jail layer the operator waives runs untrusted
+jobs without it, and says so.
 
-These stacks' workers really lack two layers: the pids cgroup root
+This stack's worker really lacks two layers: the pids cgroup root
 (``NDIF_JAIL_CGROUP_ROOT``) is a plain directory, not a cgroup, so no job
 cgroup can be made, and seccomp is switched off by the operator
-(``NDIF_JAIL_DISABLE``). Untrusted jobs are refused with an ERROR that names
-both, until ``NDIF_JAIL_REQUIRE`` waives them; then the job runs and
-``meta.jail`` says what it ran without. With seccomp off, the UNIX-socket
-attack is stopped by the mount masks alone.
+(``NDIF_JAIL_DISABLE``). ``NDIF_JAIL_REQUIRE`` waives both, so the job runs
+and ``meta.jail`` says what it ran without. With seccomp off, the UNIX-socket
+attack is stopped by the mount masks alone. Without the waiver the child
+refuses the request, naming both layers: tests/inprocess/test_zygote.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import socket
 import nnsight
 import pytest
 import torch
-from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.policy.jail_layers import LAYERS
 from tests.support.jail_fixtures import attempt, connect_unix, listen_beside, unix_socket_targets
@@ -45,24 +45,6 @@ def weak_stack(tmp_path_factory, hf_home):
     yield stack
     nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
     stack.discard()
-
-
-def test_a_job_is_refused_when_a_required_layer_is_missing(tmp_path, hf_home, model):
-    with Stack(tmp_path / "home", env={**offline_env(hf_home), **weak_env(tmp_path)}) as stack:
-        saved = nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS
-        nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = stack.url, True
-        try:
-            for _ in range(2):  # the spare made after a refusal is refused the same way
-                with pytest.raises(RemoteError) as refused:
-                    with model.trace(PROMPT, remote=True):
-                        model.transformer.h[0].output.save()
-                message = str(refused.value)
-                assert "did not run your job" in message
-                assert "missing jail layer(s): pids_cgroup (no writable pids cgroup controller" in message
-                assert "seccomp (disabled by NDIF_JAIL_DISABLE)" in message
-                assert "NDIF_JAIL_REQUIRE" in message
-        finally:
-            nnsight.CONFIG.API.HOST, nnsight.CONFIG.API.COMPRESS = saved
 
 
 def test_a_waived_layer_lets_the_job_run_and_meta_says_so(weak_stack, model):
