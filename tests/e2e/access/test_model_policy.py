@@ -86,7 +86,10 @@ def cache(tmp_path_factory, hf_home):
 
 
 def _stack(home: Path, hf: Path, **env) -> Stack:
-    stack = Stack(home, env={"HF_HOME": str(hf), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **env})
+    # Fork zygotes (from the worker's fork server): what a model may be loaded as is
+    # decided before any zygote, and an exec'd one per model load costs an interpreter.
+    stack = Stack(home, env={"HF_HOME": str(hf), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                             "NDIF_ISOLATION": "fork", **env})
     stack.start()
     return stack
 
