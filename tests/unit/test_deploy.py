@@ -199,3 +199,10 @@ def test_the_image_runs_the_cli_as_a_non_root_user(dockerfile, tmp_path):
     assert {settings.api_port, settings.flower_port} <= exposed
     # ...and the web listens beyond the container's loopback.
     assert settings.api_host == "0.0.0.0"
+
+
+def test_the_image_requires_keys_by_default(dockerfile, tmp_path):
+    """Its web listens on every address, so an open farm (no keys, every request
+    trusted in the worker) is the operator's explicit NDIF_AUTH=0, not the default."""
+    settings = load_settings(dockerfile_env(dockerfile), tmp_path / "home")
+    assert settings.api_host == "0.0.0.0" and settings.auth, "the image serves an open farm on every address"

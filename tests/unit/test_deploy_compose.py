@@ -28,12 +28,21 @@ from tests.support.deploy_recipes import (
     words,
 )
 
-_VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?P<sep>:?-)?(?P<default>[^}]*)\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+_VAR = re.compile(r"\$(?:\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?P<sep>:?-|:\?)?(?P<default>[^}]*)\}|(?P<bare>[A-Za-z_][A-Za-z0-9_]*))")
+
+
+# What an operator puts in deploy/.env: the secrets the file requires (``${VAR:?...}``).
+OPERATOR_ENV = {
+    "MINIO_ROOT_USER": "operator-root", "MINIO_ROOT_PASSWORD": "operator-root-password",
+    "STORE_ACCESS_KEY": "farm-store-user", "STORE_SECRET_KEY": "farm-store-secret",
+    "POSTGRES_PASSWORD": "operator-postgres-password",
+}
 
 
 def interpolate(value):
     """Compose's interpolation with every ``${VAR:-default}`` at its default
-    (what a trial run without an .env gets); ``$$`` is a literal ``$``."""
+    and every required ``${VAR:?message}`` from :data:`OPERATOR_ENV` (what a
+    run with the operator's .env gets); ``$$`` is a literal ``$``."""
     if isinstance(value, dict):
         return {k: interpolate(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -43,7 +52,11 @@ def interpolate(value):
 
     def one(match):
         if match.group("bare") or not match.group("sep"):
-            raise AssertionError(f"{match.group(0)} in {value!r}: give it a default (${{VAR:-default}})")
+            raise AssertionError(f"{match.group(0)} in {value!r}: give it a default (${{VAR:-default}}) "
+                                 "or require it (${VAR:?message})")
+        if match.group("sep") == ":?":
+            assert match.group("braced") in OPERATOR_ENV, f"{match.group(0)}: a required variable the test's .env lacks"
+            return OPERATOR_ENV[match.group("braced")]
         return match.group("default")
 
     return "$".join(_VAR.sub(one, part) for part in value.split("$$"))
@@ -175,8 +188,9 @@ def test_the_farm_services_agree_on_broker_store_bucket_and_database(compose, im
     assert (broker.hostname, broker.port or 6379) == (redis_name, 6379)
     store = urlparse(web.object_store_url)
     assert (store.hostname, store.port) == (minio, 9000)
+    # The farm's own MinIO user (test_the_farm_uses_a_minio_user_allowed_only_its_bucket), not the root.
     assert (web.object_store_access_key, web.object_store_secret_key) == (
-        minio_env["MINIO_ROOT_USER"], minio_env["MINIO_ROOT_PASSWORD"]
+        OPERATOR_ENV["STORE_ACCESS_KEY"], OPERATOR_ENV["STORE_SECRET_KEY"]
     )
     assert len(minio_env["MINIO_ROOT_PASSWORD"]) >= 8, "MinIO refuses a root password under 8 characters"
     public = urlparse(web.object_store_public_url)
@@ -352,3 +366,64 @@ def test_the_web_service_allows_a_file_descriptor_per_waiting_client(compose):
 
     nofile = compose["services"]["web"]["ulimits"]["nofile"]
     assert int(nofile["soft"]) == int(nofile["hard"]) >= config.load({}).web_connections + 1024
+
+
+# --- secure by default -----------------------------------------------------------------
+
+
+def test_secrets_have_no_default_values():
+    """A farm started without the operator's .env stops at once, naming the
+    variable (``${VAR:?message}``), instead of running with a password
+    anyone can read here."""
+    found = []
+    for part in COMPOSE_FILE.read_text().split("$$"):  # $$: a literal $, for the shell
+        for match in _VAR.finditer(part):
+            name = match.group("braced") or match.group("bare")
+            if re.search(r"PASSWORD|SECRET|ACCESS_KEY|ROOT_USER", name):
+                found.append(name)
+                assert match.group("sep") == ":?", f"{match.group(0)}: a secret is the operator's, not a default"
+                assert name in match.group("default"), f"{match.group(0)}: the message names the variable"
+    assert {"MINIO_ROOT_PASSWORD", "STORE_SECRET_KEY", "POSTGRES_PASSWORD"} <= set(found), found
+
+
+def _minio_init_commands(compose) -> list[list[str]]:
+    service = services(compose)[by_image(compose, "minio/mc")]
+    argv = words(service.get("entrypoint")) + words(service.get("command"))
+    return shell_commands(argv[2], environment(service))
+
+
+def test_the_farm_uses_a_minio_user_allowed_only_its_bucket(compose, image_env, tmp_path):
+    """The web and workers hold the farm's own MinIO user, made by minio-init
+    with a policy on the results bucket alone: a leaked key reads and writes
+    results, not other buckets, users or MinIO's settings."""
+    import json
+
+    web = settings_of("web", compose, image_env, tmp_path)
+    minio_env = environment(services(compose)[by_image(compose, "minio/minio")])
+    assert web.object_store_access_key != minio_env["MINIO_ROOT_USER"], "the farm holds MinIO's root"
+    assert web.object_store_secret_key != minio_env["MINIO_ROOT_PASSWORD"], "the farm holds MinIO's root password"
+
+    commands = _minio_init_commands(compose)
+    added = [c for c in commands if c[:4] == ["mc", "admin", "user", "add"]]
+    assert [c[5:7] for c in added] == [[web.object_store_access_key, web.object_store_secret_key]], added
+    attached = [c for c in commands if c[:4] == ["mc", "admin", "policy", "attach"]]
+    assert len(attached) == 1 and attached[0][attached[0].index("--user") + 1] == web.object_store_access_key
+    policy = attached[0][5]
+    (created,) = [c for c in commands if c[:4] == ["mc", "admin", "policy", "create"] and c[5] == policy]
+    (written,) = [c for c in commands if c[:1] == ["printf"] and c[-2:] == [">", created[6]]]
+    document = json.loads(written[1] % tuple(written[2:-2]))
+    bucket = web.object_store_bucket
+    for statement in document["Statement"]:
+        assert statement["Effect"] == "Allow"
+        assert set(statement["Resource"]) <= {f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"}, statement
+        assert all(a.startswith("s3:") and "*" not in a for a in statement["Action"]), statement
+    allowed = {a for statement in document["Statement"] for a in statement["Action"]}
+    assert {"s3:GetObject", "s3:PutObject", "s3:DeleteObject"} <= allowed, allowed
+    # minio-init fails (and the farm waits) unless the policy is really attached.
+    checked = [c for c in commands if c[:4] == ["mc", "admin", "user", "info"]]
+    assert checked and checked[0][5] == web.object_store_access_key
+
+
+def test_minio_publishes_only_the_s3_api_for_presigned_downloads(compose):
+    published = ports_of(services(compose)[by_image(compose, "minio/minio")])
+    assert [target for _, _, target in published] == [9000], published  # not the console (9001)
