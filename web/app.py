@@ -54,6 +54,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.register_blueprint(routes.bp)
     app.register_blueprint(results.bp)
     app.register_blueprint(dashboard.bp)  # /metrics, /dashboard, and every request counted
+    app.config.setdefault("SOCK_SERVER_OPTIONS", subscribe.SERVER_OPTIONS)
     subscribe.sock.init_app(app)
     app.before_request(subscribe.open_socket)
     app.teardown_request(subscribe.close_socket)

@@ -9,6 +9,12 @@ a waiting socket holds no thread and no Redis connection of its own (under
 gunicorn's gevent worker, the default: ``web/gunicorn_conf.py``). Frames are
 forwarded verbatim: JSON as text, a pickled COMPLETED (an inline result) as
 binary. The socket closes after a terminal status.
+
+The client sends nothing after the handshake, so the socket reads nothing: a
+message at all closes it (1008), one over :data:`INBOUND_MAX_BYTES` is cut
+while it arrives, and permessage-deflate is declined (wsproto inflates a
+compressed frame whole, so a few hundred KiB could claim gigabytes of the
+web's memory before any size check).
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ import logging
 import threading
 import uuid
 
+import simple_websocket.ws
 from flask import current_app, g, request
 from flask_sock import ConnectionClosed, Sock
+from wsproto.extensions import PerMessageDeflate
 
 from ndif_celery import wire
 from ndif_celery.accounts import limits
@@ -32,6 +40,21 @@ sock = Sock()
 # The longest a socket sleeps without looking at its connection (a client that
 # closes wakes it at once; this only bounds a missed wake-up).
 IDLE_WAIT_S = 60.0
+# The most a client's message may be before it is cut (it should send none).
+INBOUND_MAX_BYTES = 1024
+SERVER_OPTIONS = {"max_message_size": INBOUND_MAX_BYTES}  # flask-sock's SOCK_SERVER_OPTIONS
+
+
+class DeflateDeclined(PerMessageDeflate):
+    """permessage-deflate, never accepted: a client that sends compressed
+    frames anyway breaks the protocol, and its socket is closed."""
+
+    def accept(self, offer):
+        return None
+
+
+# simple-websocket offers its server's extensions by this module-level name.
+simple_websocket.ws.PerMessageDeflate = DeflateDeclined
 
 
 def hub() -> Hub:
@@ -97,6 +120,9 @@ def subscribe(ws) -> None:
         while ws.connected:
             ws.event.wait(IDLE_WAIT_S)
             ws.event.clear()
+            if ws.input_buffer:  # the client sent a message: this socket takes none
+                ws.close(reason=1008, message="this socket takes no messages")
+                return
             while box.frames:
                 frame = box.frames.popleft()
                 ws.send(frame.decode() if frame[:1] == b"{" else frame)

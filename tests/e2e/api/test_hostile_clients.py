@@ -1,0 +1,155 @@
+"""The web under hostile clients, by raw websocket against a real stack.
+
+A blocking client's ``/subscribe`` only listens: what a client sends there is
+bounded (``web/subscribe.py``). A deflate bomb (a frame of a few hundred KiB
+that would inflate to 256 MiB) is refused without inflating it: the socket
+closes and the web's memory stays where it was. Any message closes the socket
+with 1008; one over the inbound cap is cut while it arrives. After each, the
+web still answers and a real client's trace is exact.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+import time
+import zlib
+from urllib.parse import urlparse
+
+import psutil
+import pytest
+
+from tests.support.remote import same_as_local
+
+BOMB_BYTES = 256 << 20  # what the bomb inflates to
+RSS_SLACK = 64 << 20  # the web may grow this much for unrelated reasons, not more
+
+
+def _web_rss(stack) -> int:
+    """Resident bytes of the stack's gunicorn processes (the master and its workers)."""
+    master = psutil.Process(stack.pids()["web"])
+    return sum(p.memory_info().rss for p in [master, *master.children(recursive=True)])
+
+
+def _upgrade(stack, deflate: bool = True) -> tuple[socket.socket, str]:
+    """A raw websocket handshake on ``/subscribe`` (offering permessage-deflate);
+    the open socket and the server's response head."""
+    url = urlparse(stack.url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
+    key = base64.b64encode(os.urandom(16)).decode()
+    offer = "Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n" if deflate else ""
+    sock.sendall((f"GET /subscribe HTTP/1.1\r\nHost: {url.netloc}\r\nUpgrade: websocket\r\n"
+                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
+                  f"{offer}\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = sock.recv(4096)
+        assert chunk, f"the server closed during the handshake: {head!r}"
+        head += chunk
+    text, _, rest = head.partition(b"\r\n\r\n")
+    assert text.startswith(b"HTTP/1.1 101"), text
+    return sock, text.decode(errors="replace") + "\r\n\r\n" + rest.decode(errors="replace")
+
+
+def _frame(payload: bytes, opcode: int = 0x1, rsv1: bool = False) -> bytes:
+    """One masked client frame (RFC 6455), RSV1 set for a compressed message (RFC 7692)."""
+    head = bytes([0x80 | (0x40 if rsv1 else 0) | opcode])
+    n = len(payload)
+    if n < 126:
+        head += bytes([0x80 | n])
+    elif n < 1 << 16:
+        head += bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        head += bytes([0x80 | 127]) + n.to_bytes(8, "big")
+    mask = os.urandom(4)
+    whole = (mask * (n // 4 + 1))[:n]
+    masked = (int.from_bytes(payload, "big") ^ int.from_bytes(whole, "big")).to_bytes(n, "big") if n else b""
+    return head + mask + masked
+
+
+def _closed(sock: socket.socket, within_s: float = 20.0) -> bytes:
+    """Everything the server sent until it closed the connection; fails if it does not."""
+    sock.settimeout(1.0)
+    got, deadline = b"", time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            continue
+        except ConnectionResetError:
+            return got
+        if not chunk:
+            return got
+        got += chunk
+    raise AssertionError(f"the socket is still open after {within_s:.0f} s; it sent {got[:200]!r}")
+
+
+def _close_code(received: bytes) -> int | None:
+    """The status code of the close frame among the server's frames (unmasked), if any."""
+    at = 0
+    while at + 2 <= len(received):
+        opcode, n = received[at] & 0x0F, received[at + 1] & 0x7F
+        at += 2
+        if n == 126:
+            n, at = int.from_bytes(received[at:at + 2], "big"), at + 2
+        elif n == 127:
+            n, at = int.from_bytes(received[at:at + 8], "big"), at + 8
+        if opcode == 0x8:
+            return int.from_bytes(received[at:at + 2], "big") if n >= 2 else None
+        at += n
+    return None
+
+
+@pytest.fixture
+def stack(on_fs_stack):
+    yield on_fs_stack
+
+
+def test_a_deflate_bomb_is_refused_without_inflating_it(stack, model):
+    sock, head = _upgrade(stack)
+    try:
+        assert "permessage-deflate" not in head.lower(), f"the server accepted compression:\n{head}"
+        before = _web_rss(stack)
+        squeezer = zlib.compressobj(9, zlib.DEFLATED, -15)
+        bomb = squeezer.compress(b"\0" * BOMB_BYTES) + squeezer.flush(zlib.Z_SYNC_FLUSH)
+        assert bomb.endswith(b"\x00\x00\xff\xff") and len(bomb) < BOMB_BYTES // 500
+        sock.sendall(_frame(bomb[:-4], opcode=0x2, rsv1=True))
+        _closed(sock)
+        assert _web_rss(stack) - before < RSS_SLACK, "the web inflated the bomb"
+    finally:
+        sock.close()
+    same_as_local(model)
+
+
+def test_a_message_on_the_status_socket_closes_it(stack, model):
+    sock, _ = _upgrade(stack, deflate=False)
+    try:
+        sock.sendall(_frame(b'{"hello": "server"}'))
+        assert _close_code(_closed(sock)) == 1008
+    finally:
+        sock.close()
+    same_as_local(model)
+
+
+def test_a_message_over_the_inbound_cap_is_cut_while_it_arrives(stack, model):
+    sock, _ = _upgrade(stack, deflate=False)
+    try:
+        before = _web_rss(stack)
+        # One 64 MiB message, its payload sent a MiB at a time: the server cuts it
+        # at the cap (1009, message too big) long before the end.
+        total, piece = 64 << 20, 1 << 20
+        sock.sendall(bytes([0x82, 0x80 | 127]) + total.to_bytes(8, "big") + os.urandom(4))
+        sent = 0
+        try:
+            while sent < total:
+                sock.sendall(b"\0" * piece)  # any bytes: masked, they are the payload
+                sent += piece
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        code = _close_code(_closed(sock))
+        assert code == 1009 or (code is None and sent < total), (code, sent)
+        assert _web_rss(stack) - before < RSS_SLACK, "the web buffered the oversized message"
+    finally:
+        sock.close()
+    same_as_local(model)
