@@ -212,6 +212,8 @@ VARIABLES: tuple = (
     Var("NDIF_WEB_REDIS_CONNECTIONS", "web_redis_connections", 32, _int,
         "Redis connections per web process for requests (plus one shared pub/sub for all its websockets)"),
     Var("NDIF_EMBEDDED_REDIS_PORT", "embedded_redis_port", 6380, _int, "port of the embedded Redis"),
+    Var("NDIF_EMBEDDED_REDIS_MAX_MEMORY_MB", "embedded_redis_max_memory_mb", 4096, _positive,
+        "the embedded Redis's memory bound (MiB); when full it refuses writes and evicts nothing"),
     Var("NDIF_REDIS_URL", "redis_url", lambda read: f"redis://127.0.0.1:{read['embedded_redis_port']}/0", _text,
         "the broker and job-state Redis; unset: `ndif-celery up` runs an embedded one", shown="unset: embedded"),
     Var("NDIF_OBJECT_STORE_URL", "object_store_url", "", _text, "MinIO/S3 endpoint; unset keeps results on disk, served by the web"),

@@ -23,6 +23,7 @@ import logging
 import threading
 import uuid
 
+import redis
 import simple_websocket.ws
 from flask import current_app, g, request
 from flask_sock import ConnectionClosed, Sock
@@ -40,6 +41,10 @@ sock = Sock()
 # The longest a socket sleeps without looking at its connection (a client that
 # closes wakes it at once; this only bounds a missed wake-up).
 IDLE_WAIT_S = 60.0
+# How long a session's owner record outlives its socket's last look, should the
+# web process die with the socket open (a closed socket deletes it at once):
+# a handshake that never submits a job leaves nothing in Redis for long.
+SESSION_OWNER_TTL_S = int(2 * IDLE_WAIT_S + 30)
 # The most a client's message may be before it is cut (it should send none).
 INBOUND_MAX_BYTES = 1024
 SERVER_OPTIONS = {"max_message_size": INBOUND_MAX_BYTES}  # flask-sock's SOCK_SERVER_OPTIONS
@@ -93,18 +98,35 @@ def open_socket():
     if limits.claim_socket(client, identity, session_id, settings):
         g.ndif_socket = session_id
         lease = (identity, session_id)
-    # Only the key that opened the socket may submit jobs that report to it.
-    client.set(jobs.session_owner_key(session_id), identity.owner, ex=settings.job_ttl_s)
+    # Only the key that opened the socket may submit jobs that report to it:
+    # recorded while the socket lives (renewed at each look, deleted at its close).
+    client.set(jobs.session_owner_key(session_id), identity.owner, ex=SESSION_OWNER_TTL_S)
     g.ndif_box = hub().open(session_id, threading.Event(), lease)
 
 
 def close_socket(_error=None) -> None:
-    """After the socket closed (or its handshake failed): leave the hub, free the key's slot."""
+    """After the socket closed (or its handshake failed): leave the hub, forget
+    the session's owner, free the key's slot."""
     if g.pop("ndif_box", None) is not None:
         hub().close(g.ndif_session_id)
+        _forget_owner(g.ndif_session_id)
     session_id = g.pop("ndif_socket", None)
     if session_id is not None:
         limits.release_socket(current_app.config["NDIF_REDIS"], g.ndif_identity, session_id)
+
+
+def _forget_owner(session_id: str) -> None:
+    try:
+        current_app.config["NDIF_REDIS"].delete(jobs.session_owner_key(session_id))
+    except redis.RedisError:
+        pass  # Redis away: the record expires on its own (SESSION_OWNER_TTL_S)
+
+
+def _renew_owner(session_id: str) -> None:
+    try:
+        current_app.config["NDIF_REDIS"].expire(jobs.session_owner_key(session_id), SESSION_OWNER_TTL_S)
+    except redis.RedisError:
+        pass
 
 
 @sock.route("/subscribe")
@@ -120,6 +142,7 @@ def subscribe(ws) -> None:
         while ws.connected:
             ws.event.wait(IDLE_WAIT_S)
             ws.event.clear()
+            _renew_owner(g.ndif_session_id)
             if ws.input_buffer:  # the client sent a message: this socket takes none
                 ws.close(reason=1008, message="this socket takes no messages")
                 return

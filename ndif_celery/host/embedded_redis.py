@@ -65,7 +65,10 @@ def redis_argv(settings: config.Settings) -> list[str]:
     Loopback only (it has no password); append-only persistence under
     ``NDIF_HOME/redis`` so queued jobs survive a restart, RDB snapshots off
     (the AOF already covers them); in the foreground so the stack, not Redis,
-    owns the process and its pid. The caller creates :func:`redis_dir`.
+    owns the process and its pid. Its memory is bounded
+    (``NDIF_EMBEDDED_REDIS_MAX_MEMORY_MB``) with ``noeviction``: a full Redis
+    refuses new writes, and never drops a queued job or its status to make
+    room. The caller creates :func:`redis_dir`.
     """
     return [
         redis_server_binary(),
@@ -75,4 +78,6 @@ def redis_argv(settings: config.Settings) -> list[str]:
         "--appendonly", "yes",
         "--save", "",
         "--daemonize", "no",
+        "--maxmemory", f"{settings.embedded_redis_max_memory_mb}mb",
+        "--maxmemory-policy", "noeviction",
     ]

@@ -41,6 +41,10 @@ def test_redis_server_binary_starts(tmp_path):
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("save") == {"save": ""}
         assert Path(client.config_get("dir")["dir"]) == redis_server.redis_dir(settings)
+        # Bounded, and never evicting a queued job to make room.
+        assert client.config_get("maxmemory") == {"maxmemory": str(settings.embedded_redis_max_memory_mb << 20)}
+        assert settings.embedded_redis_max_memory_mb > 0
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
     finally:
         client.close()
         proc.terminate()

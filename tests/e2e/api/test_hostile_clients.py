@@ -153,3 +153,28 @@ def test_a_message_over_the_inbound_cap_is_cut_while_it_arrives(stack, model):
     finally:
         sock.close()
     same_as_local(model)
+
+
+def test_handshakes_that_submit_nothing_leave_nothing_in_redis(stack):
+    """Each handshake records its session's owner; it lives while the socket
+    does (renewed at each look) and goes when it closes, not for a job's TTL."""
+    import redis
+
+    from tests.support.waiting import wait_until
+    from web.subscribe import SESSION_OWNER_TTL_S
+
+    client = redis.Redis.from_url(stack.redis_url)
+    try:
+        before = set(client.keys("ndif:session:*"))
+        sockets = [_upgrade(stack, deflate=False)[0] for _ in range(20)]
+        made = set(client.keys("ndif:session:*")) - before
+        try:
+            assert len([key for key in made if key.endswith(b":owner")]) == 20, made
+            for key in made:
+                assert 0 < client.ttl(key) <= SESSION_OWNER_TTL_S, (key, client.ttl(key))
+        finally:
+            for sock in sockets:
+                sock.close()
+        wait_until(lambda: not any(client.exists(key) for key in made), 30, "the closed sessions' records to go")
+    finally:
+        client.close()
