@@ -255,6 +255,8 @@ VARIABLES: tuple = (
     Var("NDIF_PROBE_INTERVAL_S", "probe_interval_s", 0.0, _float, "how often the beat probes each HOT model with a real trace (0: off)"),
     Var("NDIF_PROBE_TIMEOUT_S", "probe_timeout_s", 60.0, _float, "a probe that has no answer this long fails"),
     Var("NDIF_PROBE_API_KEY", "probe_api_key", "", _stripped, "the API key the probes send (an admin key, with auth on)"),
+    Var("NDIF_METRICS_TOKEN", "metrics_token", "", _stripped,
+        "a bearer token that shows a scraper /metrics' per-key series (with auth on; an admin key does too)"),
     Var("NDIF_ALERT_WEBHOOK_URL", "alert_webhook_url", "", _stripped, "where the beat POSTs a probe's alert and its resolution"),
     Var("NDIF_USAGE_TOP_KEYS", "usage_top_keys", 10, _int, "keys with their own `ndif_usage_*` series; the rest are `other`"),
     # The farm: workers, placement, replicas.
@@ -349,7 +351,7 @@ class Settings:
             value
             for value in (
                 self.secret_key, self.object_store_access_key, self.object_store_secret_key,
-                self.redis_url, self.database_url, self.probe_api_key, self.alert_webhook_url,
+                self.redis_url, self.database_url, self.probe_api_key, self.alert_webhook_url, self.metrics_token,
             )
             if value
         )

@@ -11,7 +11,11 @@ With ``NDIF_AUTH=1`` the dashboard wants HTTP Basic credentials whose password
 is an API key tagged ``admin`` (``ndif-celery keys create --admin``): without
 one it answers 401 with a ``WWW-Authenticate`` challenge, so a browser asks;
 a key without the tag gets 403. ``/metrics`` stays open, like Flower's, for
-Prometheus.
+Prometheus, but with auth on its per-key series (``ndif_usage_*{key}``) go
+only to a scraper that shows ``NDIF_METRICS_TOKEN`` or an admin key as a
+bearer token (``Authorization: Bearer ...``, which Prometheus sends from its
+``authorization`` setting) or in ``ndif-api-key``: anyone else sees the
+farm's totals.
 """
 
 from __future__ import annotations
@@ -85,7 +89,27 @@ def count_request(response):
 def prometheus():
     from prometheus_client import CONTENT_TYPE_LATEST
 
-    return Response(metrics.render(_redis(), _settings().usage_top_keys), content_type=CONTENT_TYPE_LATEST)
+    settings = _settings()
+    per_key = not settings.auth or _scraper_may_see_keys(settings)
+    return Response(metrics.render(_redis(), settings.usage_top_keys, per_key), content_type=CONTENT_TYPE_LATEST)
+
+
+def _scraper_may_see_keys(settings) -> bool:
+    """Whether the caller showed ``NDIF_METRICS_TOKEN`` or an admin key (bearer or ``ndif-api-key``)."""
+    import hmac
+
+    from ndif_celery.accounts.auth import HEADER
+
+    shown = request.headers.get("Authorization", "")
+    token = shown[len("Bearer "):].strip() if shown.startswith("Bearer ") else request.headers.get(HEADER, "")
+    if not token:
+        return False
+    if settings.metrics_token and hmac.compare_digest(token.encode(), settings.metrics_token.encode()):
+        return True
+    try:
+        return "admin" in identify(token).tags
+    except AuthError:
+        return False
 
 
 # --- /dashboard ---------------------------------------------------------------------

@@ -107,9 +107,10 @@ def _split(field: bytes, parts: int) -> Optional[list[str]]:
 class FarmCollector:
     """A prometheus_client collector reading the farm's series from Redis."""
 
-    def __init__(self, client: redis.Redis, top_keys: Optional[int] = None) -> None:
+    def __init__(self, client: redis.Redis, top_keys: Optional[int] = None, per_key: bool = True) -> None:
         self.redis = client
         self.top_keys = top_keys  # None: NDIF_USAGE_TOP_KEYS
+        self.per_key = per_key  # the usage series name keys: only for a scraper allowed to see them
 
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -216,7 +217,8 @@ class FarmCollector:
         yield family
 
         yield from self.probe_families()
-        yield from self.usage_families()
+        if self.per_key:
+            yield from self.usage_families()
 
     def probe_families(self):
         """The health probes' last results (``ndif_celery.monitoring.probes``), one series per probed model."""
@@ -273,10 +275,11 @@ def worker_replaced(client: redis.Redis, worker: str) -> None:
     client.hincrby(REPLACEMENTS, worker, 1)
 
 
-def render(client: redis.Redis, top_keys: Optional[int] = None) -> bytes:
-    """The farm's series in Prometheus text format (``top_keys``: NDIF_USAGE_TOP_KEYS)."""
+def render(client: redis.Redis, top_keys: Optional[int] = None, per_key: bool = True) -> bytes:
+    """The farm's series in Prometheus text format (``top_keys``: NDIF_USAGE_TOP_KEYS);
+    without ``per_key``, no series that names a key."""
     from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(FarmCollector(client, top_keys))
+    registry.register(FarmCollector(client, top_keys, per_key))
     return generate_latest(registry)

@@ -36,6 +36,9 @@ W0, W1 = "gpu0@ops-test", "gpu2@ops-test"
 DEVICES = {W0: 2, W1: 1}
 
 
+METRICS_TOKEN = "prometheus-scrape-token-5d2c"
+
+
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory, hf_home):
     for seed, repo in enumerate((BOOT, A, B, C, SCHED)):
@@ -56,6 +59,7 @@ def ops(tmp_path_factory, hf_home):
         "NDIF_AUTH": "1", "NDIF_ISOLATION": "fork",  # every key trusted: no job needs an exec'd zygote
         "NDIF_DEPLOYMENTS": f"[{{repo: {BOOT}, pin: true}}]",
         "NDIF_PROBE_INTERVAL_S": "2", "NDIF_PROBE_TIMEOUT_S": "30", "NDIF_PROBE_API_KEY": keys["probe"],
+        "NDIF_METRICS_TOKEN": METRICS_TOKEN,
         "NDIF_ALERT_WEBHOOK_URL": receiver.url,
         "NDIF_WORKER_NAME": W0, "NDIF_WORKER_GPUS": "0,1", "NDIF_WORKER_MEMORY_GIB": "1",
         "NDIF_PADDING_FACTOR": "0", "NDIF_PADDING_BYTES": "0",
@@ -122,10 +126,11 @@ def _trace(ops, repo: str, key: str, record: bool = True):
     return meta
 
 
-def _metric(stack: Stack, name: str, **labels) -> float | None:
+def _metric(stack: Stack, name: str, bearer: str = "", **labels) -> float | None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(stack.url + "/metrics", timeout=10).text
+    headers = {"Authorization": f"Bearer {bearer}"} if bearer else {}
+    text = httpx.get(stack.url + "/metrics", headers=headers, timeout=10).text
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
@@ -299,10 +304,16 @@ def test_usage_totals_match_the_jobs_the_test_ran(ops):
     text = _cli(stack, "usage", "--since", "1h").stdout
     assert "ada@ops.test" in text and "probe@ops.test" in text, "the probes' own jobs are their key's usage"
 
-    jobs = _until(lambda: _metric(stack, "ndif_usage_jobs_total", key=f"key:{ops.ids['ada']}") == 3,
+    # Per-key series to a scraper with the metrics token, or an admin key; not to anyone.
+    jobs = _until(lambda: _metric(stack, "ndif_usage_jobs_total", METRICS_TOKEN, key=f"key:{ops.ids['ada']}") == 3,
                   "ada's jobs in /metrics", stack, 15)
     assert jobs
-    assert _metric(stack, "ndif_usage_gpu_seconds_total", key=f"key:{ops.ids['ada']}") == pytest.approx(
+    assert _metric(stack, "ndif_usage_gpu_seconds_total", ops.keys["probe"], key=f"key:{ops.ids['ada']}") == pytest.approx(
         expected["gpu_seconds"], abs=2e-3)
+    for shown in ("", ops.keys["ada"], "not-the-token"):
+        text = httpx.get(stack.url + "/metrics", headers={"Authorization": f"Bearer {shown}"} if shown else {},
+                         timeout=10).text
+        assert "ndif_usage_" not in text and "key:" not in text, f"per-key series shown to {shown or 'anyone'}"
+        assert "ndif_jobs_total" in text, "the farm's totals are for everyone"
     page = _dashboard(ops).split('id="usage"')[1].split("</table>")[0]
     assert "ada@ops.test" in page and f"key:{ops.ids['ada']}" in page
