@@ -82,6 +82,16 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
             f"nothing was lost, please retry shortly. ({error})"
         ), 503
 
+    @app.errorhandler(redis.exceptions.OutOfMemoryError)
+    def broker_full(error):
+        # Its memory bound reached (noeviction: NDIF_EMBEDDED_REDIS_MAX_MEMORY_MB, or the
+        # operator's own maxmemory): new writes are refused, nothing queued is dropped.
+        app.logger.warning("Redis is full: %s", error)
+        return jsonify(
+            detail="The job broker (Redis) is at its memory bound (NDIF_EMBEDDED_REDIS_MAX_MEMORY_MB, or its "
+            "maxmemory), so this request was not queued; nothing queued was dropped. Retry when jobs have finished."
+        ), 503
+
     @app.errorhandler(Exception)
     def unhandled(error: Exception):
         app.logger.exception("unhandled error")

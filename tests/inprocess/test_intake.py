@@ -124,3 +124,21 @@ def test_a_waiting_job_hears_its_new_position_at_most_once_a_second(web, client,
     assert told(ids[1]) == was[1], "it left the queue: nobody tells it a position"
     assert told(ids[2]).endswith("(position 1).") and told(ids[2]) != was[2]
     queues.drain(client, queue)
+
+
+def test_a_full_redis_refuses_new_jobs_with_503_naming_its_bound_and_drops_nothing(web, client):
+    """The embedded Redis runs noeviction under a memory bound: once full, a new
+    job is refused with a 503 that says so, and the jobs queued before stay."""
+    first = submit(web, b"queued before").get_json()["id"]
+    used = int(client.info("memory")["used_memory"])
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", used + (256 << 10))
+    try:
+        response = submit(web, b"x" * (1 << 20))
+        assert response.status_code == 503, response.get_json()
+        detail = response.get_json()["detail"]
+        assert "memory bound" in detail and "NDIF_EMBEDDED_REDIS_MAX_MEMORY_MB" in detail, detail
+    finally:
+        client.config_set("maxmemory", 0)
+    assert client.get(jobs.payload_key(first)) == b"queued before"
+    assert web.get(f"/response/{first}").get_json()["status"] == wire.QUEUED
