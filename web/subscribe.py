@@ -95,6 +95,7 @@ def open_socket():
     session_id = uuid.uuid4().hex
     g.ndif_identity, g.ndif_session_id = identity, session_id
     lease = None
+    limits.count_handshake(client, identity, settings)
     if limits.claim_socket(client, identity, session_id, settings):
         g.ndif_socket = session_id
         lease = (identity, session_id)

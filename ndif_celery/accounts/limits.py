@@ -3,6 +3,7 @@
 Counters live in Redis so every web process (and host) shares them:
 
 - ``ndif:rate:<owner>:<minute>``  requests this key made in this minute (fixed window)
+- ``ndif:handshakes:<owner>:<minute>``  its ``/subscribe`` handshakes this minute (twice the rate)
 - ``ndif:active:<owner>``         the key's jobs queued or running (a sorted set by
                                    start time; a job leaves it when it ends)
 - ``ndif:sockets:<owner>``        the key's open /subscribe websockets (session id ->
@@ -43,11 +44,43 @@ def check_payload(size: int, settings: config.Settings) -> None:
         )
 
 
+def _rate(identity: auth.Identity, settings: config.Settings) -> int:
+    """The key's requests per minute: its own limit, else NDIF_RATE_LIMIT_PER_MIN (0: none)."""
+    return identity.rate_limit_per_min if identity.rate_limit_per_min is not None else settings.rate_limit_per_min
+
+
+HANDSHAKES_PER_REQUEST = 2  # a key's handshakes a minute, per request its rate allows
+
+
+def count_handshake(client: redis.Redis, identity: auth.Identity, settings: config.Settings) -> None:
+    """Count a ``/subscribe`` handshake against the key's rate, or refuse it
+    (429). A blocking trace is one handshake and one request, so sockets opened
+    and never submitted on are bounded as requests are; at twice the rate, so
+    a client within its rate meets the request's refusal (its RemoteError), not
+    the handshake's."""
+    rate = _rate(identity, settings)
+    if not rate:
+        return
+    allowed = HANDSHAKES_PER_REQUEST * rate
+    now = time.time()
+    window = f"ndif:handshakes:{identity.owner}:{int(now // 60)}"
+    pipe = client.pipeline(transaction=False)
+    pipe.incr(window)
+    pipe.expire(window, 120)
+    made, _ = pipe.execute()
+    if made > allowed:
+        raise LimitError(
+            f"Too many /subscribe handshakes: at most {allowed} per minute for this key (twice its "
+            f"NDIF_RATE_LIMIT_PER_MIN). Try again in {60 - int(now % 60)} s.",
+            429,
+        )
+
+
 def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, settings: config.Settings) -> list[int]:
     """Refuse a request over any limit; otherwise count it against the key's
     rate and return the lengths of the queue's lists (``queues.lists``)."""
     now = time.time()
-    rate = identity.rate_limit_per_min if identity.rate_limit_per_min is not None else settings.rate_limit_per_min
+    rate = _rate(identity, settings)
     concurrent = (
         identity.max_concurrent_jobs if identity.max_concurrent_jobs is not None else settings.max_concurrent_jobs
     )

@@ -27,4 +27,5 @@
 * ``signed_urls``    checking the store's presigned URLs (SigV4) and their query.
 * ``metrics``        ``Scrape`` of a /metrics page and the deploy recipes' Prometheus rules.
 * ``doctor``         ``checks``: ``ndif-celery doctor``'s output as name -> (state, detail).
+* ``raw_websocket``  a ``/subscribe`` handshake and client frames written by hand (the web's attacks).
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import math
 import re
 import sys
 import time
@@ -26,7 +27,7 @@ from tests.support.tiny_model import PROMPT
 
 PAYLOAD_LIMIT = 200_000
 RESULT_LIMIT = 100_000
-TIMEOUT_S = 3
+TIMEOUT_BASE_S = 5  # the execution timeout on an idle reference machine (scaled in the fixture)
 INSTALLED = importlib.metadata.version("nnsight")
 HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
 # What the real client sends with every request (the raw requests below send it too).
@@ -35,13 +36,17 @@ VERSION_HEADERS = {"nnsight-version": INSTALLED, "python-version": sys.version}
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, hf_home):
+    # Every job here must finish within the execution timeout, a trivial trace
+    # included: on a loaded machine one took over 3 s, so the limit grows with it.
+    timeout_s = math.ceil(pace.bound(TIMEOUT_BASE_S))
     env = {
         "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_ISOLATION": "fork",  # no zygote is the subject here
         "NDIF_MAX_PAYLOAD_BYTES": str(PAYLOAD_LIMIT), "NDIF_MAX_RESULT_BYTES": str(RESULT_LIMIT),
-        "NDIF_EXECUTION_TIMEOUT_S": str(TIMEOUT_S), "NDIF_MAX_QUEUE_DEPTH": "2",
+        "NDIF_EXECUTION_TIMEOUT_S": str(timeout_s), "NDIF_MAX_QUEUE_DEPTH": "2",
         "NDIF_MIN_NNSIGHT_VERSION": INSTALLED, "NDIF_MIN_PYTHON_VERSION": HERE,
     }
     with client_on_stack(tmp_path_factory.mktemp("limits"), hf_home, env) as stack:
+        stack.timeout_s = timeout_s
         yield stack
 
 
@@ -107,13 +112,13 @@ def test_execution_timeout(stack, model, monkeypatch, trusted):
         for _ in range(20):
             time.sleep(0.05)  # 1 s: under the limit
     assert tracer.backend.meta["isolated"] is not trusted
-    started = time.monotonic()
-    with pytest.raises(RemoteError, match=f"exceeded the execution timeout of {TIMEOUT_S}s"):
+    started, limit = time.monotonic(), stack.timeout_s
+    with pytest.raises(RemoteError, match=f"exceeded the execution timeout of {limit}s"):
         with model.trace(PROMPT, remote=True):
             out = model.transformer.h[0].output.save()  # noqa: F841
-            for _ in range(200):
-                time.sleep(0.05)  # 10 s: over it
-    assert time.monotonic() - started < TIMEOUT_S + pace.bound(5)
+            for _ in range(int((limit + 5) / 0.05)):
+                time.sleep(0.05)  # 5 s over it
+    assert time.monotonic() - started < limit + pace.bound(5)
     _works(model)
 
 
@@ -131,6 +136,29 @@ def test_rate_limit_per_key(stack, model, monkeypatch):
         _works(model)
     with pytest.raises(RemoteError, match="at most 3 requests per minute"):
         _works(model)
+    monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", make_key(stack, "--trusted"))
+    _works(model)  # other keys are not affected
+
+
+def test_handshakes_that_submit_nothing_count_against_the_keys_rate(stack, model, monkeypatch):
+    """A key may not open /subscribe sockets it never submits on faster than
+    twice its rate: the handshakes have a window of their own."""
+    from tests.support import raw_websocket
+
+    key = make_key(stack, "--trusted", "--rate-limit", "3")
+    _wait_for_minute_start()
+    opened = []
+    try:
+        for _ in range(6):  # twice the key's rate: a client within its rate never meets this bound
+            sock, head = raw_websocket.upgrade(stack.url, {"ndif-api-key": key})
+            opened.append(sock)
+            assert head.startswith("HTTP/1.1 101"), head
+        sock, head = raw_websocket.upgrade(stack.url, {"ndif-api-key": key})
+        opened.append(sock)
+        assert head.startswith("HTTP/1.1 429") and "at most 6 per minute" in head, head
+    finally:
+        for sock in opened:
+            sock.close()
     monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", make_key(stack, "--trusted"))
     _works(model)  # other keys are not affected
 

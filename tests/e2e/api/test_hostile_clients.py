@@ -10,16 +10,15 @@ web still answers and a real client's trace is exact.
 
 from __future__ import annotations
 
-import base64
 import os
 import socket
 import time
 import zlib
-from urllib.parse import urlparse
 
 import psutil
 import pytest
 
+from tests.support import raw_websocket
 from tests.support.remote import same_as_local
 
 BOMB_BYTES = 256 << 20  # what the bomb inflates to
@@ -33,39 +32,13 @@ def _web_rss(stack) -> int:
 
 
 def _upgrade(stack, deflate: bool = True) -> tuple[socket.socket, str]:
-    """A raw websocket handshake on ``/subscribe`` (offering permessage-deflate);
-    the open socket and the server's response head."""
-    url = urlparse(stack.url)
-    sock = socket.create_connection((url.hostname, url.port), timeout=30)
-    key = base64.b64encode(os.urandom(16)).decode()
-    offer = "Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits\r\n" if deflate else ""
-    sock.sendall((f"GET /subscribe HTTP/1.1\r\nHost: {url.netloc}\r\nUpgrade: websocket\r\n"
-                  f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n"
-                  f"{offer}\r\n").encode())
-    head = b""
-    while b"\r\n\r\n" not in head:
-        chunk = sock.recv(4096)
-        assert chunk, f"the server closed during the handshake: {head!r}"
-        head += chunk
-    text, _, rest = head.partition(b"\r\n\r\n")
-    assert text.startswith(b"HTTP/1.1 101"), text
-    return sock, text.decode(errors="replace") + "\r\n\r\n" + rest.decode(errors="replace")
+    """A raw handshake on the stack's ``/subscribe``, accepted."""
+    sock, head = raw_websocket.upgrade(stack.url, deflate=deflate)
+    assert head.startswith("HTTP/1.1 101"), head
+    return sock, head
 
 
-def _frame(payload: bytes, opcode: int = 0x1, rsv1: bool = False) -> bytes:
-    """One masked client frame (RFC 6455), RSV1 set for a compressed message (RFC 7692)."""
-    head = bytes([0x80 | (0x40 if rsv1 else 0) | opcode])
-    n = len(payload)
-    if n < 126:
-        head += bytes([0x80 | n])
-    elif n < 1 << 16:
-        head += bytes([0x80 | 126]) + n.to_bytes(2, "big")
-    else:
-        head += bytes([0x80 | 127]) + n.to_bytes(8, "big")
-    mask = os.urandom(4)
-    whole = (mask * (n // 4 + 1))[:n]
-    masked = (int.from_bytes(payload, "big") ^ int.from_bytes(whole, "big")).to_bytes(n, "big") if n else b""
-    return head + mask + masked
+_frame = raw_websocket.frame
 
 
 def _closed(sock: socket.socket, within_s: float = 20.0) -> bytes:

@@ -1,0 +1,57 @@
+"""A websocket handshake and frames written by hand, for attacks no client library makes."""
+
+from __future__ import annotations
+
+import base64
+import os
+import socket
+from urllib.parse import urlparse
+
+
+def upgrade(url: str, headers: dict | None = None, deflate: bool = False) -> tuple[socket.socket, str]:
+    """A raw handshake on ``url``'s ``/subscribe`` (offering permessage-deflate if
+    ``deflate``): the socket, and the server's answer up to its blank line (and,
+    for a refusal, its body)."""
+    where = urlparse(url)
+    sock = socket.create_connection((where.hostname, where.port), timeout=30)
+    key = base64.b64encode(os.urandom(16)).decode()
+    lines = ["GET /subscribe HTTP/1.1", f"Host: {where.netloc}", "Upgrade: websocket", "Connection: Upgrade",
+             f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]
+    if deflate:
+        lines.append("Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits")
+    lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
+    sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = sock.recv(4096)
+        if not chunk:
+            break
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    text = head.decode(errors="replace")
+    if not text.startswith("HTTP/1.1 101"):  # a refusal: its JSON body too
+        length = next((int(line.split(":", 1)[1]) for line in text.splitlines()
+                       if line.lower().startswith("content-length:")), 0)
+        while len(body) < length:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+        text += "\r\n\r\n" + body.decode(errors="replace")
+    return sock, text
+
+
+def frame(payload: bytes, opcode: int = 0x1, rsv1: bool = False) -> bytes:
+    """One masked client frame (RFC 6455), RSV1 set for a compressed message (RFC 7692)."""
+    head = bytes([0x80 | (0x40 if rsv1 else 0) | opcode])
+    n = len(payload)
+    if n < 126:
+        head += bytes([0x80 | n])
+    elif n < 1 << 16:
+        head += bytes([0x80 | 126]) + n.to_bytes(2, "big")
+    else:
+        head += bytes([0x80 | 127]) + n.to_bytes(8, "big")
+    mask = os.urandom(4)
+    whole = (mask * (n // 4 + 1))[:n]
+    masked = (int.from_bytes(payload, "big") ^ int.from_bytes(whole, "big")).to_bytes(n, "big") if n else b""
+    return head + mask + masked
