@@ -85,6 +85,13 @@ def _float(name: str, raw: str) -> float:
         raise ValueError(f"{name} must be a number, got {raw!r}") from None
 
 
+def _positive_float(name: str, raw: str) -> float:
+    value = _float(name, raw)
+    if not value > 0:
+        raise ValueError(f"{name} must be a number above 0, got {raw!r}")
+    return value
+
+
 def _socket_lease(name: str, raw: str) -> float:
     """At least 10 s: every web process renews its sockets' leases every 5 s
     (``web/hub.py`` RESYNC_S), and a lease must outlive a late renewal."""
@@ -211,6 +218,13 @@ VARIABLES: tuple = (
     Var("NDIF_WEB_THREADS", "web_threads", 64, _int, "threads per web process under `gthread`; a blocking client holds one while its job runs"),
     Var("NDIF_WEB_REDIS_CONNECTIONS", "web_redis_connections", 32, _int,
         "Redis connections per web process for requests (plus one shared pub/sub for all its websockets)"),
+    # Request bodies (web/uploads.py): each must keep up with a minimum rate after a grace,
+    # and a web process reads a bounded number at once.
+    Var("NDIF_WEB_UPLOADS", "web_uploads", 64, _positive, "request bodies one web process reads at once"),
+    Var("NDIF_UPLOAD_GRACE_S", "upload_grace_s", 10.0, _positive_float,
+        "seconds a request body may lag behind its minimum rate before it is cut"),
+    Var("NDIF_UPLOAD_MIN_BYTES_PER_S", "upload_min_bytes_per_s", 64 * 1024, _positive,
+        "the slowest a request body may arrive, after the grace (bytes per second)"),
     Var("NDIF_EMBEDDED_REDIS_PORT", "embedded_redis_port", 6380, _int, "port of the embedded Redis"),
     Var("NDIF_EMBEDDED_REDIS_MAX_MEMORY_MB", "embedded_redis_max_memory_mb", 4096, _positive,
         "the embedded Redis's memory bound (MiB); when full it refuses writes and evicts nothing"),
@@ -317,6 +331,7 @@ VARIABLES: tuple = (
     Var("NDIF_MAX_CONCURRENT_JOBS", "max_concurrent_jobs", 0, _int, "jobs queued or running at once per key (0: none)", auth_on=4),
     Var("NDIF_MAX_QUEUE_DEPTH", "max_queue_depth", 0, _int, "jobs waiting per model (0: none)", auth_on=32),
     Var("NDIF_MAX_WEBSOCKETS_PER_KEY", "max_websockets_per_key", 0, _int, "`/subscribe` websockets per key (0: none)", auth_on=16),
+    Var("NDIF_UPLOADS_PER_KEY", "uploads_per_key", 0, _int, "request bodies one key may be sending at once (0: none)", auth_on=4),
     Var("NDIF_SOCKET_LEASE_S", "socket_lease_s", 30.0, _socket_lease,
         "how long a counted socket of a web process that stopped renewing stays counted"),
     # The client version gate: "" = no gate; see ndif_celery.policy.client_versions.

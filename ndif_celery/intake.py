@@ -8,6 +8,10 @@ refused for the first, as on NDIF (a bad envelope before an old client):
     envelope -> version gate -> model policy (and a deployment's users) -> session -> payload
              -> limits -> park -> enqueue (QUEUED, Celery message, controller)
 
+Before any of this the web has checked what the headers tell (the key, the
+body's size, the key's rate and concurrency, room to read the body:
+``web/uploads.py``), so a request refused there is never read.
+
 Every refusal raises ``errors.Refused`` (or a subclass) before anything is
 written, so a refused request leaves nothing in Redis (tests/inprocess/test_intake.py).
 Settings, Redis and the Celery app are passed in, no Flask: the fast tier and

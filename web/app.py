@@ -22,7 +22,7 @@ from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import check_shared
 
-from . import dashboard, results, routes, subscribe
+from . import dashboard, results, routes, subscribe, uploads
 
 
 def refused(error: Refused):
@@ -47,6 +47,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
         except (redis.ConnectionError, redis.TimeoutError) as error:
             app.logger.warning("could not check that the result directory is the workers' (Redis away): %s", error)
     app.config["NDIF_AUTH"] = Authenticator(settings)
+    app.config["NDIF_UPLOADS"] = uploads.Watcher(settings.web_uploads)
     app.json.sort_keys = False
     # Refuse absurd uploads before reading them; the exact check is on the blob.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_payload_bytes + 1024 * 1024 if settings.max_payload_bytes else None

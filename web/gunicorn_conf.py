@@ -34,7 +34,9 @@ backlog = 4096
 # gunicorn's timeout watches) comes from its own loop, so it can stay short.
 timeout = 120
 graceful_timeout = 30
-keepalive = 5
+# Also the most gunicorn waits for a request's headers, and to drain the body of
+# a request refused before it was read (web/uploads.py): a slow client's hold.
+keepalive = 2
 accesslog = "-"
 errorlog = "-"
 loglevel = _settings.log_level.lower()

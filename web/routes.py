@@ -1,6 +1,7 @@
 """The HTTP endpoints nnsight 0.8.1 calls (and a few it doesn't: /ping, /env).
 
-``POST /request`` hands what the client sent to the intake
+``POST /request`` reads the body within the bounds of ``web/uploads.py`` (the
+key and its limits checked first, a read deadline), then hands it to the intake
 (``ndif_celery.intake``: validate, park the payload in Redis, enqueue a
 JSON-only Celery message on the model's queue, tell the client it is QUEUED)
 and answers RECEIVED in the HTTP body, as NDIF does. Every refusal here raises
@@ -21,6 +22,7 @@ from ndif_celery.host import environment
 from ndif_celery.state import expiry as cleanup
 from ndif_celery.state import jobs, registry
 
+from . import uploads
 from .identity import identify
 
 bp = Blueprint("api", __name__)
@@ -42,11 +44,13 @@ def ping():
 @bp.post("/request")
 def submit():
     identity = identify()
-    blob_file = request.files.get("blob")
-    job = intake.accept(
-        _redis(), current_app.config["NDIF_CELERY"], _settings(), identity,
-        request.form.get("data"), None if blob_file is None else blob_file.read(), request.headers,
-    )
+    # The key, its limits and the body's size are checked before the body is read.
+    with uploads.reading(_redis(), _settings(), identity):
+        data = request.form.get("data")
+        blob_file = request.files.get("blob")
+        blob = None if blob_file is None else blob_file.read()
+    job = intake.accept(_redis(), current_app.config["NDIF_CELERY"], _settings(), identity, data, blob,
+                        request.headers)
     return Response(wire.response_json(job.id, wire.RECEIVED, wire.RECEIVED_DESCRIPTION), mimetype="application/json")
 
 

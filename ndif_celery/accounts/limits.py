@@ -8,6 +8,8 @@ Counters live in Redis so every web process (and host) shares them:
                                    start time; a job leaves it when it ends)
 - ``ndif:sockets:<owner>``        the key's open /subscribe websockets (session id ->
                                    lease deadline; see claim_socket)
+- ``ndif:uploads:<owner>``        the request bodies it is sending (upload id -> the
+                                   body's deadline; see claim_upload)
 
 A key's own limits (``ndif-celery keys create --rate-limit --max-concurrent``)
 override the farm-wide ``NDIF_*`` defaults; 0 means no limit.
@@ -76,14 +78,48 @@ def count_handshake(client: redis.Redis, identity: auth.Identity, settings: conf
         )
 
 
+def _concurrent(identity: auth.Identity, settings: config.Settings) -> int:
+    """The key's jobs queued or running at once: its own limit, else NDIF_MAX_CONCURRENT_JOBS (0: none)."""
+    return identity.max_concurrent_jobs if identity.max_concurrent_jobs is not None else settings.max_concurrent_jobs
+
+
+def _check_rate_and_concurrency(identity: auth.Identity, settings: config.Settings, made: int, active: int,
+                                now: float) -> None:
+    """Refuse when ``made`` requests this minute are over the key's rate or ``active`` jobs at its cap."""
+    rate = _rate(identity, settings)
+    if rate and made > rate:
+        raise LimitError(
+            f"Rate limit reached: at most {rate} requests per minute for this key (NDIF_RATE_LIMIT_PER_MIN). "
+            f"Try again in {60 - int(now % 60)} s.",
+            429,
+        )
+    concurrent = _concurrent(identity, settings)
+    if concurrent and active >= concurrent:
+        raise LimitError(
+            f"Too many jobs at once: this key may have at most {concurrent} queued or running "
+            "(NDIF_MAX_CONCURRENT_JOBS). Wait for one to finish.",
+            429,
+        )
+
+
+def check_headroom(client: redis.Redis, identity: auth.Identity, settings: config.Settings) -> None:
+    """Refuse a request its key's rate or concurrency would refuse, counting
+    nothing: the web asks before it reads a body (``web/uploads.py``), and
+    counts with :func:`check_and_count` once the body is in."""
+    if not _rate(identity, settings) and not _concurrent(identity, settings):
+        return
+    now = time.time()
+    pipe = client.pipeline(transaction=False)
+    pipe.get(f"ndif:rate:{identity.owner}:{int(now // 60)}")
+    pipe.zcount(_active_key(identity.owner), now - settings.job_ttl_s, "+inf")
+    made, active = pipe.execute()
+    _check_rate_and_concurrency(identity, settings, int(made or 0) + 1, active, now)
+
+
 def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, settings: config.Settings) -> list[int]:
     """Refuse a request over any limit; otherwise count it against the key's
     rate and return the lengths of the queue's lists (``queues.lists``)."""
     now = time.time()
-    rate = _rate(identity, settings)
-    concurrent = (
-        identity.max_concurrent_jobs if identity.max_concurrent_jobs is not None else settings.max_concurrent_jobs
-    )
     window = f"ndif:rate:{identity.owner}:{int(now // 60)}"
     pipe = client.pipeline(transaction=False)
     pipe.incr(window)
@@ -94,18 +130,7 @@ def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, se
         pipe.llen(name)
     made, _, _, active, *depths = pipe.execute()
     depth = sum(depths)
-    if rate and made > rate:
-        raise LimitError(
-            f"Rate limit reached: at most {rate} requests per minute for this key (NDIF_RATE_LIMIT_PER_MIN). "
-            f"Try again in {60 - int(now % 60)} s.",
-            429,
-        )
-    if concurrent and active >= concurrent:
-        raise LimitError(
-            f"Too many jobs at once: this key may have at most {concurrent} queued or running "
-            "(NDIF_MAX_CONCURRENT_JOBS). Wait for one to finish.",
-            429,
-        )
+    _check_rate_and_concurrency(identity, settings, made, active, now)
     if settings.max_queue_depth and depth >= settings.max_queue_depth:
         raise LimitError(
             f"The queue for this model is full ({depth} jobs waiting; NDIF_MAX_QUEUE_DEPTH="
@@ -124,13 +149,32 @@ def release(pipe, job: jobs.Job) -> None:
     pipe.zrem(_active_key(job.owner), job.id)
 
 
-# Open /subscribe websockets per key. Each open socket is held by a web process
-# for as long as it is open, so one key holding many can crowd out everyone's streams.
-# Counted in Redis across every web process as a sorted set per key
-# (``ndif:sockets:<owner>``: session id -> lease deadline, epoch seconds). A live
-# socket renews its lease every few seconds; a web process that dies with
-# sockets open (SIGKILL, OOM, host lost) stops renewing, and its entries lapse
-# after NDIF_SOCKET_LEASE_S and are dropped by the next claim, so nothing leaks.
+# Leased slots: what a key holds open on the web, counted in Redis across every
+# web process as a sorted set per key (member -> lease deadline, epoch seconds).
+# A web process that dies holding slots (SIGKILL, OOM, host lost) stops renewing
+# them; they lapse at their deadline and the next claim drops them, so nothing leaks.
+#
+# - ``ndif:sockets:<owner>``  open /subscribe websockets (session id), renewed every
+#   few seconds while open, lapsing after NDIF_SOCKET_LEASE_S
+# - ``ndif:uploads:<owner>``  request bodies being read (one id each), leased until
+#   the body's own deadline (web/uploads.py)
+
+
+def _claim_slot(client: redis.Redis, key: str, member: str, limit: int, lease_s: float) -> bool:
+    """Hold one of ``limit`` slots in ``key`` for ``lease_s``; False when all are held.
+    Add first, then count: two web processes racing for the last slot may
+    both be refused, but never both admitted."""
+    now = time.time()
+    pipe = client.pipeline(transaction=True)
+    pipe.zremrangebyscore(key, "-inf", now)
+    pipe.zadd(key, {member: now + lease_s})
+    pipe.zcard(key)
+    pipe.expire(key, int(lease_s * 2) + 1)
+    _, _, held, _ = pipe.execute()
+    if held > limit:
+        client.zrem(key, member)
+        return False
+    return True
 
 
 def _sockets_key(owner: str) -> str:
@@ -143,19 +187,7 @@ def claim_socket(client: redis.Redis, identity: auth.Identity, session_id: str, 
     limit = settings.max_websockets_per_key
     if not limit:
         return False
-    now = time.time()
-    key = _sockets_key(identity.owner)
-    lease_s = settings.socket_lease_s
-    # Add first, then count: two web processes racing for the last slot may
-    # both refuse, but never both admit.
-    pipe = client.pipeline(transaction=True)
-    pipe.zremrangebyscore(key, "-inf", now)
-    pipe.zadd(key, {session_id: now + lease_s})
-    pipe.zcard(key)
-    pipe.expire(key, int(lease_s * 2))
-    _, _, held, _ = pipe.execute()
-    if held > limit:
-        client.zrem(key, session_id)
+    if not _claim_slot(client, _sockets_key(identity.owner), session_id, limit, settings.socket_lease_s):
         raise LimitError(
             f"Too many open connections: this API key already holds {limit} /subscribe websockets "
             f"(NDIF_MAX_WEBSOCKETS_PER_KEY), each one a running blocking trace or an open session. "
@@ -186,3 +218,28 @@ def release_socket(client: redis.Redis, identity: auth.Identity, session_id: str
 def sockets_held(client: redis.Redis, identity: auth.Identity) -> int:
     """Live sockets the key holds now (lapsed leases not counted)."""
     return client.zcount(_sockets_key(identity.owner), time.time(), "+inf")
+
+
+def _uploads_key(owner: str) -> str:
+    return f"ndif:uploads:{owner}"
+
+
+def claim_upload(client: redis.Redis, identity: auth.Identity, upload_id: str, lease_s: float,
+                 settings: config.Settings) -> bool:
+    """Count a request body the key is sending, until it is read or ``lease_s``
+    (its deadline) passes; refuse it (429) when the key is already sending
+    ``NDIF_UPLOADS_PER_KEY``. False when there is no limit (nothing counted)."""
+    limit = settings.uploads_per_key
+    if not limit:
+        return False
+    if not _claim_slot(client, _uploads_key(identity.owner), upload_id, limit, lease_s):
+        raise LimitError(
+            f"Too many uploads at once: this API key is already sending {limit} request bodies "
+            "(NDIF_UPLOADS_PER_KEY). Wait for them to arrive, then try again.",
+            429,
+        )
+    return True
+
+
+def release_upload(client: redis.Redis, identity: auth.Identity, upload_id: str) -> None:
+    client.zrem(_uploads_key(identity.owner), upload_id)

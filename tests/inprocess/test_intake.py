@@ -142,3 +142,24 @@ def test_a_full_redis_refuses_new_jobs_with_503_naming_its_bound_and_drops_nothi
         client.config_set("maxmemory", 0)
     assert client.get(jobs.payload_key(first)) == b"queued before"
     assert web.get(f"/response/{first}").get_json()["status"] == wire.QUEUED
+
+
+def test_a_web_reading_its_most_bodies_refuses_the_next_unread_with_503(web, client, settings):
+    """NDIF_WEB_UPLOADS bodies being read at once in one web process: the next
+    request is answered from its headers, and nothing of it is queued."""
+    from web.uploads import Upload
+
+    watcher = web.application.config["NDIF_UPLOADS"]
+    reading = [Upload(io.BytesIO(), 1, settings, None) for _ in range(watcher.limit)]
+    for upload in reading:
+        watcher.add(upload)
+    try:
+        before = client.dbsize()
+        response = submit(web, b"one body too many")
+        assert response.status_code == 503, response.get_json()
+        assert f"reading {watcher.limit} request bodies at once (NDIF_WEB_UPLOADS)" in response.get_json()["detail"]
+        assert client.dbsize() == before
+    finally:
+        for upload in reading:
+            watcher.discard(upload)
+    assert submit(web, b"room again").status_code == 200

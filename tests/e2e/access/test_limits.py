@@ -3,7 +3,12 @@ message naming the limit, and the next request is fine. The client version
 gate (NDIF_MIN_NNSIGHT_VERSION, NDIF_MIN_PYTHON_VERSION) is one more: this
 stack's minimums are exactly this client's nnsight and Python, so the real
 client is at the gate, and one that reports an older version is below it.
-Each check at its edges: tests/inprocess/test_versions.py."""
+Each check at its edges: tests/inprocess/test_versions.py.
+
+Request bodies are attacked by raw HTTP: a body is refused unread when its
+key may not send it, a key has a few uploads in flight at most, a trickled
+body is cut at its deadline, and thousands of stalled uploads from one key
+leave the web answering everyone else."""
 
 from __future__ import annotations
 
@@ -11,8 +16,12 @@ import importlib.metadata
 import json
 import math
 import re
+import selectors
+import socket
 import sys
+import threading
 import time
+from urllib.parse import urlparse
 
 import httpx
 import nnsight
@@ -26,6 +35,8 @@ from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT
 
 PAYLOAD_LIMIT = 200_000
+UPLOAD_GRACE_S = 3  # how far a body may fall behind NDIF_UPLOAD_MIN_BYTES_PER_S
+WEB_CONNECTIONS = 400  # the web's connection slots: what slow uploads would take from everyone
 RESULT_LIMIT = 100_000
 TIMEOUT_BASE_S = 5  # the execution timeout on an idle reference machine (scaled in the fixture)
 INSTALLED = importlib.metadata.version("nnsight")
@@ -44,6 +55,7 @@ def stack(tmp_path_factory, hf_home):
         "NDIF_MAX_PAYLOAD_BYTES": str(PAYLOAD_LIMIT), "NDIF_MAX_RESULT_BYTES": str(RESULT_LIMIT),
         "NDIF_EXECUTION_TIMEOUT_S": str(timeout_s), "NDIF_MAX_QUEUE_DEPTH": "2",
         "NDIF_MIN_NNSIGHT_VERSION": INSTALLED, "NDIF_MIN_PYTHON_VERSION": HERE,
+        "NDIF_UPLOAD_GRACE_S": str(UPLOAD_GRACE_S), "NDIF_WEB_CONNECTIONS": str(WEB_CONNECTIONS),
     }
     with client_on_stack(tmp_path_factory.mktemp("limits"), hf_home, env) as stack:
         stack.timeout_s = timeout_s
@@ -232,3 +244,143 @@ def test_client_at_the_minimum_works(stack, model, trusted_key):
     with model.trace(PROMPT):
         local = model.transformer.h[0].output.save()
     assert torch.equal(remote, local)
+
+
+# -- request bodies --
+
+
+def _start_upload(stack, key: str, length: int, chunked: bool = False) -> socket.socket:
+    """A ``POST /request`` whose headers are sent and whose body is not: its socket."""
+    where = urlparse(stack.url)
+    sock = socket.create_connection((where.hostname, where.port), timeout=30)
+    size = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}"
+    head = ["POST /request HTTP/1.1", f"Host: {where.netloc}", f"ndif-api-key: {key}",
+            *(f"{name}: {value}" for name, value in VERSION_HEADERS.items()),
+            "Content-Type: multipart/form-data; boundary=xyz", size]
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+    return sock
+
+
+def _answer(sock: socket.socket, within_s: float) -> tuple[int, str]:
+    """The status and body of the server's answer on ``sock``; fails if none comes in ``within_s``."""
+    sock.settimeout(within_s)
+    got = b""
+    try:
+        while True:
+            head, _, body = got.partition(b"\r\n\r\n")
+            if _:
+                length = re.search(rb"content-length: *(\d+)", head, re.I)
+                if length and len(body) >= int(length.group(1)):
+                    break
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            got += chunk
+    except socket.timeout:
+        raise AssertionError(f"no answer in {within_s:.0f} s (sent only headers); got {got[:200]!r}") from None
+    except ConnectionResetError:
+        pass
+    finally:
+        sock.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 "), got[:200]
+    return int(head.split()[1]), body.decode(errors="replace")
+
+
+def test_a_body_is_refused_unread_when_its_key_may_not_send_it(stack, model, monkeypatch):
+    """Over its rate, the request is answered from its headers: the server
+    reads none of the body (none is sent), and a body with no declared size is refused."""
+    key = make_key(stack, "--trusted", "--rate-limit", "1")
+    monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", key)
+    _wait_for_minute_start()
+    _works(model)
+    status, body = _answer(_start_upload(stack, key, 100_000), within_s=pace.bound(5))
+    assert status == 429 and "at most 1 requests per minute" in body, (status, body)
+    status, body = _answer(_start_upload(stack, make_key(stack), 0, chunked=True), within_s=pace.bound(5))
+    assert status == 411 and "Content-Length" in body, (status, body)
+
+
+def test_slow_bodies_are_cut_at_their_deadline_and_bounded_per_key(stack, model, monkeypatch):
+    """NDIF_UPLOADS_PER_KEY (4 with auth on) bodies in flight per key: the next
+    is refused at once. Those in flight are cut at their deadline, a trickled
+    one too (ten bytes a second), and the key's uploads are counted no longer."""
+    key = make_key(stack)
+    started = time.monotonic()
+    uploads = [_start_upload(stack, key, 100_000) for _ in range(4)]
+    status, body = _answer(_start_upload(stack, key, 100_000), within_s=pace.bound(2))
+    assert status == 429 and "NDIF_UPLOADS_PER_KEY" in body, (status, body)
+
+    def trickle(sock):
+        try:
+            sock.sendall(b"--xyz\r\n")
+            while True:
+                sock.sendall(b"x")
+                time.sleep(0.1)
+        except OSError:  # cut, or closed by the test
+            pass
+
+    threading.Thread(target=trickle, args=(uploads[0],), daemon=True).start()
+    answers = [_answer(sock, within_s=UPLOAD_GRACE_S + pace.bound(10)) for sock in uploads]
+    waited = time.monotonic() - started
+    for status, body in answers:
+        assert status == 408 and "NDIF_UPLOAD_MIN_BYTES_PER_S" in body, (status, body)
+    assert waited >= UPLOAD_GRACE_S, f"cut after {waited:.1f} s, before the grace"
+    monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", key)
+    _works(model)  # the key's uploads in flight were released
+
+
+ATTACK_UPLOADS = 2000
+ATTACK_PER_S = 100
+
+
+def _ping_s(stack) -> float:
+    started = time.monotonic()
+    assert httpx.get(f"{stack.url}/ping", timeout=pace.bound(2)).json() == "pong"
+    return time.monotonic() - started
+
+
+def test_thousands_of_stalled_uploads_from_one_key_leave_the_web_to_everyone(stack, model, monkeypatch):
+    """One key starts thousands of uploads and never sends their bodies,
+    holding every socket the server leaves open (WEB_CONNECTIONS are the web's
+    slots). /ping stays at its usual latency and another key's trace is exact."""
+    attacker = make_key(stack)
+    monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", make_key(stack, "--trusted"))
+    _works(model)
+    usual = sorted(_ping_s(stack) for _ in range(10))[5]
+    done, opened, most_held = threading.Event(), [0], [0]
+
+    def attack():
+        held = selectors.DefaultSelector()
+        try:
+            while opened[0] < ATTACK_UPLOADS:
+                held.register(_start_upload(stack, attacker, 100_000), selectors.EVENT_READ)
+                opened[0] += 1
+                for ready, _ in held.select(timeout=0):  # held until the server closes it
+                    try:
+                        closed = not ready.fileobj.recv(65536)
+                    except OSError:
+                        closed = True
+                    if closed:
+                        held.unregister(ready.fileobj)
+                        ready.fileobj.close()
+                most_held[0] = max(most_held[0], len(held.get_map()))
+                time.sleep(1 / ATTACK_PER_S)
+        finally:
+            done.set()
+            for sock in list(held.get_map().values()):
+                sock.fileobj.close()
+
+    threading.Thread(target=attack, daemon=True).start()
+    during = []
+    traced = False
+    while not done.is_set():
+        during.append(_ping_s(stack))
+        if not traced and opened[0] > WEB_CONNECTIONS:  # the web's slots all taken, were they held
+            _works(model)
+            traced = True
+        time.sleep(0.2)
+    assert traced and opened[0] == ATTACK_UPLOADS
+    print(f"/ping p50 {usual * 1000:.1f} ms before, {sorted(during)[len(during) // 2] * 1000:.1f} ms during "
+          f"(worst {max(during) * 1000:.0f} ms) {ATTACK_UPLOADS} stalled uploads; the attacker held at most "
+          f"{most_held[0]} sockets; {pace.describe()}")
+    assert max(during) < pace.bound(1.0), "a /ping waited behind the stalled uploads"
