@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 import httpx
 import nnsight
 import pytest
+import redis
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
@@ -33,6 +34,7 @@ from tests.support import pace
 from tests.support.remote import poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT
+from tests.support.waiting import wait_until
 
 PAYLOAD_LIMIT = 200_000
 UPLOAD_GRACE_S = 3  # how far a body may fall behind NDIF_UPLOAD_MIN_BYTES_PER_S
@@ -307,7 +309,13 @@ def test_slow_bodies_are_cut_at_their_deadline_and_bounded_per_key(stack, model,
     key = make_key(stack)
     started = time.monotonic()
     uploads = [_start_upload(stack, key, 100_000) for _ in range(4)]
-    status, body = _answer(_start_upload(stack, key, 100_000), within_s=pace.bound(2))
+    client = redis.Redis.from_url(stack.redis_url)
+    try:  # the four admitted (each counted in its key's uploads) before the fifth is sent
+        wait_until(lambda: [client.zcard(name) for name in client.keys("ndif:uploads:*")] == [4], pace.bound(5),
+                   "the four uploads to be admitted")
+    finally:
+        client.close()
+    status, body = _answer(_start_upload(stack, key, 100_000), within_s=pace.bound(5))
     assert status == 429 and "NDIF_UPLOADS_PER_KEY" in body, (status, body)
 
     def trickle(sock):
