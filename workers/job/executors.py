@@ -36,8 +36,9 @@ import time
 from typing import Callable
 
 from huggingface_hub import constants as hf_constants
+from huggingface_hub import file_download
 
-from ndif_celery import config, statuses
+from ndif_celery import config, statuses, wire
 from ndif_celery.state import jobs
 from workers import cobatch, execute, results
 from workers.isolation import forkserver, jail
@@ -159,21 +160,32 @@ class Isolated:
         # learnt once, when the worker is ready (learn_host).
         self.readable: tuple = ()
         self.as_nobody = True
+        self.cache_exposed = ""  # why the jail could not keep the model cache private, if it could not
 
     def learn_host(self) -> None:
         """Read once from this host: the paths the jail leaves readable (the
-        interpreter, the packages, the HF cache) and whether user ``nobody``
-        can read the interpreter's prefixes."""
-        self.readable = tuple(jail.readable_paths((hf_constants.HF_HUB_CACHE,)))
+        interpreter, the packages, system libraries; each job adds its model's
+        own files), whether that leaves the rest of the model cache and the hub
+        token private, and whether user ``nobody`` can read the interpreter's prefixes."""
+        self.readable = tuple(jail.readable_paths())
+        path, private = jail.covering(self.readable, (hf_constants.HF_HUB_CACHE, hf_constants.HF_TOKEN_PATH,
+                                                      hf_constants.HF_STORED_TOKENS_PATH))
+        self.cache_exposed = (f"{private} lies under {path}, which untrusted code must be able to read, so it "
+                              "would see every cached model and the hub token; move HF_HOME out of it") if path else ""
+        if self.cache_exposed:
+            log.error("untrusted jobs are refused on this worker: %s", self.cache_exposed)
         self.as_nobody = jail.readable_by_others(sys.base_prefix) and jail.readable_by_others(sys.prefix)
 
     def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
         meta["isolated"] = True
+        if self.cache_exposed:
+            raise execute.RequestError(f"This worker does not run untrusted code: {self.cache_exposed} "
+                                       "(see docs/security.md). Ask the operator.")
         zygote = self.zygote(job.model_key)
         # Armed once the zygote is ready (its start is not the job's time), as isolate.run's own deadline is.
         backstop_s = self.settings.execution_timeout_s + deadline.ISOLATED_MARGIN_S
         with self.watchdog.watch(job.id, channel, meta, backstop_s):
-            outcome = isolate.run(model, blob, job.compress, job.env, self.policy(zygote), channel.log,
+            outcome = isolate.run(model, blob, job.compress, job.env, self.policy(zygote, job.model_key), channel.log,
                                   zygote=zygote)
         # Only what isolate vouches for (the child's jail layers and timings, checked
         # by isolate.child_meta; its own isolated_ms and spare): never a key of ours.
@@ -207,9 +219,9 @@ class Isolated:
         server = forkserver.current() if self.settings.isolation == "fork" else None
         self.models.zygote(model_key, fork_server=server)
 
-    def policy(self, zygote=None) -> isolate.IsolationPolicy:
+    def policy(self, zygote, model_key: str) -> isolate.IsolationPolicy:
         settings = self.settings
-        readable = self.readable
+        readable = self.readable + model_files(model_key)
         if zygote is not None and zygote.cuda:
             readable = readable + _gpu_readable()
         return isolate.IsolationPolicy(
@@ -259,9 +271,17 @@ class Isolated:
             zygote = self.models.current_zygote(model_key)
             if zygote is None:
                 return
-            isolate.prepare(model, self.policy(zygote), zygote=zygote)
+            isolate.prepare(model, self.policy(zygote, model_key), zygote=zygote)
         except Exception:  # noqa: BLE001
             log.exception("could not prepare a spare isolated process")
+
+
+def model_files(model_key: str) -> tuple:
+    """The served model's own folder in the hub cache (its snapshots, the blobs
+    they link to, its refs: weights, tokenizer, config): the one part of the
+    cache a child of this model may read."""
+    folder = file_download.repo_folder_name(repo_id=wire.repo_id(model_key), repo_type="model")
+    return (os.path.join(hf_constants.HF_HUB_CACHE, folder),)
 
 
 def _gpu_readable() -> tuple:

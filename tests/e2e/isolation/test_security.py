@@ -92,8 +92,10 @@ def test_no_network_not_even_loopback(jail, model):
         http = nnsight.save(attempt(lambda: httpx.get(f"{jail.url}/status", timeout=2)))
     for outcome in outcomes + [http]:
         assert not outcome.startswith("ok"), outcome
-        # Landlock refuses TCP connect (EACCES); the empty network namespace has no route.
-        assert any(word in outcome.lower() for word in ("permission denied", "unreachable", "connecterror")), outcome
+        # seccomp refuses socket() itself (EPERM); behind it Landlock refuses TCP connect
+        # (EACCES) and the empty network namespace has no route.
+        assert any(word in outcome.lower() for word in ("operation not permitted", "permission denied",
+                                                        "unreachable", "connecterror")), outcome
 
 
 def test_a_fork_bomb_is_contained(jail, model):
@@ -207,6 +209,31 @@ def test_weight_edits_do_not_reach_the_next_user(jail, model):
         clean = model.transformer.h[3].output.save()
     assert not torch.equal(edited, clean), "the edit did not even apply to its own run"
     # (the fixture then checks the next request equals a clean local run)
+
+
+def test_the_rest_of_the_model_cache_is_out_of_reach(jail, model, hf_home, tiny_model_factory):
+    """A child reads its own model's files, not another cached repo (served
+    or refused, it is the same), not the cache's listing, not the hub token."""
+    from tests.support.tiny_model import snapshot_dir
+
+    own = str(snapshot_dir(hf_home) / "config.json")
+    other = str(tiny_model_factory("ndif-celery/tiny-gpt2-elsewhere", seed=7) / "config.json")
+    token = hf_home / "token"
+    token.write_text("hf_operators_own_token")
+    try:
+        with model.trace(PROMPT, remote=True):
+            outcomes = nnsight.save({
+                "own": attempt(lambda: open(own).read()[:1]),
+                "other repo": attempt(lambda: open(other).read()[:1]),
+                "cache listing": attempt(lambda: os.listdir(os.path.dirname(os.path.dirname(os.path.dirname(other))))),
+                "hub token": attempt(lambda: open(str(token)).read()),
+            })
+    finally:
+        token.unlink()
+    assert outcomes["own"] == "ok: '{'", outcomes
+    assert open(other).read()[:1] == "{"  # there to read, for the worker
+    for what in ("other repo", "cache listing", "hub token"):
+        assert outcomes[what].startswith("PermissionError"), (what, outcomes[what])
 
 
 def peek_at_other_jobs(result_file, url):

@@ -4,7 +4,8 @@ The attacks run as real untrusted requests through the real client, once per
 isolation mode (``jail``): a block that tries every pathname and abstract UNIX
 socket of the host (the local PostgreSQL and MariaDB included) and sockets
 this test binds in /tmp and in the stack's NDIF_HOME, and a block that makes
-every system call the seccomp filter refuses with ``ctypes``. Each gains
+every system call the seccomp filter refuses with ``ctypes``, and one that
+opens a socket of every family. Each gains
 nothing, and the same worker keeps serving, exactly right.
 
 A worker that lacks a layer refuses: tests/e2e/isolation/test_jail_required.py.
@@ -78,7 +79,7 @@ def forbidden_calls():
         "quotactl": (179, 0, 0, 0, 0), "name_to_handle_at": (303, -1, 0, 0, 0, 0), "open_by_handle_at": (304, -1, 0, 0),
         "lookup_dcookie": (212, 0, 0, 0), "clone_newns": (56, clone_newns_fs, 0, 0, 0, 0),
         "clone_newuser": (56, clone_newuser_fs, 0, 0, 0, 0), "personality_no_aslr": (135, 0x0040000),
-        "socket_unix": (41, 1, 1, 0), "clone3": (435, 0, 0),
+        "clone3": (435, 0, 0),
     }
     out = {}
     for name, (nr, *args) in calls.items():
@@ -101,6 +102,47 @@ def test_refused_system_calls_get_eperm(jail, model):
         expected = "ENOSYS" if name == "clone3" else "EPERM"  # clone3: libc falls back to clone()
         assert (result, code) == (-1, expected), f"{name}: {result} {code}"
     assert hidden.shape[0] == 1 and torch.isfinite(hidden).all()
+
+
+# Each family with a type its kernel module accepts unprivileged where it is
+# loaded (without the filter: a socket, or EAFNOSUPPORT/EPERM where not), and
+# families past the last one Linux defines.
+SOCKET_FAMILIES = {
+    "UNIX": (1, 1, 0), "INET": (2, 2, 0), "INET6": (10, 2, 0), "KEY": (15, 3, 2), "NETLINK": (16, 3, 0),
+    "PACKET": (17, 3, 0), "RDS": (21, 5, 0), "CAN": (29, 3, 1), "TIPC": (30, 4, 0), "BLUETOOTH": (31, 3, 0),
+    "ALG": (38, 5, 0), "VSOCK": (40, 1, 0), "XDP": (44, 3, 0), "MCTP": (45, 2, 0), "46": (46, 1, 0),
+    "200": (200, 1, 0),
+}
+
+
+def socket_families():
+    """``socket(family, type, protocol)`` of each of ``SOCKET_FAMILIES`` by the
+    system call itself: the file descriptor (closed again), or -1 and its errno."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    out = {}
+    for name, (family, kind, protocol) in SOCKET_FAMILIES.items():
+        ctypes.set_errno(0)
+        fd = libc.syscall(ctypes.c_long(41), ctypes.c_long(family), ctypes.c_long(kind), ctypes.c_long(protocol))
+        out[name] = (-1, errno.errorcode.get(ctypes.get_errno(), "")) if fd < 0 else (0, "")
+        if fd >= 0:
+            os.close(fd)
+    return out
+
+
+def test_no_socket_family_can_be_opened(jail, model):
+    """The child needs no socket: socket() of every family is refused (EPERM),
+    whatever the namespaces and Landlock would leave of it. Outside the jail
+    this process opens the same INET, INET6, NETLINK and UNIX sockets."""
+    outside = socket_families()
+    assert all(outside[name] == (0, "") for name in ("UNIX", "INET", "INET6", "NETLINK")), outside
+    with model.trace(PROMPT, remote=True):
+        inside = nnsight.save(socket_families())
+        hidden = model.transformer.h[2].output.save()
+    assert inside == {name: (-1, "EPERM") for name in SOCKET_FAMILIES}, inside
+    assert torch.isfinite(hidden).all()
 
 
 def test_meta_reports_every_layer_in_place(jail, model):

@@ -9,7 +9,7 @@ or without C extensions (``ctypes`` included):
 - a fresh ``tmpfs`` as the only writable place, mounted ``noexec`` (nothing
   written there can be executed or loaded as a library), with a size cap;
 - Landlock: reads only of the interpreter, its packages, system libraries and
-  the model cache; writes only in the tmpfs; TCP bind/connect refused; signals
+  the served model's own files in the cache; writes only in the tmpfs; TCP bind/connect refused; signals
   to processes outside the jail refused (where the kernel has them);
 - rlimits: address space, CPU seconds, open files, processes, file size, no core;
 - privileges: a root worker's child becomes ``nobody`` (or, where the
@@ -24,7 +24,7 @@ or without C extensions (``ctypes`` included):
   ``/dev/null`` over the socket file where the directory must stay visible);
 - seccomp: a system-call filter (``libseccomp`` through ``pyseccomp``) refuses
   what no experiment needs (io_uring, ptrace, bpf, mount, unshare, keyctl...),
-  and ``socket(AF_UNIX)``.
+  and ``socket()`` of every family (the allow-list is empty).
 
 Each layer has a name (:data:`LAYERS`). :class:`Layers` records which ones a
 child got and why any is missing; the child refuses to run user code when a
@@ -63,7 +63,7 @@ import time
 from ndif_celery.policy.jail_layers import LAYERS, WAIVABLE, parse_disable, parse_require  # noqa: F401
 
 # The public face of the jail: every layer's entry points, under ``jail.``.
-from .access import SYSTEM_READABLE, landlock, readable_by_others, readable_paths  # noqa: F401
+from .access import SYSTEM_READABLE, covering, landlock, readable_by_others, readable_paths  # noqa: F401
 from .cgroups import in_pids_cgroup, join_cgroup, pids_cgroup_path, remove_cgroup  # noqa: F401
 from .kernel import NOBODY, JailError  # noqa: F401
 from .namespaces import die_with_parent, enter_namespaces, fresh_proc, make_private, private_mounts, proc_hidepid  # noqa: F401

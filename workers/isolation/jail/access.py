@@ -1,8 +1,8 @@
 """Jail layers ``landlock``, ``landlock_net`` and ``landlock_scope``: what the child may touch.
 
 Why a module of its own: Landlock is the one layer that lists paths (reads
-only of the interpreter, its packages, system libraries and the model
-cache; writes only in the job's tmpfs) and, where the kernel has them,
+only of the interpreter, its packages, system libraries and the served
+model's own folder of the cache; writes only in the job's tmpfs) and, where the kernel has them,
 refuses TCP and signals or abstract UNIX sockets out of the jail. The read
 list (``readable_paths``) is also what the worker hands each child.
 """
@@ -86,11 +86,25 @@ SYSTEM_READABLE = (
 
 def readable_paths(extra: tuple = ()) -> list[str]:
     """What user code may read: the interpreter and its import path, system
-    libraries and a few /etc files, and ``extra`` (the model cache). Not the
-    worker's home, ``NDIF_HOME``, results, or any other user's files."""
+    libraries and a few /etc files, and ``extra`` (the served model's own files).
+    Not the worker's home, ``NDIF_HOME``, results, the rest of the model cache,
+    or any other user's files."""
     paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *SYSTEM_READABLE, *extra}
     paths.update(p for p in sys.path if p and os.path.isdir(p))
     return sorted(os.path.realpath(p) for p in paths if p)
+
+
+def covering(readable, private) -> tuple[str, str]:
+    """The first (readable path, private path) where a readable path is, or
+    lies above, a path that must stay private; ("", "") when none does.
+    Landlock only adds what may be read, so a private path under a readable
+    one cannot be taken back out."""
+    for inside in private:
+        inside = os.path.realpath(inside)
+        for path in readable:
+            if inside == path or inside.startswith(path.rstrip("/") + "/"):
+                return path, inside
+    return "", ""
 
 
 def readable_by_others(path: str) -> bool:

@@ -2,7 +2,8 @@
 
 Why a module of its own: the filter (``libseccomp`` through ``pyseccomp``)
 refuses what no experiment needs (io_uring, ptrace, bpf, mount, unshare,
-keyctl...) and ``socket(AF_UNIX)``; its binding must be found before /tmp
+keyctl...) and ``socket()`` of every family not in :data:`SOCKET_FAMILIES_ALLOWED`
+(none: a child talks to its worker over the pipes it was born with); its binding must be found before /tmp
 is masked (``load_seccomp_binding``), and the filter loaded after every
 other layer, since nothing after it may need a refused call.
 """
@@ -33,7 +34,12 @@ _CLONE_NAMESPACES = (CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLO
                      0x02000000)  # ... and CLONE_NEWCGROUP
 # personality() bits that weaken the next exec (no ASLR, executable data, page zero...).
 _PERSONALITY_RISKY = (0x0020000, 0x0040000, 0x0100000, 0x0200000, 0x0400000, 0x0800000, 0x8000000)
-AF_UNIX = 1
+# The socket families a child may create: none. Every family is refused
+# (UNIX, INET, INET6, NETLINK, PACKET, VSOCK, ALG, ...), so a kernel's bug in
+# one it never needed is out of reach, whatever the namespaces and Landlock
+# leave. A family added here must say why a job needs it.
+SOCKET_FAMILIES_ALLOWED: tuple = ()
+AF_MAX = 46  # one past the highest family Linux defines (linux/socket.h); every higher one is refused too
 
 
 _seccomp = None
@@ -68,9 +74,15 @@ def seccomp_filter() -> None:
         rules.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     for bit in _PERSONALITY_RISKY:  # bit 31 set: the 0xffffffff query, allowed
         rules.add_rule(eperm, "personality", sc.Arg(0, sc.MASKED_EQ, 0x80000000 | bit, bit))
-    # Pathname and abstract UNIX sockets alike: the host's sockets stay out of
-    # reach even if one was bound after the mount masks were made.
-    rules.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, AF_UNIX))
+    # socket(): only the allowed families (UNIX ones included: the host's sockets
+    # stay out of reach even if one was bound after the mount masks were made).
+    if not SOCKET_FAMILIES_ALLOWED:
+        rules.add_rule(eperm, "socket")
+    else:
+        for family in range(AF_MAX):
+            if family not in SOCKET_FAMILIES_ALLOWED:
+                rules.add_rule(eperm, "socket", sc.Arg(0, sc.EQ, family))
+        rules.add_rule(eperm, "socket", sc.Arg(0, sc.GE, AF_MAX))
     rules.set_attr(sc.Attr.CTL_TSYNC, 1)
     try:
         rules.load()
