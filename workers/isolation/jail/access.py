@@ -85,13 +85,34 @@ SYSTEM_READABLE = (
 
 
 def readable_paths(extra: tuple = ()) -> list[str]:
-    """What user code may read: the interpreter and its import path, system
-    libraries and a few /etc files, and ``extra`` (the served model's own files).
-    Not the worker's home, ``NDIF_HOME``, results, the rest of the model cache,
+    """What user code may read: the interpreter, its installed packages and this
+    project's own (``ndif_celery``, ``workers``), system libraries and a few /etc
+    files, and ``extra`` (the served model's own files). Not the worker's home,
+    its working directory, ``NDIF_HOME``, results, the rest of the model cache,
     or any other user's files."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *SYSTEM_READABLE, *extra}
-    paths.update(p for p in sys.path if p and os.path.isdir(p))
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    paths = {*prefixes, *SYSTEM_READABLE, *extra, *_project_packages()}
+    paths.update(p for p in sys.path if p and os.path.isdir(p) and _installed_code(p, prefixes))
     return sorted(os.path.realpath(p) for p in paths if p)
+
+
+def _installed_code(path: str, prefixes) -> bool:
+    """An import-path entry that holds installed code: a site-packages, or a
+    directory under the interpreter's prefixes. Not a source checkout or the
+    working directory on the path (``python -m``): those hold more than code,
+    ``.env`` files and caches among them."""
+    path = os.path.realpath(path)
+    return os.path.basename(path) in ("site-packages", "dist-packages") or any(
+        path == os.path.realpath(p) or path.startswith(os.path.realpath(p).rstrip("/") + "/") for p in prefixes)
+
+
+def _project_packages() -> list[str]:
+    """This project's packages a child imports, wherever they are installed (a
+    checkout, for an editable install): their directories, not what is beside them."""
+    import ndif_celery
+    import workers
+
+    return [os.path.dirname(module.__file__) for module in (ndif_celery, workers)]
 
 
 def covering(readable, private) -> tuple[str, str]:
