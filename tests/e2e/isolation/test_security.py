@@ -87,9 +87,10 @@ def test_writes_outside_the_private_temp_dir_are_refused(jail, model):
 
 def test_no_network_not_even_loopback(jail, model):
     targets = [("127.0.0.1", jail.redis_port), ("127.0.0.1", jail.api_port), ("127.0.0.1", 5432)]
+    status_url = f"{jail.url}/status"  # plain data: the stack object's class is the tests', not the server's
     with model.trace(PROMPT, remote=True):
         outcomes = nnsight.save([attempt(lambda t=t: socket.create_connection(t, timeout=2)) for t in targets])
-        http = nnsight.save(attempt(lambda: httpx.get(f"{jail.url}/status", timeout=2)))
+        http = nnsight.save(attempt(lambda: httpx.get(status_url, timeout=2)))
     for outcome in outcomes + [http]:
         assert not outcome.startswith("ok"), outcome
         # seccomp refuses socket() itself (EPERM); behind it Landlock refuses TCP connect
@@ -248,8 +249,9 @@ def test_other_users_jobs_are_out_of_reach(jail, model):
     poll(other)
     result_file = jail.home / "results" / "results" / f"{other.job_id}.pt"
     assert result_file.exists()
+    url = f"{jail.url}/response/{other.job_id}"
     with model.trace(PROMPT, remote=True):
-        peeked = nnsight.save(peek_at_other_jobs(str(result_file), f"{jail.url}/response/{other.job_id}"))
+        peeked = nnsight.save(peek_at_other_jobs(str(result_file), url))
     assert not peeked["file"].startswith("ok"), peeked
     assert not peeked["http"].startswith("ok"), peeked
 
