@@ -80,11 +80,12 @@ def accept(
 
 def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
                 envelope: wire.Envelope) -> None:
-    """The key and env as nnsight sends them, made canonical in ``envelope``;
-    what this key may load (``policy.models``)."""
-    offered = () if identity.trusted else registry.offered_keys(client)
+    """The key and env as nnsight sends them, made canonical in ``envelope``
+    (the deployment serving the same weights, if one does); what this key may
+    load (``policy.models``)."""
     envelope.model_key, envelope.env = model_policy.ModelPolicy.from_settings(settings).admit(
-        envelope.model_key, envelope.env, identity.trusted, offered)
+        envelope.model_key, envelope.env, identity.trusted, registry.offered_keys(client),
+        lambda repo_id: registry.refs(client, repo_id))
     # A deployment that lists its users (``deploy -f``: ``users``) serves only them.
     deployments.check_access(client, identity, envelope.model_key)
 

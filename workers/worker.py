@@ -246,6 +246,7 @@ class WorkerState:
             self.redis, self.name, model_key, registry.RUNNING,
             size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,
         )
+        registry.record_refs(self.redis, repo, memory.cached_refs(repo))  # which revisions name these weights
         if untrusted_jobs_possible(settings):
             try:
                 self.isolated.start_zygote(model_key)
@@ -309,6 +310,8 @@ class WorkerState:
             settings.worker_metrics_host, settings.worker_metrics_port, lambda: len(self.models.keys())
         )
         self.redis.set(registry.ENV, json.dumps(local_env()))
+        for repo in self.info["cached"]:  # which revisions name the same weights, before any is loaded
+            registry.record_refs(self.redis, repo, memory.cached_refs(repo))
         # A process of this name that died (restarted by a supervisor before
         # it went stale): its models are not here, its job goes to the watchdog.
         registry.take_over(self.redis, self.name, os.getpid())

@@ -244,15 +244,22 @@ def may_use(users: "list | tuple", identity) -> bool:
 
 
 def check_access(client: redis.Redis, identity, model_key: str) -> None:
-    """At intake: refuse (403) a key that the model's deployment does not list in ``users``."""
-    raw = client.hget(registry.DESIRED, model_key)
-    if raw is None:
-        return
-    wish = json.loads(raw)
-    if not may_use(wish.get("users") or (), identity):
-        repo = model_policy.parse(model_key).repo_id
-        raise Refused(f"Model {repo!r} is deployed on this farm for named users only, and this API key is not "
-                      "one of them. Ask the operator to add your email or key to its deployment.", 403)
+    """At intake: refuse (403) a key that a deployment of the same weights does
+    not list in ``users``, whatever revision or task names them (a revision
+    that may be the same commit counts as the same: refused rather than guessed)."""
+    key = model_policy.parse(model_key)
+    refs = None
+    for wished, wish in registry.desired(client).items():
+        users = wish.get("users") or ()
+        if not users or may_use(users, identity):
+            continue
+        others = model_policy.parsed_keys([wished])
+        if not others or others[0].repo_id != key.repo_id:
+            continue
+        refs = registry.refs(client, key.repo_id) if refs is None else refs
+        if model_policy.may_be_same_weights(key, others[0], refs):
+            raise Refused(f"Model {key.repo_id!r} is deployed on this farm for named users only, and this API key "
+                          "is not one of them. Ask the operator to add your email or key to its deployment.", 403)
 
 
 # --- applying -----------------------------------------------------------------------

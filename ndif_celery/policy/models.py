@@ -30,7 +30,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from ndif_celery.wire import WireError, check_model_key
 
@@ -71,6 +71,13 @@ TASKS = frozenset({
     "question-answering", "image-to-text", "visual-question-answering", "image-to-image", "conversational",
 })
 _TRANSLATION = re.compile(r"^translation_[a-z]{2,3}_to_[a-z]{2,3}$")
+# Names transformers takes for one pipeline (its TASK_ALIASES): a key naming
+# either is one model, kept under the canonical name.
+TASK_ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification",
+                "text-to-speech": "text-to-audio"}
+# What the hub loads for revision None; a key naming it is the key without it.
+DEFAULT_BRANCH = "main"
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
 
 # Attention implementations transformers ships (ALL_ATTENTION_FUNCTIONS, plus
 # eager, each also as `paged|<name>`). Never a hub kernel repo (`org/name`):
@@ -97,7 +104,8 @@ class ModelKey:
     @property
     def key(self) -> str:
         """The canonical key: byte for byte what nnsight 0.8.1's ``to_model_key``
-        builds for this model, so the client's own key is already canonical."""
+        builds for this model (revision None for the default branch, a task
+        by its canonical name), so the client's own key is usually canonical already."""
         suffix: dict = {"repo_id": self.repo_id, "revision": self.revision}
         if self.trust_remote_code:
             suffix["trust_remote_code"] = True
@@ -138,12 +146,14 @@ def parse(model_key: str) -> ModelKey:
     revision = data.get("revision")
     if revision is not None:
         revision = check_revision(revision)
+        if revision == DEFAULT_BRANCH:
+            revision = None
     trust = data.get("trust_remote_code", False)
     if not isinstance(trust, bool):
         raise PolicyError("'trust_remote_code' in the model_key must be true or false.")
     if "task" not in data:
         raise PolicyError("The model_key has no 'task' (nnsight's TransformersModel always sends one).")
-    task = check_task(data["task"])
+    task = TASK_ALIASES.get(check_task(data["task"]), data["task"])
     return ModelKey(cls=cls, repo_id=repo_id, revision=revision, task=task, trust_remote_code=trust)
 
 
@@ -218,6 +228,59 @@ def matches(repo_id: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(repo_id, pattern) for pattern in patterns)
 
 
+# --- the same weights under other names -----------------------------------------------
+#
+# One repo's weights can be named by several keys: its default branch as None or
+# "main" (one key after parse), a branch or tag, or the commit it points at. The
+# commit a branch or tag points at is what the workers found in their model cache
+# when they loaded the repo (``registry.refs``); the web has no cache to read.
+
+
+def commit(key: ModelKey, refs: Mapping[str, str]) -> Optional[str]:
+    """The commit ``key`` names: its revision when that is a commit sha, else
+    the commit ``refs`` (the repo's branches and tags) give it; None when unknown."""
+    revision = key.revision or DEFAULT_BRANCH
+    return revision if _COMMIT.match(revision) else refs.get(revision)
+
+
+def same_weights(a: ModelKey, b: ModelKey, refs: Mapping[str, str]) -> bool:
+    """Whether ``a`` and ``b`` are known to name one repo's same weights."""
+    if a.repo_id != b.repo_id:
+        return False
+    if a.revision == b.revision:
+        return True
+    found = commit(a, refs)
+    return found is not None and found == commit(b, refs)
+
+
+def may_be_same_weights(a: ModelKey, b: ModelKey, refs: Mapping[str, str]) -> bool:
+    """Whether ``a`` and ``b`` could name the same weights: one repo, and not
+    two commits known to differ. What an access check must assume."""
+    if a.repo_id != b.repo_id:
+        return False
+    if a.revision == b.revision:
+        return True
+    ours, theirs = commit(a, refs), commit(b, refs)
+    return ours is None or theirs is None or ours == theirs
+
+
+def same_model(a: ModelKey, b: ModelKey, refs: Mapping[str, str]) -> bool:
+    """One deployment serves both: the same weights, loaded the same way."""
+    return (a.cls, a.task, a.trust_remote_code) == (b.cls, b.task, b.trust_remote_code) and same_weights(a, b, refs)
+
+
+def parsed_keys(keys: Iterable[str]) -> list[ModelKey]:
+    """``keys`` already canonical (deployed, or wished by the operator), parsed;
+    any that no longer parses is left out."""
+    out = []
+    for raw in sorted(keys):
+        try:
+            out.append(parse(raw))
+        except PolicyError:
+            continue
+    return out
+
+
 @dataclass(frozen=True)
 class ModelPolicy:
     """The operator's rules (``NDIF_MODELS``, ``NDIF_TRUST_REMOTE_CODE``)."""
@@ -251,19 +314,35 @@ class ModelPolicy:
             raise PolicyError(f"PEFT adapter {peft!r} is not served here (this farm's NDIF_MODELS does not list it).",
                               403)
 
-    def admit(self, model_key: str, env: dict, trusted: bool, offered: Iterable[str] = ()) -> tuple[str, dict]:
+    def admit(self, model_key: str, env: dict, trusted: bool, offered: Iterable[str] = (),
+              refs_of: Callable[[str], Mapping[str, str]] = lambda repo_id: {}) -> tuple[str, dict]:
         """Intake: ``(canonical key, clean env)`` or PolicyError. ``offered`` is
-        the keys deployed now or wished by the operator (what an untrusted key
-        may use without deploying anything new)."""
+        the keys deployed now or wished by the operator; a key naming the same
+        weights as one of them, loaded the same way, is that one (one deployment,
+        not a copy). ``refs_of(repo_id)`` gives a repo's branches and tags as
+        the workers found them (``registry.refs``). An untrusted key uses what
+        is offered; it deploys only a repo NDIF_MODELS lists and nothing offers yet."""
         key = parse(model_key)
         self.check_model(key)
         clean_env = check_env(env)
         self.check_peft(clean_env)
-        if not trusted and not self.untrusted_may_deploy(key) and key.key not in set(offered):
+        same_repo = [other for other in parsed_keys(offered) if other.repo_id == key.repo_id]
+        if same_repo:
+            refs = refs_of(key.repo_id)
+            for other in same_repo:
+                if same_model(key, other, refs):
+                    return other.key, clean_env
+        if not trusted and not self.untrusted_may_deploy(key):
             raise PolicyError(
                 f"Model {key.repo_id!r} (revision {key.revision!r}, task {key.task!r}) is not deployed on this farm, "
                 "and untrusted keys cannot deploy new models. Use a model listed as deployed in /status, "
                 "or ask the operator to deploy it (ndif-celery deploy) or list it in NDIF_MODELS.", 403)
+        if not trusted and same_repo:
+            served = ", ".join(f"revision {other.revision!r} task {other.task!r}" for other in same_repo)
+            raise PolicyError(
+                f"Model {key.repo_id!r} is deployed on this farm as {served}; untrusted keys use a deployment as it "
+                f"is and cannot deploy another revision or task of it (asked: revision {key.revision!r}, task "
+                f"{key.task!r}). Ask the operator to deploy it (ndif-celery deploy).", 403)
         return key.key, clean_env
 
     def loadable(self, model_key: str) -> str:

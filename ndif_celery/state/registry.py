@@ -19,6 +19,8 @@ so a killed worker disappears from ``/status`` without anyone cleaning up.
 - key  ``ndif:env``           the workers' Python and package versions, for ``GET /env``
 - key  ``ndif:status``        the ``GET /status`` document, rewritten by the controller every tick
 - channel ``ndif:controller`` wakes the controller (a new queue, a deploy, an evict)
+- hash ``ndif:refs:<repo_id>`` branch or tag -> the commit it pointed at in the model cache of the
+  worker that last loaded the repo (``policy.models.same_weights``: one repo's weights named two ways)
 - hash ``ndif:orphans``       job id -> JSON {worker, pid}: the job a worker process was running
   when it died, handed over by the next process of the same name (``take_over``) for the
   watchdog (``ndif_celery.farm.watchdog``) to rescue
@@ -267,3 +269,22 @@ def offered_keys(redis_client) -> set:
     keys = {entry["model_key"] for entry in live_deployments(redis_client)}
     keys.update(key.decode() for key in redis_client.hkeys(DESIRED))
     return keys
+
+
+def _refs_key(repo_id: str) -> str:
+    return f"ndif:refs:{repo_id}"
+
+
+def record_refs(client: redis.Redis, repo_id: str, refs: dict) -> None:
+    """What ``repo_id``'s branches and tags point at, as a worker's cache says
+    when it loads the repo (the last loader's picture replaces the one before)."""
+    pipe = client.pipeline()
+    pipe.delete(_refs_key(repo_id))
+    if refs:
+        pipe.hset(_refs_key(repo_id), mapping=refs)
+    pipe.execute()
+
+
+def refs(client: redis.Redis, repo_id: str) -> dict:
+    """``repo_id``'s branches and tags -> commits, as last recorded (empty: none known)."""
+    return {name.decode(): sha.decode() for name, sha in client.hgetall(_refs_key(repo_id)).items()}

@@ -116,6 +116,29 @@ def test_intake_refuses_a_key_the_deployment_does_not_list(redis_client):
     deployments.check_access(redis_client, auth.Identity(key_id=2), _key("org/not-deployed"))
 
 
+def test_a_deployments_users_hold_for_every_name_of_its_weights(redis_client):
+    """The wish names a commit; bob names the same weights by the default
+    branch (None or "main"), by a tag, by the commit, by a task alias, and by a
+    branch nobody recorded: refused each time. A commit known to differ is not
+    this deployment."""
+    sha, other_sha = "a" * 40, "b" * 40
+    key = _key("org/a", sha).replace("text-generation", "token-classification")
+    redis_client.hset(registry.DESIRED, key, json.dumps({"pinned": True, "users": ["ada@example.org"]}))
+    registry.record_refs(redis_client, "org/a", {"main": sha, "v1": sha, "v2": other_sha})
+    ada, bob = auth.Identity(key_id=1, email="ada@example.org"), auth.Identity(key_id=2, email="bob@example.org")
+    try:
+        for revision in (None, "main", "v1", sha, "v9"):
+            for task in ("ner", "token-classification", "text-generation"):
+                named = model_policy.parse(_key("org/a", revision).replace("text-generation", task)).key
+                deployments.check_access(redis_client, ada, named)
+                with pytest.raises(Refused, match="for named users only"):
+                    deployments.check_access(redis_client, bob, named)
+        for revision in ("v2", other_sha):
+            deployments.check_access(redis_client, bob, _key("org/a", revision))
+    finally:
+        redis_client.delete(registry.DESIRED, "ndif:refs:org/a")
+
+
 def test_warns_that_users_with_auth_off_refuse_everyone():
     entries = deployments.parse("- repo: org/a\n  users: [ada@example.org]\n- repo: org/b\n")
     assert [w.split(":")[0] for w in deployments.warnings(entries, auth=False)] == ["org/a"]

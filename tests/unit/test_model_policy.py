@@ -76,10 +76,65 @@ def test_only_the_transformers_class_is_built(key, words):
 
 
 def test_revisions_and_tasks_nnsight_uses_pass():
-    for revision in ("main", "refs/pr/12", "v1.0", "a" * 40, "release_2-b"):
+    for revision in ("refs/pr/12", "v1.0", "a" * 40, "release_2-b"):
         assert model_policy.parse(_key(repo_id=REPO_ID, revision=revision, task="text-generation")).revision == revision
     for task in ("translation_en_to_fr", "text-classification", "image-text-to-text"):
         assert model_policy.parse(_key(repo_id="gpt2", revision=None, task=task)).task == task
+
+
+def test_the_default_branch_and_task_aliases_are_one_key():
+    """What the hub loads for revision None is "main"; transformers takes each
+    alias for its task. Either way one canonical key, so one deployment and
+    one access check."""
+    from transformers.pipelines import TASK_ALIASES
+
+    assert model_policy.parse(_key(repo_id=REPO_ID, revision="main", task="text-generation")).key == KEY
+    for alias, task in TASK_ALIASES.items():
+        if alias in model_policy.TASKS:
+            assert model_policy.TASK_ALIASES[alias] == task, alias
+            named = model_policy.parse(_key(repo_id=REPO_ID, revision=None, task=alias))
+            assert named.key == model_policy.parse(_key(repo_id=REPO_ID, revision=None, task=task)).key
+    assert model_policy.parse(_key(repo_id=REPO_ID, revision=None, task="ner")).task == "token-classification"
+
+
+SHA_1, SHA_2 = "1" * 40, "2" * 40
+REFS = {"main": SHA_1, "v1": SHA_1, "v2": SHA_2}
+
+
+def _named(revision, task="text-generation"):
+    return model_policy.parse(_key(repo_id=REPO_ID, revision=revision, task=task))
+
+
+def test_the_same_weights_under_a_branch_a_tag_and_their_commit():
+    same, may_be = model_policy.same_weights, model_policy.may_be_same_weights
+    for a, b in [(None, SHA_1), (None, "v1"), ("v1", SHA_1), ("v2", SHA_2)]:
+        assert same(_named(a), _named(b), REFS) and may_be(_named(a), _named(b), REFS), (a, b)
+    for a, b in [(None, "v2"), (SHA_1, SHA_2), ("v1", "v2")]:
+        assert not same(_named(a), _named(b), REFS) and not may_be(_named(a), _named(b), REFS), (a, b)
+    # A branch whose commit nobody recorded: not known to be the same, nor known to differ.
+    assert not same(_named("v3"), _named(SHA_1), REFS) and may_be(_named("v3"), _named(SHA_1), REFS)
+    assert not may_be(_named(None), model_policy.parse(_key(repo_id="org/other", revision=None,
+                                                              task="text-generation")), REFS)
+
+
+def test_a_key_naming_deployed_weights_is_that_deployment():
+    """Another name of an offered model's weights is the offered key, for every
+    key: one deployment, not a copy. An untrusted key cannot deploy another
+    revision or task of an offered repo, even one NDIF_MODELS lists."""
+    deployed = _named(SHA_1).key
+    listed = ModelPolicy(models=("ndif-celery/*",))
+    for policy in (ModelPolicy(), listed):
+        for trusted in (True, False):
+            for revision in (None, "main", "v1", SHA_1):
+                assert policy.admit(_named(revision).key, {}, trusted, {deployed}, lambda repo: REFS)[0] == deployed
+    classifier = _named(None, "text-classification").key
+    assert listed.admit(_key(repo_id=REPO_ID, revision="main", task="sentiment-analysis"), {}, False,
+                        {classifier}, lambda repo: REFS)[0] == classifier
+    for other in (_named("v2").key, _named(None, "token-classification").key):
+        with pytest.raises(PolicyError, match="cannot deploy another revision or task of it") as caught:
+            listed.admit(other, {}, False, {deployed}, lambda repo: REFS)
+        assert caught.value.status == 403
+        assert listed.admit(other, {}, True, {deployed}, lambda repo: REFS)[0] == other  # trusted: its own
 
 
 def test_the_task_and_attention_lists_cover_the_installed_transformers():

@@ -1,4 +1,4 @@
-"""A worker's memory budget for models, measured without touching CUDA.
+"""A worker's memory budget for models, measured without touching CUDA; what its model cache holds.
 
 CUDA must not be initialised in a process that will fork (the isolation path
 forks per request), so GPU memory is read from ``nvidia-smi``, not torch.
@@ -6,6 +6,8 @@ forks per request), so GPU memory is read from ``nvidia-smi``, not torch.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 
@@ -72,3 +74,24 @@ def cached_repos(settings: config.Settings | None = None) -> list[str]:
         if any(model_policy.is_model_snapshot(revision.snapshot_path) for revision in repo.revisions):
             runnable.add(repo.repo_id)
     return sorted(runnable)
+
+
+def cached_refs(repo_id: str) -> dict:
+    """``repo_id``'s branches and tags in this host's model cache -> the commit
+    each points at (``refs/main``, ``refs/v1``, ``refs/pr/1``): how the web
+    knows two revisions name the same weights (``registry.record_refs``)."""
+    from huggingface_hub import constants, file_download
+
+    root = os.path.join(constants.HF_HUB_CACHE, file_download.repo_folder_name(repo_id=repo_id, repo_type="model"),
+                        "refs")
+    refs = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    sha = f.read().strip()
+            except OSError:
+                continue
+            if re.fullmatch(r"[0-9a-f]{40}", sha):
+                refs[os.path.relpath(os.path.join(folder, name), root)] = sha
+    return refs

@@ -26,6 +26,7 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.accounts import db
+from ndif_celery.farm.actions import model_key_for
 from tests.support.load import COBATCH_TOLERANCE
 from tests.support.servers import Receiver
 from tests.support.stack import Stack
@@ -160,7 +161,7 @@ def test_boot_deployments_after_up_and_again_when_a_worker_joins(ops):
     assert again["pinned"]
 
 
-def test_a_models_file_is_applied_then_synced(ops, tmp_path):
+def test_a_models_file_is_applied_then_synced(ops, tmp_path, hf_home):
     """``deploy -f``: loads, pins and who may use it; ``--sync`` with a shorter file
     evicts what the file no longer lists and leaves a hand-deployed model alone."""
     stack = ops.stack
@@ -176,10 +177,21 @@ def test_a_models_file_is_applied_then_synced(ops, tmp_path):
     assert [e["pinned"] for e in held[A].values()] == [True] and not any(e["pinned"] for e in held[B].values())
 
     _trace(ops, A, "ada")
+    # Bob names A's weights every way: the default branch, "main", the commit it points at.
+    commit = snapshot_dir(hf_home, A).name
     nnsight.CONFIG.API.APIKEY = ops.keys["bob"]
-    with pytest.raises(RemoteError, match="deployed on this farm for named users only"):
-        with client_model(A).trace(PROMPT, remote=True):
-            client_model(A).transformer.h[0].output.save()
+    for revision in (None, "main", commit):
+        named = client_model(A, revision=revision)
+        with pytest.raises(RemoteError, match="deployed on this farm for named users only"):
+            with named.trace(PROMPT, remote=True):
+                named.transformer.h[0].output.save()
+    # Ada's trace by the commit runs on the one deployment there is, not on a copy.
+    nnsight.CONFIG.API.APIKEY = ops.keys["ada"]
+    named = client_model(A, revision=commit)
+    with named.trace(PROMPT, remote=True):
+        named.transformer.h[0].output.save()
+    assert [entry["model_key"] for entry in stack.farm()["deployments"].values() if entry["repo_id"] == A] == [
+        model_key_for(A)], "a second deployment of the same weights"
     _trace(ops, B, "bob")
 
     bad = tmp_path / "bad.yaml"
