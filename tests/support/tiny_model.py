@@ -249,7 +249,7 @@ def client_model(repo_id: str = REPO_ID, **kwargs: Any):
     """The nnsight client model for ``repo_id``, usable with the hub unreachable.
 
     What a real user would construct, plus the three things an offline client
-    needs (see shared/server-recipe.md, "The client offline"): an explicit
+    needs: an explicit
     ``task``, a preloaded tokenizer, and a seeded canonical-id cache so
     ``to_model_key()`` does not call the hub. Requires ``HF_HOME`` pointing at
     a folder where ``build_tiny_gpt2`` ran and ``HF_HUB_OFFLINE=1``, both set

@@ -10,7 +10,7 @@ import subprocess
 from tests.support.paths import ROOT
 
 ISSUE = re.compile(r"\bissues? #\d+|\(#\d+\)|#\d+ item", re.IGNORECASE)
-OUTSIDE = re.compile(r"/work/(main|shared)\b|\.\./shared/")
+OUTSIDE = re.compile(r"/work/(main|shared)\b|\.\./shared/|\bshared/(cobatch/|[a-z-]+\.md\b)")
 
 
 def _tracked_text():
@@ -39,4 +39,5 @@ def test_the_rules_catch_what_they_name():
     assert ISSUE.search(f"as issue {hash_}15 asked") and ISSUE.search(f"fixed ({hash_}13)")
     assert ISSUE.search(f"{hash_}14 item 4")
     assert not ISSUE.search("port 8001 # the API") and not ISSUE.search("color: #1a2b3c")
-    assert OUTSIDE.search("see /work" + "/shared/cobatch/README.md") and OUTSIDE.search(".." + "/shared/design.md")
+    assert OUTSIDE.search("see /work" + "/sha" + "red/cobatch/README.md") and OUTSIDE.search(".." + "/sha" + "red/design.md")
+    assert OUTSIDE.search("(see " + "sha" + "red/server-recipe.md)") and not OUTSIDE.search("a shared/ folder")
