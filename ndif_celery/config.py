@@ -326,6 +326,8 @@ VARIABLES: tuple = (
     Var("NDIF_LOG_BYTES_PER_JOB", "log_bytes_per_job", 4 * MiB, _int, "LOG output one job may publish in all (0: no limit)"),
     # Limits: single-host defaults, and with auth on the AUTH_ON_DEFAULTS (why: there).
     Var("NDIF_MAX_RESULT_BYTES", "max_result_bytes", 4 * GiB, _int, "largest result a job may return", auth_on=1 * GiB),
+    Var("NDIF_RESULT_QUOTA_BYTES", "result_quota_bytes", 0, _int,
+        "bytes of stored results one key may keep until they expire (0: none)", auth_on=8 * GiB),
     Var("NDIF_MAX_PAYLOAD_BYTES", "max_payload_bytes", 256 * MiB, _int, "largest request payload", auth_on=64 * MiB),
     Var("NDIF_RATE_LIMIT_PER_MIN", "rate_limit_per_min", 0, _int, "requests per minute per key (0: none)", auth_on=120),
     Var("NDIF_MAX_CONCURRENT_JOBS", "max_concurrent_jobs", 0, _int, "jobs queued or running at once per key (0: none)", auth_on=4),

@@ -43,6 +43,15 @@ def result_too_big(size: int, limit: int) -> RequestError:
     )
 
 
+def result_over_quota(size: int, used: int, quota: int, ttl_s: float) -> RequestError:
+    return RequestError(
+        f"Your job's result is {size} bytes, and this API key's stored results already hold {used} bytes of its "
+        f"quota of {quota} bytes (NDIF_RESULT_QUOTA_BYTES), so it was not kept. Stored results count until they "
+        f"expire, {ttl_s:g} s after their job ended (NDIF_JOB_TTL_S); blocking traces within "
+        "NDIF_MAX_INLINE_BYTES are sent over the websocket and not stored."
+    )
+
+
 def payload_error(error: BaseException) -> RequestError:
     return RequestError(
         f"Your request payload could not be read ({type(error).__name__}: {error}). "

@@ -18,7 +18,7 @@ import redis
 
 from ndif_celery import wire
 
-from . import jobs
+from . import jobs, result_bytes
 
 EXPIRED = "ndif:jobs:expired"  # zset: job id -> when the sweep removed it
 # How long an expired job is remembered as such (a few bytes each).
@@ -47,6 +47,7 @@ def sweep(client: redis.Redis, store, ttl_s: float, now: Optional[float] = None)
             break
         for job_id in ids:
             store.delete(result_key(job_id))
+        result_bytes.release(client, ids)  # each key's quota has room again
         pipe = client.pipeline(transaction=False)
         for job_id in ids:
             pipe.delete(*jobs.job_keys(job_id))

@@ -251,3 +251,28 @@ def test_open_store_filesystem(tmp_path):
     # Another process of the same stack (same NDIF_HOME) accepts the URL.
     again = open_store(config.load({"NDIF_HOME": str(tmp_path)}))
     assert again.verify("x", q["expires"], q["signature"])
+
+
+# --------------------------------------------------------------- bytes kept per key
+
+
+def test_a_keys_stored_bytes_are_reserved_then_given_back_by_the_sweep(fs_store, redis_client):
+    """What ``deliver`` and the expiry sweep do with a key's quota, against a
+    real Redis and store: over the quota nothing is counted, and the sweep that
+    deletes a result gives its bytes back; another key's count is its own."""
+    from ndif_celery.state import expiry, jobs, result_bytes
+
+    try:
+        assert result_bytes.reserve(redis_client, "key:1", "job-a", 600, quota=1000) is None
+        assert result_bytes.reserve(redis_client, "key:1", "job-b", 600, quota=1000) == 600  # would make 1200
+        assert result_bytes.reserve(redis_client, "key:2", "job-c", 900, quota=1000) is None
+        assert (result_bytes.used(redis_client, "key:1"), result_bytes.used(redis_client, "key:2")) == (600, 900)
+        fs_store.put(expiry.result_key("job-a"), b"x" * 600)
+        redis_client.zadd(jobs.ENDED, {"job-a": time.time() - 100})
+        assert expiry.sweep(redis_client, fs_store, ttl_s=10)["jobs"] == 1
+        assert (result_bytes.used(redis_client, "key:1"), result_bytes.used(redis_client, "key:2")) == (0, 900)
+        assert result_bytes.reserve(redis_client, "key:1", "job-b", 600, quota=1000) is None
+        result_bytes.release(redis_client, ["job-b", "job-b", "never-counted"])  # an upload failed: once
+        assert result_bytes.used(redis_client, "key:1") == 0
+    finally:
+        redis_client.delete(result_bytes.TOTALS, result_bytes.SIZES, jobs.ENDED, expiry.EXPIRED)

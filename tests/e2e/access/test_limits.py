@@ -31,7 +31,7 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from tests.support import pace
-from tests.support.remote import poll, slow_job, wait_status
+from tests.support.remote import final_status, poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT
 from tests.support.waiting import wait_until
@@ -40,6 +40,7 @@ PAYLOAD_LIMIT = 200_000
 UPLOAD_GRACE_S = 3  # how far a body may fall behind NDIF_UPLOAD_MIN_BYTES_PER_S
 WEB_CONNECTIONS = 400  # the web's connection slots: what slow uploads would take from everyone
 RESULT_LIMIT = 100_000
+RESULT_QUOTA = 250_000  # a key's stored results: two of 90 kB, not three
 TIMEOUT_BASE_S = 5  # the execution timeout on an idle reference machine (scaled in the fixture)
 INSTALLED = importlib.metadata.version("nnsight")
 HERE = f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -55,6 +56,7 @@ def stack(tmp_path_factory, hf_home):
     env = {
         "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_ISOLATION": "fork",  # no zygote is the subject here
         "NDIF_MAX_PAYLOAD_BYTES": str(PAYLOAD_LIMIT), "NDIF_MAX_RESULT_BYTES": str(RESULT_LIMIT),
+        "NDIF_RESULT_QUOTA_BYTES": str(RESULT_QUOTA),
         "NDIF_EXECUTION_TIMEOUT_S": str(timeout_s), "NDIF_MAX_QUEUE_DEPTH": "2",
         "NDIF_MIN_NNSIGHT_VERSION": INSTALLED, "NDIF_MIN_PYTHON_VERSION": HERE,
         "NDIF_UPLOAD_GRACE_S": str(UPLOAD_GRACE_S), "NDIF_WEB_CONNECTIONS": str(WEB_CONNECTIONS),
@@ -116,6 +118,37 @@ def test_result_size(stack, model, trusted_key, monkeypatch):
         with model.trace(PROMPT, remote=True):
             over = nnsight.save(torch.zeros(RESULT_LIMIT, dtype=torch.uint8))  # noqa: F841
     _works(model)
+
+
+def _stored_job(model):
+    """A non-blocking job (its result is stored, not sent inline) saving 90 kB."""
+    with model.trace(PROMPT, remote=True, blocking=False) as tracer:
+        data = nnsight.save(torch.randint(0, 256, (90_000,), dtype=torch.uint8))  # noqa: F841 (incompressible)
+    return tracer.backend
+
+
+def test_stored_results_are_bounded_per_key(stack, model, monkeypatch):
+    """NDIF_RESULT_QUOTA_BYTES: the job whose result would take its key's
+    stored results over the quota ends with an error naming the quota and what
+    the key keeps; its earlier results still download, and another key's jobs
+    are not counted against it."""
+    monkeypatch.setattr(nnsight.CONFIG.API, "COMPRESS", False)
+    key = make_key(stack, "--trusted")
+    monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", key)
+    kept = [_stored_job(model) for _ in range(2)]
+    for backend in kept:
+        poll(backend)
+    with pytest.raises(RemoteError, match="NDIF_RESULT_QUOTA_BYTES") as caught:
+        poll(_stored_job(model))
+    detail = str(caught.value)
+    used = int(re.search(r"already hold (\d+) bytes", detail).group(1))
+    assert f"quota of {RESULT_QUOTA} bytes" in detail and 180_000 < used <= RESULT_QUOTA, detail
+    for backend in kept:
+        latest = final_status(stack.url, backend.job_id, headers={"ndif-api-key": key})
+        assert latest["status"] == "COMPLETED" and httpx.get(latest["data"], timeout=30).status_code == 200
+    monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", make_key(stack, "--trusted"))
+    for _ in range(2):
+        poll(_stored_job(model))
 
 
 @pytest.mark.parametrize("trusted", [True, False], ids=["in-process", "isolated"])
