@@ -27,12 +27,14 @@ from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.accounts import db
 from ndif_celery.farm.actions import model_key_for
+from ndif_celery.policy.models import TRANSFORMERS_MODEL
 from tests.support.load import COBATCH_TOLERANCE
 from tests.support.servers import Receiver
 from tests.support.stack import Stack
 from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model, snapshot_dir
 
 BOOT, A, B, C, SCHED = "ops/boot", "ops/a", "ops/b", "ops/c", "ops/sched"
+TAGGER = "ops/tagger"  # deployed as a token classifier, for named users
 W0, W1 = "gpu0@ops-test", "gpu2@ops-test"
 DEVICES = {W0: 2, W1: 1}
 
@@ -42,7 +44,7 @@ METRICS_TOKEN = "prometheus-scrape-token-5d2c"
 
 @pytest.fixture(scope="module")
 def ops(tmp_path_factory, hf_home):
-    for seed, repo in enumerate((BOOT, A, B, C, SCHED)):
+    for seed, repo in enumerate((BOOT, A, B, C, SCHED, TAGGER)):
         build_tiny_gpt2(hf_home, repo, n_layer=1, seed=40 + seed)
     home = tmp_path_factory.mktemp("operations") / "home"
     home.mkdir(parents=True)
@@ -168,7 +170,8 @@ def test_a_models_file_is_applied_then_synced(ops, tmp_path, hf_home):
     models = tmp_path / "models.yaml"
     models.write_text(f"- repo: {BOOT}\n  pin: true\n"
                       f"- repo: {A}\n  pin: true\n  users: [ada@ops.test]\n"
-                      f"- repo: {B}\n")
+                      f"- repo: {B}\n"
+                      f"- repo: {TAGGER}\n  task: token-classification\n  users: [ada@ops.test]\n")
     out = _cli(stack, "deploy", "-f", str(models)).stdout
     assert f"{A}: added" in out and f"{B}: added" in out and f"{BOOT}: unchanged" not in out.split("added")[0]
     _cli(stack, "deploy", C)  # by hand: not the file's
@@ -192,6 +195,14 @@ def test_a_models_file_is_applied_then_synced(ops, tmp_path, hf_home):
         named.transformer.h[0].output.save()
     assert [entry["model_key"] for entry in stack.farm()["deployments"].values() if entry["repo_id"] == A] == [
         model_key_for(A)], "a second deployment of the same weights"
+    # The tagger, asked for by its task's alias ("ner" is token-classification), by raw HTTP.
+    for task in ("ner", "token-classification"):
+        sent = f"{TRANSFORMERS_MODEL}:{json.dumps({'repo_id': TAGGER, 'revision': None, 'task': task})}"  # as sent
+        envelope = {"model_key": sent, "session_id": "", "compress": False, "env": {}}
+        refused = httpx.post(f"{stack.url}/request", data={"data": json.dumps(envelope)},
+                             files={"blob": ("request", b"x", "application/octet-stream")},
+                             headers={"ndif-api-key": ops.keys["bob"]}, timeout=30)
+        assert refused.status_code == 403 and "for named users only" in refused.json()["detail"], refused.text
     _trace(ops, B, "bob")
 
     bad = tmp_path / "bad.yaml"
