@@ -1,0 +1,12 @@
+"""The web: the Flask app the nnsight client talks to (never imports ``workers`` or torch).
+
+- ``app``: the factory, and the one ``Refused`` handler every refusal goes through.
+- ``identity``: who is asking, for every route.
+- ``uploads``: a request body admitted from its headers, read against a clock.
+- ``routes``: the HTTP API (``POST /request``, ``GET /response``, ``/status``...).
+- ``subscribe``: ``WS /subscribe``, a blocking client's status stream.
+- ``hub``: one Redis pub/sub connection per process for all its websockets.
+- ``results``: downloads of results kept in the filesystem store.
+- ``dashboard``: ``/metrics`` and ``/dashboard``.
+- ``gunicorn_conf``: gunicorn's settings from the ``NDIF_*`` environment.
+"""

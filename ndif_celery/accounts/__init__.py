@@ -6,8 +6,8 @@ Bottom first:
   one host, PostgreSQL in production).
 - ``auth``: who is asking (the ``ndif-api-key`` header), trust, priority and
   ownership; fails closed when the database is away.
-- ``limits``: payload size, rate and concurrency per key, sockets per key,
-  queue depth; counters in Redis so every web process shares them.
+- ``limits``: payload size, rate and concurrency per key, sockets and uploads
+  in flight per key, queue depth; counters in Redis so every web process shares them.
 - ``usage``: usage per key and per model from the ledger (``ndif-celery
   usage``, the dashboard) and the bounded ``ndif_usage_*`` counters.
 - ``ledger``: one database row per ended job, queued in Redis with its final
