@@ -206,3 +206,13 @@ def test_the_image_requires_keys_by_default(dockerfile, tmp_path):
     trusted in the worker) is the operator's explicit NDIF_AUTH=0, not the default."""
     settings = load_settings(dockerfile_env(dockerfile), tmp_path / "home")
     assert settings.api_host == "0.0.0.0" and settings.auth, "the image serves an open farm on every address"
+
+
+def test_the_images_model_cache_lies_outside_what_a_jailed_child_reads(dockerfile):
+    """A child reads its own model's folder of the cache, nothing else of it: that
+    holds only where HF_HOME is under none of the paths the jail leaves readable
+    (the image's Python lives in /usr/local; /var is not readable)."""
+    from workers.isolation.jail import SYSTEM_READABLE, covering
+
+    hf_home = dockerfile_env(dockerfile)["HF_HOME"]
+    assert covering(["/usr/local", *SYSTEM_READABLE], [hf_home, f"{hf_home}/hub", f"{hf_home}/token"]) == ("", "")
