@@ -31,12 +31,14 @@ from bench.plan import ALL, COMPUTE_THREADS, OUT_DIR, TIME_WORKLOADS, TITLES, Mi
 from bench.sections.capacity import CapacitySection
 from bench.sections.checks import TargetChecks
 from bench.sections.cobatch import CobatchSection
+from bench.sections.fairness import FairnessSection
 from bench.sections.isolation import IsolationSection
 from bench.sections.throughput import ThroughputSection
 from bench.sections.timed import TimedSections
 
 
-class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, CapacitySection, TargetChecks):
+class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, FairnessSection, CapacitySection,
+            TargetChecks):
     """One bench run: ``Bench(args, plan, model, hf_home).run()``, then ``close()``."""
 
     def __init__(self, args: argparse.Namespace, plan: Plan, model: BenchModel, hf_home: Path) -> None:
@@ -66,7 +68,8 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
                      "cold_reps": plan.cold_reps, "isolation_reps": plan.isolation_reps,
                      "throughput": plan.throughput, "compute_throughput": plan.compute_throughput,
                      "cobatch": plan.cobatch, "compute_cobatch": plan.compute_cobatch,
-                     "cobatch_rounds": plan.cobatch_rounds, "client_nice": self.client_nice},
+                     "cobatch_rounds": plan.cobatch_rounds, "fairness": plan.fairness,
+                     "client_nice": self.client_nice},
             "workloads": {},
             "checks": [],
         }
@@ -208,6 +211,8 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
                 self.timed("throughput_compute", self.compute_throughput)
             if "cobatch" in self.only:
                 self.timed("cobatch_compute", self.compute_cobatch)
+        if "fairness" in self.only:
+            self.timed("fairness", self.fairness)
         if "capacity" in self.only:
             self.timed("capacity", self.capacity)
         self.out["checks"] = self.checks()

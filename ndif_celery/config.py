@@ -249,6 +249,8 @@ VARIABLES: tuple = (
     Var("NDIF_MAX_INLINE_BYTES", "max_inline_bytes", 4 * MiB, _int, "largest result sent inline on the websocket"),
     Var("NDIF_RESULT_URL_TTL_S", "result_url_ttl_s", 3600, _int, "lifetime of a result URL"),
     Var("NDIF_JOB_TTL_S", "job_ttl_s", 24 * 3600, _int, "how long payloads and statuses stay in Redis"),
+    Var("NDIF_DISCONNECT_GRACE_S", "disconnect_grace_s", 10.0, _float,
+        "how long a blocking job outlives its client's closed websocket before it is cancelled (0: never)"),
     Var("NDIF_VISIBILITY_TIMEOUT_S", "visibility_timeout_s", 6 * 3600, _int, "broker redelivery timeout; must exceed the longest job"),
     Var("NDIF_REDIS_OUTAGE_S", "redis_outage_s", 30.0, _float, "how long the web and workers wait for Redis to come back"),
     Var("NDIF_LEDGER_RETENTION_DAYS", "ledger_retention_days", 90.0, _float, "age at which the cleanup deletes ledger rows (0: never)"),
@@ -280,6 +282,8 @@ VARIABLES: tuple = (
     # 0 = torch's default (every core); see docs/performance.md.
     Var("NDIF_TORCH_THREADS", "torch_threads", 0, _int, "intra-op threads of a worker's torch"),
     # Co-batching trusted requests of one model into one forward (workers.cobatch; docs/cobatching.md).
+    Var("NDIF_FAIR_TURNS", "fair_turns", True, _bool,
+        "keys with waiting jobs take turns on a model's queue (false: first in, first out)"),
     Var("NDIF_COBATCH_MAX", "cobatch_max", 16, _int, "most rows (prompts) one co-batched forward holds (1: off)"),
     Var("NDIF_COBATCH_PAD", "cobatch_pad", True, _bool, "co-batch requests of different token lengths (left-padded)"),
     # 0 = measure: the GPUs' memory, or half the host's RAM on a CPU worker.

@@ -6,7 +6,7 @@ them. The order is part of the contract: a request wrong in two ways is
 refused for the first, as on NDIF (a bad envelope before an old client):
 
     envelope -> version gate -> model policy (and a deployment's users) -> session -> payload
-             -> limits -> park -> enqueue (QUEUED, Celery message, controller)
+             -> limits -> turn -> park -> enqueue (QUEUED, Celery message at its turn, controller)
 
 Before any of this the web has checked what the headers tell (the key, the
 body's size, the key's rate and concurrency, room to read the body:
@@ -36,7 +36,7 @@ from .farm import deployments
 from .monitoring import probes
 from .policy import client_versions as versions
 from .policy import models as model_policy
-from .state import jobs, queues, registry
+from .state import jobs, queues, registry, turns
 
 
 def accept(
@@ -70,9 +70,15 @@ def accept(
         owner=identity.owner,
     )
     queue = queue_for(job.model_key)
-    position = count(client, identity, job, queue, settings)
+    depths = limits.check_and_count(client, identity, queue, settings)
+    if settings.fair_turns:
+        position = turns.plan(client, job, queue, settings.job_ttl_s)  # its turn among the keys waiting
+    else:  # first in, first out: behind every job of its priority or before it
+        position = sum(depths[:len(queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL))]) + 1
     park(client, job, blob, queue, position, settings)
     send_job(celery, job)
+    if settings.fair_turns:
+        turns.place(client, job, queue, settings.job_ttl_s)
     # The controller deploys the model if no worker holds it (``ndif_celery.farm.controller``).
     registry.wake_controller_once(client, queue)
     return job
@@ -138,15 +144,6 @@ def zstd_problem(blob: bytes) -> str:
     if params.content_size in (0, zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
         return "The payload is declared compressed but its zstd frame has no content size."
     return ""
-
-
-def count(client: redis.Redis, identity: auth.Identity, job: jobs.Job, queue: str,
-          settings: config.Settings) -> int:
-    """Refuse a key over its rate, concurrency or the queue's depth; else count
-    the request and return the job's queue position (1 is next)."""
-    depths = limits.check_and_count(client, identity, queue, settings)
-    ahead = queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL)
-    return sum(depths[: len(ahead)]) + 1
 
 
 def park(client: redis.Redis, job: jobs.Job, blob: bytes, queue: str, position: int,

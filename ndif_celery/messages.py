@@ -35,11 +35,18 @@ def timed_out_unanswered(timeout_s: float) -> str:
 
 #: ERROR ``kind="cancelled"``: ``ndif-celery kill`` (queued or running).
 CANCELLED = "Your job was cancelled by the operator."
+CANCELLED_BY_OWNER = "Your job was cancelled at your request (POST /cancel/<id> with its API key)."
 
 
-def cancelled_unanswered(worker: str) -> str:
+def client_gone(grace_s: float) -> str:
+    """ERROR ``kind="cancelled"`` of a blocking job whose client went away (``web/subscribe.py``)."""
+    return (f"Your job was cancelled: its client went away (its websocket closed) and did not come back within "
+            f"{grace_s:g} s (NDIF_DISCONNECT_GRACE_S), so it stopped holding the model.")
+
+
+def cancelled_unanswered(worker: str, text: str = CANCELLED) -> str:
     """ERROR ``kind="cancelled"`` sent by ``ndif-celery kill`` itself: the running worker did not reply."""
-    return (CANCELLED + f" The worker running it ({worker}) did not reply (the code held the interpreter in a C call); "
+    return (text + f" The worker running it ({worker}) did not reply (the code held the interpreter in a C call); "
             "it is restarted at the job's deadline.")
 
 

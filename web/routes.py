@@ -15,9 +15,10 @@ import json
 import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery import intake, wire
+from ndif_celery import intake, messages, wire
 from ndif_celery.accounts import auth
 from ndif_celery.errors import Refused
+from ndif_celery.farm import actions
 from ndif_celery.host import environment
 from ndif_celery.state import expiry as cleanup
 from ndif_celery.state import jobs, registry
@@ -66,7 +67,29 @@ def response(job_id: str):
         raise Refused(f"No response for request {job_id}.", 404)
     if client.get(jobs.owner_key(job_id)) != identity.owner.encode():
         raise Refused(f"Request {job_id} was submitted with another API key.", 403)
+    client.delete(jobs.gone_key(job_id))  # its client is back: a closed websocket does not cancel it
     return Response(_fresh_url(latest, job_id), mimetype="application/json")
+
+
+@bp.post("/cancel/<job_id>")
+def cancel(job_id: str):
+    """The job's owner ends it: taken out of its queue, or interrupted where it
+    runs (as ``ndif-celery kill``); another key is refused (403)."""
+    identity = identify()
+    client = _redis()
+    owner = client.get(jobs.owner_key(job_id)) if wire.JOB_ID.match(job_id) else None
+    if owner is None:
+        raise Refused(f"No request {job_id} to cancel (unknown, or expired).", 404)
+    if owner != identity.owner.encode():
+        raise Refused(f"Request {job_id} was submitted with another API key; only its owner may cancel it.", 403)
+    if jobs.finished(client, job_id):
+        raise Refused(f"Request {job_id} has already ended.", 409)
+    try:
+        done = actions.kill(client, current_app.config["NDIF_CELERY"], job_id, _settings().job_ttl_s,
+                            messages.CANCELLED_BY_OWNER)
+    except actions.FarmError:
+        raise Refused(f"Request {job_id} has already ended.", 409) from None
+    return jsonify(id=job_id, cancelled=done)
 
 
 def _fresh_url(latest: bytes, job_id: str) -> bytes:

@@ -29,8 +29,9 @@ from flask import current_app, g, request
 from flask_sock import ConnectionClosed, Sock
 from wsproto.extensions import PerMessageDeflate
 
-from ndif_celery import wire
+from ndif_celery import messages, wire
 from ndif_celery.accounts import limits
+from ndif_celery.farm import actions
 from ndif_celery.state import jobs
 
 from .hub import Hub
@@ -130,6 +131,47 @@ def _renew_owner(session_id: str) -> None:
         pass
 
 
+def _left(session_id: str) -> None:
+    """The socket closed before its jobs ended: its client went away (Ctrl-C,
+    a dead process). Each job still open is marked gone; a poll by its key
+    (``GET /response/<id>``) unmarks it; one still marked after
+    ``NDIF_DISCONNECT_GRACE_S`` is cancelled, so nobody's model waits on a
+    result nobody will read."""
+    client, settings = current_app.config["NDIF_REDIS"], current_app.config["NDIF_SETTINGS"]
+    grace_s = settings.disconnect_grace_s
+    if not grace_s:
+        return
+    try:
+        left = [job_id.decode() for job_id in client.smembers(jobs.session_jobs_key(session_id))]
+        left = [job_id for job_id in left if not jobs.finished(client, job_id)]
+        if not left:
+            return
+        pipe = client.pipeline(transaction=False)
+        for job_id in left:
+            pipe.set(jobs.gone_key(job_id), 1, ex=int(grace_s) + 60)
+        pipe.execute()
+    except redis.RedisError:
+        log.warning("session %s closed with jobs open; Redis away, not cancelling them", session_id, exc_info=True)
+        return
+    timer = threading.Timer(grace_s, _cancel_gone, (client, current_app.config["NDIF_CELERY"], settings, left))
+    timer.daemon = True
+    timer.start()
+
+
+def _cancel_gone(client, celery, settings, job_ids: list) -> None:
+    """At the grace's end: cancel each job whose client did not come back."""
+    for job_id in job_ids:
+        try:
+            if client.delete(jobs.gone_key(job_id)) and not jobs.finished(client, job_id):
+                done = actions.kill(client, celery, job_id, settings.job_ttl_s,
+                                    messages.client_gone(settings.disconnect_grace_s))
+                log.info("job %s: its client went away; %s", job_id, done)
+        except actions.FarmError:
+            pass  # it ended meanwhile
+        except Exception:  # noqa: BLE001 - a timer's failure is logged, never raised into the web
+            log.exception("job %s: could not cancel it after its client went away", job_id)
+
+
 @sock.route("/subscribe")
 def subscribe(ws) -> None:
     box = g.ndif_box
@@ -138,6 +180,7 @@ def subscribe(ws) -> None:
     # both. Set once, for a frame that came before the upgrade.
     box.wake = ws.event
     ws.event.set()
+    ended = False
     try:
         ws.send('{"session_id": "%s"}' % g.ndif_session_id)
         while ws.connected:
@@ -151,12 +194,17 @@ def subscribe(ws) -> None:
                 frame = box.frames.popleft()
                 ws.send(frame.decode() if frame[:1] == b"{" else frame)
                 if wire.frame_status(frame) in wire.TERMINAL:
+                    ended = True
                     return
             if box.ended is not None:  # ended while its frame was lost (see hub.ended_unheard)
                 ws.send(box.ended.decode())
+                ended = True
                 return
     except ConnectionClosed:
         raise
     except Exception:  # noqa: BLE001 - never let it become an HTTP answer inside the socket
         log.exception("subscribe: session %s failed", g.ndif_session_id)
         ws.close(reason=1011, message="internal server error")
+    finally:
+        if not ended:  # the client left (or was closed) before its job's final status
+            _left(g.ndif_session_id)

@@ -38,7 +38,7 @@ from typing import Any, Optional
 from celery.signals import worker_init, worker_ready, worker_shutdown
 from celery.worker.control import control_command
 
-from ndif_celery import config
+from ndif_celery import config, messages
 from ndif_celery.celery_app import CLEANUP, EVICT_MODEL, LOAD_MODEL, RUN_JOB, lazy_app
 from ndif_celery.state import jobs
 
@@ -108,11 +108,12 @@ def cleanup_expired(self) -> dict:
     return this_worker.get(self.request.hostname).cleanup()
 
 
-@control_command(args=[("job_id", str)], signature="<job_id>")
-def ndif_kill(panel, job_id: str) -> dict:
-    """Cancel a running job on this worker (``ndif-celery kill``)."""
+@control_command(args=[("job_id", str), ("text", str)], signature="<job_id> [text]")
+def ndif_kill(panel, job_id: str, text: str = "") -> dict:
+    """Cancel a running job on this worker (``ndif-celery kill``, its owner, its
+    client gone); ``text`` is the ERROR its client reads."""
     state = this_worker.state
-    cancelled = state is not None and state.cancel(job_id)
+    cancelled = state is not None and state.cancel(job_id, text or messages.CANCELLED)
     return {"ok": "cancelling" if cancelled else "not running here"}
 
 

@@ -29,7 +29,7 @@ import torch
 from celery import Celery
 from sqlalchemy.exc import SQLAlchemyError
 
-from ndif_celery import config, statuses, wire
+from ndif_celery import config, messages, statuses, wire
 from ndif_celery.accounts import db, ledger
 from ndif_celery.celery_app import queue_for
 from ndif_celery.exit_codes import EX_CONFIG
@@ -81,6 +81,7 @@ class WorkerState:
         self.current_job: Optional[str] = None
         self.batch: tuple = ()  # the current job's co-batch: jobs taken out of the queue with it
         self.job_thread: Optional[int] = None
+        self.cancel_texts: dict = {}  # job id -> the ERROR of a cancel landing in its thread (life.fail)
         self.controller: Optional[Controller] = None
         self._job_lock = threading.Lock()
         self._entry_lock = threading.Lock()  # one writer of this worker's registry entry at a time
@@ -175,13 +176,14 @@ class WorkerState:
         except Exception:  # noqa: BLE001 - the next heartbeat writes it; the job is answered
             log.warning("could not clear this worker's current job in its registry entry", exc_info=True)
 
-    def cancel(self, job_id: str, reason: type = JobCancelled) -> bool:
-        """``ndif-celery kill``: a job in its executor is answered at once and
+    def cancel(self, job_id: str, text: str = messages.CANCELLED, reason: type = JobCancelled) -> bool:
+        """``ndif-celery kill`` (or the job's owner, or its client gone; ``text``
+        is the ERROR its client reads): a job in its executor is answered at once and
         interrupted by the watchdog (``workers.job.deadline``: replaced if stuck);
         in any other step, it is interrupted at its next Python instruction,
         unless a co-batch is being answered (an interruption would land in
         another user's delivery): then ``ndif-celery kill`` answers it itself."""
-        if self.deadlines.kill(job_id) or self.deliveries.cancel(job_id):
+        if self.deadlines.kill(job_id, text) or self.deliveries.cancel(job_id, text):
             return True
         with self._job_lock:
             thread = self.job_thread
@@ -189,11 +191,12 @@ class WorkerState:
             if not taken:
                 if self.current_job != job_id or thread is None or self.batch:
                     return False
+                self.cancel_texts[job_id] = text  # for life.fail, where the interruption lands
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(reason))
                 return True
         # Taken as the next job (take_next) and not started: answered here; it then starts as ended, and is skipped.
         statuses.answer_for_worker(self.redis, job_id, self.settings.job_ttl_s, f"kill@{self.name}",
-                                   deadline.CANCELLED, "cancelled")
+                                   text, "cancelled")
         return True
 
     def replace(self, job_id: str, why: str) -> None:

@@ -15,6 +15,8 @@ can import them all without a circle.
   the main model and on a compute-bound one;
 - ``cobatch``: co-batching off vs on against one worker, on the main model
   and on the compute-bound one;
+- ``fairness``: one flooding key and five interactive ones, first in first
+  out against fair turns;
 - ``capacity``: ``bench/capacity.py`` run as a process of its own;
 - ``checks``: the targets as PASS/FAIL/SKIP, and the values line.
 """

@@ -73,6 +73,14 @@ class TargetChecks:
             "not measured" if zygote is None else f"{zygote:+.1f} ms")
         for check in w.get("capacity", {}).get("checks", []):  # the waiting-clients targets, from bench/capacity.py
             add(f"capacity: {check['name']}", check["pass"], check["detail"])
+        fair = w.get("fairness", {}).get("orders", {})
+        name = "fairness: light keys' p95 wait <= 2 x one job's run time (fair turns)"
+        try:
+            wait, run, fifo = fair["fair"]["light_wait_p95_ms"], fair["fair"]["run_p50_ms"], fair["fifo"]
+            add(name, wait <= 2 * run, f"{wait:.0f} ms vs 2 x {run:.0f} = {2 * run:.0f} ms; first in first out: "
+                f"{fifo['light_wait_p95_ms']:.0f} ms; Jain {fair['fair']['jain']:.2f} vs {fifo['jain']:.2f}")
+        except (KeyError, TypeError):
+            add(name, None, "not measured")
         return checks
 
     def throughput_check(self, w: dict, add: Callable) -> None:

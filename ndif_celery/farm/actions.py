@@ -94,8 +94,9 @@ def wait_evicted(client: redis.Redis, model_key: str, timeout: float) -> None:
 KILL_REPLY_S = 2.0
 
 
-def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
-    """End a job: take it out of its queue, or interrupt it where it runs.
+def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int, text: str = messages.CANCELLED) -> str:
+    """End a job: take it out of its queue, or interrupt it where it runs;
+    ``text`` is the ERROR its client reads (the operator's, its owner's, its client gone).
 
     A running job's worker answers the kill itself (``workers.job.deadline``). A
     worker that reports running it but does not reply is held by the job's
@@ -105,13 +106,14 @@ def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
     for queue in queues.model_queues(client):
         job = queues.remove(client, queue, job_id)
         if job is not None:
-            statuses.StatusChannel(client, job, ttl_s).send(wire.ERROR, messages.CANCELLED, kind="cancelled")
+            statuses.StatusChannel(client, job, ttl_s).send(wire.ERROR, text, kind="cancelled")
             return "removed from the queue"
     # Ask the worker that reports running it (its heartbeat's current_job, or its
     # co-batch), and return on its answer: a broadcast waits out its whole reply timeout.
     runners = [name for name, info in registry.all_workers(client).items() if job_id in registry.running_jobs(info)]
     destination = runners or None  # not reported yet (the job just started): every worker
-    replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id}, destination=destination,
+    replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id, "text": text},
+                                           destination=destination,
                                            reply=True, timeout=KILL_REPLY_S, limit=len(runners) or None)
     for reply in replies or []:
         for worker, answer in reply.items():
@@ -121,7 +123,8 @@ def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int) -> str:
     # the beat already buried for its silence): answer for it.
     worker = runners[0] if runners else "its worker"
     if _running(client, job_id) and statuses.answer_for_worker(
-            client, job_id, ttl_s, f"kill@{time.time():.3f}", messages.cancelled_unanswered(worker), "cancelled"):
+            client, job_id, ttl_s, f"kill@{time.time():.3f}", messages.cancelled_unanswered(worker, text),
+            "cancelled"):
         return f"ended: {worker} did not reply; it restarts at the job's deadline"
     raise FarmError(f"no job {job_id} is waiting or running")
 

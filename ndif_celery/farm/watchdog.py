@@ -48,8 +48,8 @@ import time
 from typing import Optional
 
 from ndif_celery import config, messages, statuses, wire
-from ndif_celery.celery_app import make_app, send_job
-from ndif_celery.state import jobs, queues, registry
+from ndif_celery.celery_app import make_app
+from ndif_celery.state import jobs, queues, registry, turns
 
 log = logging.getLogger("ndif_celery.watchdog")
 
@@ -160,7 +160,7 @@ class FarmWatchdog(threading.Thread):
         job.attempt += 1
         self.redis.zrem(jobs.DEADLINES, job.id)  # attempt 1's: attempt 2 records its own when it runs
         self.redis.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), keepttl=True)
-        send_job(self.app, job)
+        turns.send(self.redis, self.app, job, self.settings)
         channel.send(wire.QUEUED, messages.worker_lost_again(worker))
         registry.wake_controller(self.redis, "rescued")
         log.warning("job %s lost with worker %s: sent again (attempt 2)", job.id, worker)

@@ -70,6 +70,12 @@ def session_jobs_key(session_id: str) -> str:
     return f"ndif:session:{session_id}:jobs"
 
 
+def gone_key(job_id: str) -> str:
+    """Set while a blocking job's client is away (its websocket closed); its
+    key's next poll deletes it; if it is still there at the grace's end, the job is cancelled."""
+    return f"ndif:job:{job_id}:gone"
+
+
 def owner_key(job_id: str) -> str:
     return f"ndif:job:{job_id}:owner"
 

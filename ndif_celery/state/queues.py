@@ -33,6 +33,12 @@ def lists(queue: str) -> list[str]:
     return [queue if step == 0 else f"{queue}{_SEP}{step}" for step in PRIORITY_STEPS]
 
 
+def list_for(queue: str, priority: int) -> str:
+    """The list a job sent at ``priority`` waits in (kombu files it under the
+    highest step not above it)."""
+    return lists(queue)[max(i for i, step in enumerate(PRIORITY_STEPS) if step <= priority)]
+
+
 def lists_up_to(queue: str, priority: int) -> list[str]:
     """The lists whose jobs run before (or with) a job sent at ``priority``."""
     return [name for step, name in zip(PRIORITY_STEPS, lists(queue)) if step <= priority]

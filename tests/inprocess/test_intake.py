@@ -163,3 +163,46 @@ def test_a_web_reading_its_most_bodies_refuses_the_next_unread_with_503(web, cli
         for upload in reading:
             watcher.discard(upload)
     assert submit(web, b"room again").status_code == 200
+
+
+def _accept_as(settings, client, key_id: int, priority: bool = False) -> str:
+    """``POST /request``'s intake for the key ``key_id`` (no limits): the job id."""
+    from ndif_celery import intake
+    from ndif_celery.accounts import auth
+    from ndif_celery.celery_app import make_app
+
+    identity = auth.Identity(key_id=key_id, tags=("priority",) if priority else ())
+    envelope = json.dumps({"model_key": MODEL_KEY, "session_id": "", "compress": False, "env": {}})
+    return intake.accept(client, make_app(settings), settings, identity, envelope, b"blob", {}).id
+
+
+def test_keys_take_turns_on_a_models_queue(web, client, settings):
+    """One key queues ten jobs, then five keys one each: the five wait behind
+    the flooder's first job only, and each is told its true place. Once the
+    model started its turn-1 jobs, a new key's job comes after one more of the
+    flooder's. A priority key's job still goes first."""
+    from ndif_celery.state import turns
+
+    queue = queue_for(MODEL_KEY)
+
+    def owners():
+        return [entry.job.owner for entry in queues.waiting(client, queue)]
+
+    flood = [_accept_as(settings, client, 1) for _ in range(10)]
+    light = [_accept_as(settings, client, key_id) for key_id in range(2, 7)]
+    assert owners() == ["key:1", "key:2", "key:3", "key:4", "key:5", "key:6"] + ["key:1"] * 9
+    for place, job_id in enumerate(light, 2):
+        told = json.loads(jobs.latest_status(client, job_id))["description"]
+        assert told.endswith(f"(position {place})."), told
+
+    pipe = client.pipeline()
+    for entry in queues.waiting(client, queue)[:6]:  # the model runs the first turn
+        turns.started(pipe, entry.job, queue, settings.job_ttl_s)
+        queues.remove(client, queue, entry.job.id)
+    pipe.execute()
+    late = _accept_as(settings, client, 7)
+    assert owners()[:3] == ["key:1", "key:7", "key:1"] and queues.waiting(client, queue)[1].job.id == late
+    first = _accept_as(settings, client, 8, priority=True)
+    assert queues.waiting(client, queue)[0].job.id == first
+    assert flood[0] not in [entry.job.id for entry in queues.waiting(client, queue)]
+    queues.drain(client, queue)

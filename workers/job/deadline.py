@@ -217,8 +217,8 @@ class DeadlineWatchdog:
         if landed is not None:
             raise landed
 
-    def kill(self, job_id: str) -> bool:
-        """``ndif-celery kill``: the job's ERROR now, then the interruption and
+    def kill(self, job_id: str, text: str = CANCELLED) -> bool:
+        """``ndif-celery kill``: the job's ERROR (``text``) now, then the interruption and
         the grace period, as at a deadline. False when this worker does not
         watch that job (it is not in its executor). One job of a co-batch whose
         other jobs still run is answered alone and not interrupted (the thread
@@ -233,12 +233,12 @@ class DeadlineWatchdog:
             if not alone:
                 watch.cancelled.add(job_id)
         if alone:
-            self.fire(watch, self.cancelled_error)
+            self.fire(watch, self.cancelled_error, text)
         else:
-            self._answer(member, CANCELLED, "cancelled", watch.started)
+            self._answer(member, text, "cancelled", watch.started)
         return True
 
-    def fire(self, watch: Watch, error: type) -> None:
+    def fire(self, watch: Watch, error: type, cancelled_text: str = CANCELLED) -> None:
         """Answer the job (every job of a co-batch) with its ERROR (unless its
         thread answered first), then interrupt its thread and start the grace period."""
         with self._cond:
@@ -248,7 +248,7 @@ class DeadlineWatchdog:
             watch.stuck_at = time.monotonic() + self.grace_s
             members = watch.members()
         cancelled = error is self.cancelled_error
-        text = CANCELLED if cancelled else messages.timed_out(self.timeout_s)
+        text = cancelled_text if cancelled else messages.timed_out(self.timeout_s)
         kind = "cancelled" if cancelled else "timeout"
         for member in members:
             self._answer(member, text, kind, watch.started)
@@ -269,7 +269,7 @@ class DeadlineWatchdog:
             answered = False
         if answered:
             log.warning("job %s: %s after %.1f s; its ERROR sent", job_id,
-                        "cancelled by the operator" if kind == "cancelled" else "past its deadline",
+                        "cancelled" if kind == "cancelled" else "past its deadline",
                         time.monotonic() - started)
 
     def _interrupt(self, watch: Watch) -> None:

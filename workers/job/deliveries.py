@@ -90,16 +90,16 @@ class Deliveries:
         with self._lock:
             return list(self._pending)
 
-    def cancel(self, job_id: str) -> bool:
-        """``ndif-celery kill`` of a job waiting here: its cancelled ERROR now,
+    def cancel(self, job_id: str, text: str = messages.CANCELLED) -> bool:
+        """``ndif-celery kill`` of a job waiting here: its cancelled ERROR (``text``) now,
         unless its COMPLETED went first (then its channel keeps that); False
         if the job is not here."""
         with self._lock:
             life = self._pending.get(job_id)
         if life is None:
             return False
-        if life.channel.answer(wire.ERROR, messages.CANCELLED, life.meta, "cancelled"):
-            log.warning("job %s: cancelled by the operator while its result was being delivered", job_id)
+        if life.channel.answer(wire.ERROR, text, life.meta, "cancelled"):
+            log.warning("job %s: cancelled while its result was being delivered", job_id)
         return True
 
     def wait_idle(self, timeout: Optional[float] = None) -> bool:

@@ -40,8 +40,8 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from ndif_celery.celery_app import MAINTENANCE_QUEUE, queue_for, send_job, worker_queue
-from ndif_celery.state import jobs, queues
+from ndif_celery.celery_app import MAINTENANCE_QUEUE, queue_for, worker_queue
+from ndif_celery.state import jobs, queues, turns
 
 from . import life as job_life
 from .executors import ms_since
@@ -201,7 +201,7 @@ def _send_back(worker: WorkerState, job_ids: list) -> None:
                 continue
             job = jobs.Job.from_message(json.loads(raw))
             if all(entry.job.id != job_id for entry in queues.waiting(worker.redis, queue_for(job.model_key))):
-                send_job(worker.app, job)
+                turns.send(worker.redis, worker.app, job, worker.settings)
                 log.warning("job %s: taken for a co-batch that ended before it started; sent back", job_id)
     except Exception:  # noqa: BLE001 - the watchdog rescues them if this worker dies; log the rest
         log.exception("could not send back the jobs of an ended co-batch: %s", job_ids)

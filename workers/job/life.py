@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ndif_celery import messages, statuses, wire
-from ndif_celery.celery_app import send_job
+from ndif_celery.celery_app import queue_for
 from ndif_celery.state import expiry as cleanup
-from ndif_celery.state import jobs, registry, result_bytes
+from ndif_celery.state import jobs, registry, result_bytes, turns
 from ndif_celery.store import StoreUnavailable
 from workers import metrics, results
 from workers.execute import RequestError, result_over_quota, result_too_big
@@ -131,7 +131,7 @@ def start(worker: WorkerState, job: jobs.Job) -> Optional[Life]:
     if model is None:
         # Evicted between the broker handing us the job and now: back to the
         # queue, for whichever worker holds (or will hold) the model.
-        send_job(worker.app, job)
+        turns.send(worker.redis, worker.app, job, worker.settings)
         registry.wake_controller(worker.redis, "requeued")
         return None
     settings = worker.settings
@@ -144,6 +144,7 @@ def start(worker: WorkerState, job: jobs.Job) -> Optional[Life]:
     # watchdog), the model was just used (so a placement decided meanwhile will
     # not evict it), and RUNNING for the client.
     worker.begin(job.id, life.pipe)
+    turns.started(life.pipe, job, queue_for(job.model_key), settings.job_ttl_s)  # the model's turn moves on
     life.pipe.hset(registry.DEPLOYMENTS, *registry.touched(deployment, worker.name, job.model_key))
     return life
 
@@ -238,7 +239,7 @@ def fail(worker: WorkerState, life: Life, error: BaseException) -> None:
     while ``error`` is being handled (``log.exception`` logs it)."""
     job, meta, channel = life.job, life.meta, life.channel
     if isinstance(error, JobCancelled):
-        channel.send(wire.ERROR, "Your job was cancelled by the operator.", meta=meta, kind="cancelled")
+        channel.send(wire.ERROR, worker.cancel_texts.pop(job.id, messages.CANCELLED), meta=meta, kind="cancelled")
     elif isinstance(error, JobTimedOut):
         channel.send(wire.ERROR, messages.timed_out(worker.settings.execution_timeout_s), meta=meta, kind="timeout")
     elif isinstance(error, RequestError):

@@ -109,6 +109,11 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
         assert cell["ratios"]["on/off rps"] > 0
     assert "cobatch_compute" not in workloads
 
+    # Fairness: both orders ran, with waits, run times and a Jain index in (0, 1].
+    for order, row in workloads["fairness"]["orders"].items():
+        assert row["run_p50_ms"] > 0 and row["light_wait_p95_ms"] >= row["light_wait_p50_ms"] >= 0, (order, row)
+        assert 0 < row["jain"] <= 1, (order, row)
+
     # Every other target is measured and reported as PASS or FAIL (a FAIL does not fail the run).
     # Seven targets (the isolation target twice: fork and zygote), co-batching's three and the
     # capacity section's five.

@@ -112,10 +112,11 @@ def _cli(stack: Stack, *args: str, ok: bool = True):
     return result
 
 
-def _trace(ops, repo: str, key: str, record: bool = True):
-    """A remote trace as ``key``; its logits equal a local run's. Returns the job's meta."""
+def _trace(ops, repo: str, key: str, record: bool = True, **named):
+    """A remote trace as ``key`` (``named``: the client model's revision, say); its
+    logits equal a local run's. Returns the job's meta."""
     nnsight.CONFIG.API.APIKEY = ops.keys[key]
-    model = client_model(repo)
+    model = client_model(repo, **named)
     with model.trace(PROMPT, remote=True) as tracer:
         out = model.transformer.h[0].output.save()
     with model.trace(PROMPT):
@@ -189,10 +190,7 @@ def test_a_models_file_is_applied_then_synced(ops, tmp_path, hf_home):
             with named.trace(PROMPT, remote=True):
                 named.transformer.h[0].output.save()
     # Ada's trace by the commit runs on the one deployment there is, not on a copy.
-    nnsight.CONFIG.API.APIKEY = ops.keys["ada"]
-    named = client_model(A, revision=commit)
-    with named.trace(PROMPT, remote=True):
-        named.transformer.h[0].output.save()
+    _trace(ops, A, "ada", revision=commit)
     assert [entry["model_key"] for entry in stack.farm()["deployments"].values() if entry["repo_id"] == A] == [
         model_key_for(A)], "a second deployment of the same weights"
     # The tagger, asked for by its task's alias ("ner" is token-classification), by raw HTTP.

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
+import threading
 import time
 
 import httpx
@@ -16,18 +20,22 @@ from hypothesis import strategies as st
 from nnsight.intervention.backends.remote import RemoteBackend
 
 from tests.support import pace
+from tests.support.paths import ROOT
 from tests.support.remote import blocking_client_in_background, poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
 from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
+from tests.support.waiting import wait_until
 
 REPO = "reliability/tiny"
 W0, W1, W2 = "gpu0@reliability", "gpu1@reliability", "gpu2@reliability"
+GRACE_S = 2  # NDIF_DISCONNECT_GRACE_S: how long a blocking job outlives its client
 
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, hf_home):
     build_tiny_gpt2(hf_home, REPO, n_layer=2, seed=40)
-    env = {"NDIF_WORKER_NAME": W0, "NDIF_WORKER_GPUS": "0", "NDIF_REPLICA_WAIT_S": "3600"}
+    env = {"NDIF_WORKER_NAME": W0, "NDIF_WORKER_GPUS": "0", "NDIF_REPLICA_WAIT_S": "3600",
+           "NDIF_DISCONNECT_GRACE_S": str(GRACE_S)}
     workers = [(W1, "1", 1), (W2, "2", 1)]
     with client_on_stack(tmp_path_factory.mktemp("reliability"), hf_home, env, workers) as stack:
         yield stack
@@ -84,6 +92,73 @@ def test_a_client_that_went_away_can_still_poll_its_result(farm):
     poller = RemoteBackend(model.to_model_key(), blocking=False, job_id=backend.job_id)
     result = poll(poller)
     assert torch.equal(result["out"], _local(model))
+
+
+# A researcher's script: one blocking trace whose block sleeps ``steps`` x 50 ms.
+CLIENT = """
+import sys, time
+sys.path.insert(0, sys.argv[4])
+import nnsight
+from tests.support.tiny_model import PROMPT, client_model
+nnsight.CONFIG.API.HOST = sys.argv[1]
+model = client_model(sys.argv[2])
+with model.trace(PROMPT, remote=True):
+    out = model.transformer.h[1].output.save()
+    for _ in range(int(sys.argv[3])):
+        time.sleep(0.05)
+"""
+
+
+class ClientProcess:
+    """The real client in a process of its own, whose status lines are read as it prints them."""
+
+    def __init__(self, farm, steps: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", CLIENT, farm.url, REPO, str(steps), str(ROOT)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.out = b""
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for chunk in iter(lambda: self.proc.stdout.read1(4096), b""):
+            self.out += chunk
+
+    def job_at(self, status: str) -> str:
+        """The id of its job, once the client printed that it reached ``status``."""
+        found = wait_until(lambda: re.search(rb"\[([0-9a-f]{32})\] " + status.encode(), self.out),
+                           pace.bound(60), f"the client to print {status}", report=lambda: self.out[-2000:].decode(
+                               errors="replace"))
+        return found.group(1).decode()
+
+    def interrupt(self) -> None:
+        """Ctrl-C, and the process gone (its websocket closed with it)."""
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=30)
+
+
+def test_a_client_interrupted_mid_job_frees_the_model(farm):
+    """Ctrl-C of a researcher's blocking trace: its running job is cancelled
+    NDIF_DISCONNECT_GRACE_S after its websocket closed, and the next user's job
+    starts; a job of a client that left while it waited never runs. (Nobody
+    polls the two jobs during the grace: a poll by their key would keep them.)"""
+    model = client_model(REPO)
+    farm.cli("deploy", REPO)  # one replica: the jobs below queue behind each other
+    first = ClientProcess(farm, steps=4000)  # 200 s
+    running = first.job_at("RUNNING")
+    second = ClientProcess(farm, steps=1)
+    waiting = second.job_at("QUEUED")
+    after = slow_job(model, 1, layer=1)  # the next user's, in line behind them
+    second.interrupt()
+    first.interrupt()
+    left = time.monotonic()
+    wait_status(farm.url, after.job_id, "RUNNING")
+    freed = time.monotonic() - left
+    assert freed < GRACE_S + pace.bound(1), f"the model was held {freed:.1f} s after the client left; {pace.describe()}"
+    assert torch.equal(poll(after)["out"], _local(model))
+    for job_id in (running, waiting):
+        latest = httpx.get(f"{farm.url}/response/{job_id}", timeout=10).json()
+        assert latest["status"] == "ERROR" and "its client went away" in latest["description"], latest
+    assert "worker" not in (httpx.get(f"{farm.url}/response/{waiting}", timeout=10).json().get("meta") or {}), \
+        "the waiting job ran"
 
 
 def test_a_web_restart_loses_no_queued_job_and_strands_no_blocking_client(farm):
