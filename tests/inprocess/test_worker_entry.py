@@ -107,7 +107,7 @@ def test_every_bad_end_gives_its_error(error, kind, text):
 
     raised = {"cancelled": JobCancelled(), "timeout": JobTimedOut(), "user": RequestError("ValueError: the user's own"),
               "store": StoreUnavailable("down"), "server": KeyError("x")}[error]
-    worker = types.SimpleNamespace(settings=types.SimpleNamespace(execution_timeout_s=42.0))
+    worker = types.SimpleNamespace(settings=types.SimpleNamespace(execution_timeout_s=42.0), cancel_texts={})
     channel = _Channel()
     life = types.SimpleNamespace(job=types.SimpleNamespace(id="j1"), meta={}, channel=channel)
     try:
