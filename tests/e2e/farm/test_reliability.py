@@ -102,9 +102,10 @@ import nnsight
 from tests.support.tiny_model import PROMPT, client_model
 nnsight.CONFIG.API.HOST = sys.argv[1]
 model = client_model(sys.argv[2])
+steps = int(sys.argv[3])  # here: the block itself runs on the server
 with model.trace(PROMPT, remote=True):
     out = model.transformer.h[1].output.save()
-    for _ in range(int(sys.argv[3])):
+    for _ in range(steps):
         time.sleep(0.05)
 """
 
