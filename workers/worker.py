@@ -97,9 +97,11 @@ class WorkerState:
         (``gather.next_job``)."""
         chained = 0
         while job is not None:
-            job_life.run(self, job, perform=batch.perform if batch.may_gather(self, job) else job_life.perform)
+            ran = job_life.run(self, job, perform=batch.perform if batch.may_gather(self, job) else job_life.perform)
             if self.current_job == job.id:  # taken as the next job, then skipped (it had ended): not running
                 self.end()
+            if not ran:  # sent back to its queue: back to Celery, not round again
+                return
             chained += 1
             try:
                 job = batch.next_job(self, job, chained)

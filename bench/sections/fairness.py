@@ -83,17 +83,18 @@ class FairnessSection:
         api = nnsight.CONFIG.API
         saved = api.HOST, api.APIKEY
         steps = round(JOB_S / 0.05)
+        model = self.model  # the block ships what it names: the model, not the bench
         try:
             api.HOST, api.APIKEY = stack.url, flooder
             flood_started = time.time()
-            flood = [slow_job(self.model, steps) for _ in range(flood_jobs)]
+            flood = [slow_job(model, steps) for _ in range(flood_jobs)]
             waits, runs, busy = [], [], {k: 0.0 for k in light}
             for _ in range(rounds):
                 for light_key in light:
                     api.APIKEY = light_key
                     sent = time.time()
-                    with self.model.trace(PROMPT, remote=True) as tracer:
-                        self.model.transformer.h[0].output.save()
+                    with model.trace(PROMPT, remote=True) as tracer:
+                        model.transformer.h[0].output.save()
                         for _ in range(steps):
                             time.sleep(0.05)
                     busy[light_key] += time.time() - sent

@@ -3,15 +3,17 @@
 Celery's Redis transport serves a queue's list oldest first, so one key that
 queued a hundred jobs held the model for every job of every other key sent
 after them. Here each job gets a *turn* when it is queued: one more than its
-key's last turn, and never behind the turn of the job the model last started::
+key's last turn, and never before the turn the model is on (the turn of the
+job it last started)::
 
-    turn = max(the key's last turn, the turn started last) + 1
+    turn = max(the turn started last, the key's last turn + 1)
 
 and the list is kept in turn order (arrival order within a turn): the new
 message, pushed by kombu at the back, is moved just before the first waiting
-job of a later turn. So keys with waiting jobs take turns, one job each; a
-key's single job waits at most about one job of each other active key,
-however many another queued. Priority keys keep their own list, served first
+job of a later turn. So keys with waiting jobs take turns, one job each, and a
+key with nothing waiting joins the turn the model is on: its job runs once
+the jobs of that turn still waiting have (one per key at most), however many
+another key queued. Priority keys keep their own list, served first
 (``queues.PRIORITY_STEPS``).
 
 The lists stay Celery's: a worker takes from them as before (BRPOP, or the
@@ -24,12 +26,20 @@ Beside each list, in Redis:
 - hash ``ndif:turns:<queue>:last``  owner -> the key's last turn on the model
 - key  ``ndif:turns:<queue>:now``   the turn of the job the model last started
 
+A key's jobs running at once on a model are bounded too (``NDIF_MAX_RUNNING_PER_KEY``):
+a worker claims a slot before it runs one (:func:`claim_run`); a job over the
+bound goes back in line, so a key's long jobs cannot hold every replica:
+
+- zset ``ndif:turns:<queue>:running:<owner>``  job id -> when it started
+
 A message with no turn (sent before this order existed) keeps its place; a
 job that left the list by another road (killed, removed) is dropped from the
 order when it is met. Every key expires with the jobs (``NDIF_JOB_TTL_S``).
 """
 
 from __future__ import annotations
+
+import time
 
 import redis
 
@@ -45,7 +55,7 @@ SEARCH = 64  # how far from the back of the list a just-pushed message is looked
 _PLAN = """
 local now = tonumber(redis.call('GET', KEYS[3]) or '0')
 local last = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0')
-local turn = math.max(now, last) + 1
+local turn = math.max(now, last + 1)
 local score = turn * %d + redis.call('INCR', KEYS[4]) %% %d
 redis.call('HSET', KEYS[2], ARGV[2], turn)
 redis.call('ZADD', KEYS[1], score, ARGV[1])
@@ -88,6 +98,17 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 return turn
 """ % ARRIVALS
+
+
+# KEYS: the key's running jobs on the model. ARGV: job id, the bound, now, stale before, ttl.
+_CLAIM = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[4])
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 1 end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
+return 1
+"""
 
 
 def _list(queue: str, job: jobs.Job) -> str:
@@ -138,3 +159,29 @@ def send(client: redis.Redis, celery, job: jobs.Job, settings) -> None:
     send_job(celery, job)
     if settings.fair_turns:
         place(client, job, queue, settings.job_ttl_s)
+
+
+def _running(queue: str, owner: str) -> str:
+    return f"ndif:turns:{queue}:running:{owner}"
+
+
+def claim_run(client: redis.Redis, job: jobs.Job, queue: str, settings) -> bool:
+    """Whether ``job`` may run now: its key runs fewer than NDIF_MAX_RUNNING_PER_KEY
+    jobs on the model (counted from now on, until :func:`release_run`). A job
+    of a worker that died without releasing stops counting after the deadline."""
+    bound = settings.max_running_per_key
+    if not bound:
+        return True
+    now = time.time()
+    held_s = settings.execution_timeout_s + settings.deadline_grace_s + 60
+    return bool(client.eval(_CLAIM, 1, _running(queue, job.owner), job.id, bound, now, now - held_s, int(held_s) + 60))
+
+
+def release_run(client: redis.Redis, job: jobs.Job, queue: str) -> None:
+    client.zrem(_running(queue, job.owner), job.id)
+
+
+def others_waiting(client: redis.Redis, job: jobs.Job, queue: str) -> bool:
+    """Whether a job of another key waits on the model (so a worker that sent
+    ``job`` back runs it at once, rather than pausing)."""
+    return any(entry.job.owner != job.owner for entry in queues.waiting(client, queue))

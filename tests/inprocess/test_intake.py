@@ -179,8 +179,8 @@ def _accept_as(settings, client, key_id: int, priority: bool = False) -> str:
 def test_keys_take_turns_on_a_models_queue(web, client, settings):
     """One key queues ten jobs, then five keys one each: the five wait behind
     the flooder's first job only, and each is told its true place. Once the
-    model started its turn-1 jobs, a new key's job comes after one more of the
-    flooder's. A priority key's job still goes first."""
+    model started its turn-1 jobs, a new key's job joins the turn it is on:
+    next, before the flooder's. A priority key's job still goes first."""
     from ndif_celery.state import turns
 
     queue = queue_for(MODEL_KEY)
@@ -201,7 +201,7 @@ def test_keys_take_turns_on_a_models_queue(web, client, settings):
         queues.remove(client, queue, entry.job.id)
     pipe.execute()
     late = _accept_as(settings, client, 7)
-    assert owners()[:3] == ["key:1", "key:7", "key:1"] and queues.waiting(client, queue)[1].job.id == late
+    assert owners()[:3] == ["key:7", "key:1", "key:1"] and queues.waiting(client, queue)[0].job.id == late
     first = _accept_as(settings, client, 8, priority=True)
     assert queues.waiting(client, queue)[0].job.id == first
     assert flood[0] not in [entry.job.id for entry in queues.waiting(client, queue)]

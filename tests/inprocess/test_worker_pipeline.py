@@ -382,3 +382,26 @@ def test_a_kill_of_a_job_taken_as_the_next_one_before_it_starts(worker, web, red
     worker.run(taken)  # starts as ended: skipped
     assert latest(redis, job_id)["status"] == wire.ERROR
     assert worker.registration()["current_job"] is None, "no longer named as running"
+
+
+def test_a_key_at_its_running_bound_on_the_model_goes_back_in_line(worker, web, redis, client_lm, reference,
+                                                                   monkeypatch):
+    """NDIF_MAX_RUNNING_PER_KEY=1: while one job of the key runs on the model
+    (on another replica), the worker sends its next job back in line instead of
+    running it, and goes back to Celery; once that one ended, the job runs."""
+    from ndif_celery.state import turns
+
+    monkeypatch.setattr(worker, "settings", dataclasses.replace(worker.settings, max_running_per_key=1))
+    queue = queue_for(client_model(REPO_ID).to_model_key())
+    job_id = submit(web, logits, client_lm)
+    job = handed_by_celery(redis, job_id)
+    elsewhere = dataclasses.replace(job, id="f" * 32)  # the key's job on another replica
+    assert turns.claim_run(redis, elsewhere, queue, worker.settings)
+    worker.run(job)
+    assert latest(redis, job_id)["status"] == wire.QUEUED
+    assert [entry.job.id for entry in queues.waiting(redis, queue)] == [job_id]
+    turns.release_run(redis, elsewhere, queue)
+    worker.run(handed_by_celery(redis, job_id))
+    delivered(worker)
+    assert torch.equal(result(worker, redis, job_id)["out"], reference)
+    assert not redis.exists(f"ndif:turns:{queue}:running:{job.owner}"), "its slot was not freed"

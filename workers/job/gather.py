@@ -143,8 +143,8 @@ def perform(worker: WorkerState, lead: job_life.Life) -> None:
 def _join(worker: WorkerState, job: jobs.Job):
     """A taken job started and announced RUNNING, as ``job.run`` does; None if
     it is not to run (it ended meanwhile) or was answered already (its payload gone)."""
-    life = job_life.start(worker, job)
-    if life is None:
+    life = job_life.start(worker, job, bounded=False)
+    if life is None or life is job_life.SENT_BACK:
         return None
     try:
         job_life.announce(worker, life)

@@ -67,6 +67,11 @@ if TYPE_CHECKING:  # a job's steps run on the worker's state; only for readers a
 log = logging.getLogger("ndif_celery.worker")
 
 
+#: How long a worker pauses after sending a job back over its key's running
+#: bound, when no other key's job waits (the next message is likely its key's too).
+BOUNCE_PAUSE_S = 0.5
+SENT_BACK: Any = object()  # what start returns for a job it sent back to its queue
+
 @dataclass
 class Life:
     """One job as it runs: what :func:`start` gathered, what the steps add."""
@@ -91,16 +96,20 @@ def perform(worker: WorkerState, life: Life) -> None:
     hand_over(worker, [(life, data)])
 
 
-def run(worker: WorkerState, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -> None:
-    """A job's whole life on ``worker`` (a ``workers.worker.WorkerState``).
+def run(worker: WorkerState, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -> bool:
+    """A job's whole life on ``worker`` (a ``workers.worker.WorkerState``);
+    False when it was sent back to its queue instead (its model gone, or its
+    key over NDIF_MAX_RUNNING_PER_KEY), so the worker goes back to Celery.
 
     ``perform``: its work once RUNNING; ``workers.job.gather.perform`` instead for a
     job that may lead a co-batch (it answers the other jobs of the batch
     itself, and raises what is this job's answer, as :func:`perform` does)."""
     try:
         life = start(worker, job)
+        if life is SENT_BACK:
+            return False
         if life is None:
-            return
+            return True
         try:
             announce(worker, life)
             perform(worker, life)
@@ -112,11 +121,14 @@ def run(worker: WorkerState, job: jobs.Job, perform: Callable[[Any, Life], None]
             life.executor.prepare_next(job.model_key)
     except (JobCancelled, JobTimedOut):
         pass  # an interruption that landed just as the job ended; it has already answered
+    return True
 
 
-def start(worker: WorkerState, job: jobs.Job) -> Optional[Life]:
+def start(worker: WorkerState, job: jobs.Job, bounded: bool = True) -> Optional[Life]:
     """What the job needs to start, in one round trip; None when this worker
-    is not to run it (it already ended, or the model is gone)."""
+    is not to run it (it already ended), :data:`SENT_BACK` when it went back to
+    its queue (the model is gone, or, when ``bounded``, its key runs its bound
+    on the model: a co-batch's partners ride their lead's forward, unbounded)."""
     pipe = worker.redis.pipeline(transaction=False)
     pipe.get(jobs.status_key(job.id))
     pipe.get(jobs.payload_key(job.id))
@@ -128,12 +140,21 @@ def start(worker: WorkerState, job: jobs.Job) -> Optional[Life]:
         log.info("job %s already ended; not running it again", job.id)
         return None
     model = worker.models.get(job.model_key)
+    if bounded and model is not None and not turns.claim_run(worker.redis, job, queue_for(job.model_key),
+                                                              worker.settings):
+        # Its key already runs NDIF_MAX_RUNNING_PER_KEY jobs on this model (on other
+        # replicas): back in line, behind the other keys waiting; if none waits,
+        # a pause before the next message, so the bounce is not a busy loop.
+        turns.send(worker.redis, worker.app, job, worker.settings)
+        if not turns.others_waiting(worker.redis, job, queue_for(job.model_key)):
+            time.sleep(BOUNCE_PAUSE_S)
+        return SENT_BACK
     if model is None:
         # Evicted between the broker handing us the job and now: back to the
         # queue, for whichever worker holds (or will hold) the model.
         turns.send(worker.redis, worker.app, job, worker.settings)
         registry.wake_controller(worker.redis, "requeued")
-        return None
+        return SENT_BACK
     settings = worker.settings
     # Its final status sent once: by this thread or by the deadline's watchdog (workers.job.deadline).
     channel = deadline.Channel(worker.redis, job, settings.job_ttl_s, settings.log_lines_per_s,
@@ -264,7 +285,12 @@ def finish(worker: WorkerState, life: Life) -> None:
 
 
 def close(worker: WorkerState, life: Life) -> None:
-    """What every answered job leaves behind: its metrics, and its payload deleted."""
+    """What every answered job leaves behind: its metrics, its payload deleted,
+    its key's running slot on the model free."""
+    try:
+        turns.release_run(worker.redis, life.job, queue_for(life.job.model_key))
+    except Exception:  # noqa: BLE001 - the slot lapses at the deadline if Redis is away
+        log.warning("job %s: could not free its key's running slot", life.job.id, exc_info=True)
     try:
         metrics.job_ended(life.outcome, time.time() - life.started)
     except Exception:  # noqa: BLE001 - metrics never fail a job
