@@ -70,11 +70,12 @@ def accept(
         owner=identity.owner,
     )
     queue = queue_for(job.model_key)
-    depths = limits.check_and_count(client, identity, queue, settings)
-    if settings.fair_turns:
-        position = turns.plan(client, job, queue, settings.job_ttl_s)  # its turn among the keys waiting
+    depths = limits.check_and_count(client, identity, queue, settings)  # of the queue's lists, in serving order
+    served_with = len(queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL))
+    if settings.fair_turns:  # its turn among the keys waiting: behind the lists served first, and its turn's place
+        position = sum(depths[:served_with - 1]) + turns.plan(client, job, queue, settings.job_ttl_s) + 1
     else:  # first in, first out: behind every job of its priority or before it
-        position = sum(depths[:len(queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL))]) + 1
+        position = sum(depths[:served_with]) + 1
     park(client, job, blob, queue, position, settings)
     send_job(celery, job)
     if settings.fair_turns:

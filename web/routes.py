@@ -65,9 +65,14 @@ def response(job_id: str):
         if wire.JOB_ID.match(job_id) and cleanup.expired(client, job_id, ttl_s):
             return Response(cleanup.expired_response(job_id, ttl_s), mimetype="application/json")
         raise Refused(f"No response for request {job_id}.", 404)
-    if client.get(jobs.owner_key(job_id)) != identity.owner.encode():
+    pipe = client.pipeline(transaction=False)
+    pipe.get(jobs.owner_key(job_id))
+    pipe.exists(jobs.gone_key(job_id))
+    owner, gone = pipe.execute()
+    if owner != identity.owner.encode():
         raise Refused(f"Request {job_id} was submitted with another API key.", 403)
-    client.delete(jobs.gone_key(job_id))  # its client is back: a closed websocket does not cancel it
+    if gone:  # its client is back: its closed websocket does not cancel it
+        client.delete(jobs.gone_key(job_id))
     return Response(_fresh_url(latest, job_id), mimetype="application/json")
 
 

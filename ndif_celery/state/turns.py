@@ -124,15 +124,10 @@ def _queue_keys(queue: str) -> list[str]:
 
 
 def plan(client: redis.Redis, job: jobs.Job, queue: str, ttl_s: int) -> int:
-    """Give ``job`` its turn on ``queue``; its place in line (1 is next),
-    counting the lists served before its own."""
+    """Give ``job`` its turn on ``queue``; the jobs ahead of it in its own list."""
     own = _list(queue, job)
-    pipe = client.pipeline(transaction=False)
-    pipe.eval(_PLAN, 4, _order(own), *_queue_keys(queue), job.id, job.owner, ttl_s)
-    for name in queues.lists(queue)[:queues.lists(queue).index(own)]:  # served before it
-        pipe.llen(name)
-    (_turn, ahead), *before = pipe.execute()
-    return sum(before) + ahead + 1
+    _turn, ahead = client.eval(_PLAN, 4, _order(own), *_queue_keys(queue), job.id, job.owner, ttl_s)
+    return ahead
 
 
 def place(client: redis.Redis, job: jobs.Job, queue: str, ttl_s: int) -> bool:
@@ -165,16 +160,18 @@ def _running(queue: str, owner: str) -> str:
     return f"ndif:turns:{queue}:running:{owner}"
 
 
-def claim_run(client: redis.Redis, job: jobs.Job, queue: str, settings) -> bool:
-    """Whether ``job`` may run now: its key runs fewer than NDIF_MAX_RUNNING_PER_KEY
-    jobs on the model (counted from now on, until :func:`release_run`). A job
-    of a worker that died without releasing stops counting after the deadline."""
+def claim_run(pipe, job: jobs.Job, queue: str, settings) -> None:
+    """On ``pipe``, with NDIF_MAX_RUNNING_PER_KEY set: whether ``job`` may run now
+    (1), its key running fewer jobs than that on the model (counted from now on,
+    until :func:`release_run`), or not (0). Nothing is added to ``pipe`` without
+    a bound. A job of a worker that died without releasing stops counting after
+    its deadline."""
     bound = settings.max_running_per_key
     if not bound:
-        return True
+        return
     now = time.time()
     held_s = settings.execution_timeout_s + settings.deadline_grace_s + 60
-    return bool(client.eval(_CLAIM, 1, _running(queue, job.owner), job.id, bound, now, now - held_s, int(held_s) + 60))
+    pipe.eval(_CLAIM, 1, _running(queue, job.owner), job.id, bound, now, now - held_s, int(held_s) + 60)
 
 
 def release_run(client: redis.Redis, job: jobs.Job, queue: str) -> None:

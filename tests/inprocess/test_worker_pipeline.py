@@ -396,7 +396,9 @@ def test_a_key_at_its_running_bound_on_the_model_goes_back_in_line(worker, web, 
     job_id = submit(web, logits, client_lm)
     job = handed_by_celery(redis, job_id)
     elsewhere = dataclasses.replace(job, id="f" * 32)  # the key's job on another replica
-    assert turns.claim_run(redis, elsewhere, queue, worker.settings)
+    claim = redis.pipeline()
+    turns.claim_run(claim, elsewhere, queue, worker.settings)
+    assert claim.execute() == [1]
     worker.run(job)
     assert latest(redis, job_id)["status"] == wire.QUEUED
     assert [entry.job.id for entry in queues.waiting(redis, queue)] == [job_id]

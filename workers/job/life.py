@@ -129,24 +129,28 @@ def start(worker: WorkerState, job: jobs.Job, bounded: bool = True) -> Optional[
     is not to run it (it already ended), :data:`SENT_BACK` when it went back to
     its queue (the model is gone, or, when ``bounded``, its key runs its bound
     on the model: a co-batch's partners ride their lead's forward, unbounded)."""
+    queue = queue_for(job.model_key)
     pipe = worker.redis.pipeline(transaction=False)
     pipe.get(jobs.status_key(job.id))
     pipe.get(jobs.payload_key(job.id))
     pipe.hget(registry.DEPLOYMENTS, registry.deployment_field(worker.name, job.model_key))
-    latest, blob, deployment = pipe.execute()
+    if bounded:  # a slot among its key's jobs running on the model, on the same round trip
+        turns.claim_run(pipe, job, queue, worker.settings)
+    latest, blob, deployment, *claimed = pipe.execute()
+    model = worker.models.get(job.model_key)
+    if claimed and claimed[0] and (jobs.ended(latest) or model is None):
+        turns.release_run(worker.redis, job, queue)  # claimed for a job that does not run here
     if jobs.ended(latest):
         # A copy of a job that already ended (redelivered after its first
         # worker died and it was run again, or cancelled while queued).
         log.info("job %s already ended; not running it again", job.id)
         return None
-    model = worker.models.get(job.model_key)
-    if bounded and model is not None and not turns.claim_run(worker.redis, job, queue_for(job.model_key),
-                                                              worker.settings):
+    if model is not None and claimed and not claimed[0]:
         # Its key already runs NDIF_MAX_RUNNING_PER_KEY jobs on this model (on other
         # replicas): back in line, behind the other keys waiting; if none waits,
         # a pause before the next message, so the bounce is not a busy loop.
         turns.send(worker.redis, worker.app, job, worker.settings)
-        if not turns.others_waiting(worker.redis, job, queue_for(job.model_key)):
+        if not turns.others_waiting(worker.redis, job, queue):
             time.sleep(BOUNCE_PAUSE_S)
         return SENT_BACK
     if model is None:
@@ -165,7 +169,7 @@ def start(worker: WorkerState, job: jobs.Job, bounded: bool = True) -> Optional[
     # watchdog), the model was just used (so a placement decided meanwhile will
     # not evict it), and RUNNING for the client.
     worker.begin(job.id, life.pipe)
-    turns.started(life.pipe, job, queue_for(job.model_key), settings.job_ttl_s)  # the model's turn moves on
+    turns.started(life.pipe, job, queue, settings.job_ttl_s)  # the model's turn moves on
     life.pipe.hset(registry.DEPLOYMENTS, *registry.touched(deployment, worker.name, job.model_key))
     return life
 
