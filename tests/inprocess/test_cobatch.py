@@ -153,6 +153,31 @@ def source_op(model, prompt):
         out = model.lm_head.output.save()
 
 
+def flat_ops(model, prompt):
+    # Inside GPT-2's Conv1D: x.view(-1, d) and addmm on it, [rows x positions, d]: flattened.
+    with model.trace(prompt, remote=True):
+        c_fc = model.transformer.h[0].mlp.c_fc.source
+        flat_in = c_fc.x_view_0.output.save()
+        flat_out = c_fc.torch_addmm_0.output.save()
+
+
+def flat_ops_two_rows(model, prompt_a, prompt_b):
+    with model.trace(remote=True) as tracer:
+        with tracer.invoke(prompt_a):
+            pass
+        with tracer.invoke(prompt_b):
+            pass
+        with tracer.invoke():  # every row of this request
+            flat_out = model.transformer.h[0].mlp.c_fc.source.torch_addmm_0.output.save()
+
+
+def shared_data_write(model, prompt):
+    # position_ids [1, S], served whole: written through .data, which moves no version counter.
+    with model.trace(prompt, remote=True):
+        model.transformer.wpe.input.data[:] = 0
+        out = model.lm_head.output.save()
+
+
 def cached(model, prompt):
     with model.trace(prompt, remote=True) as tracer:
         cache = tracer.cache(modules=[model.transformer.h[0], model.transformer.h[3]])
@@ -518,6 +543,39 @@ def test_source_ops_cache_and_kv_cache_objects(client, server):
         assert worst_difference(s.saved, m.saved) <= TOLERANCE
     # The KV cache object holds this user's row only (batch 1), not the batch's 4.
     assert merged[2].saved["kv"].layers[0].keys.shape[0] == 1
+
+
+def test_flattened_values_are_each_users_own_tokens(client, server):
+    """A value flattened over rows and positions ([rows x width, d]) is served
+    as the user's own tokens, as alone (a canary prompt's tokens reach no one
+    else's saves); a request of several left-padded rows, whose tokens are not
+    one range, runs alone and says why."""
+    canary = "Zyxwvut canary passphrase hunter2 Zyxwvut"
+    requests = [capture(flat_ops, client, SHORT), capture(read, client, canary), capture(flat_ops, client, LONG),
+                capture(flat_ops_two_rows, client, SHORT, LONG)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    for i in (0, 2):
+        assert merged[i].ok and merged[i].meta == {"cobatch": 4}, merged[i].meta  # the fourth shared it too
+        for name in ("flat_in", "flat_out"):
+            saved = merged[i].saved[name]
+            assert saved.shape == solo[i].saved[name].shape, (name, saved.shape, solo[i].saved[name].shape)
+            assert saved.untyped_storage().nbytes() == saved.numel() * saved.element_size()
+        assert worst_difference(solo[i].saved, merged[i].saved) <= TOLERANCE
+    assert merged[3].ok and "layout not split by user" in merged[3].meta["cobatch_solo"], merged[3].meta
+    assert torch.equal(merged[3].saved["flat_out"], solo[3].saved["flat_out"])
+
+
+def test_a_shared_value_written_through_data_sends_everyone_alone(client, server, batch_invariant):
+    """``.data`` moves no version counter: the copy of every value served whole
+    shows the write, and every request of the forward runs again alone."""
+    requests = [capture(shared_data_write, client, SAME_A), capture(read, client, SAME_B),
+                capture(logits, client, SAME_A)]
+    solo = alone(server, requests)
+    merged = together(server, requests)
+    for s, m in zip(solo, merged):
+        assert m.ok and "written in place" in m.meta["cobatch_solo"], m.meta
+        assert_as_alone(s, m, batch_invariant)
 
 
 def test_sessions_share_one_forward_per_trace(client, server):

@@ -23,7 +23,7 @@ Modules, one job each:
 * ``park``: a request's greenlet, parked at its forward; per-request saves,
   depth and logs; errors kept to their own worker;
 * ``batcher``: the co-batcher (rows, sequence window, cache snapshots,
-  refused swaps, version stamps) and ``compact`` of saved views;
+  refused swaps, copies of values served whole, flattened rows) and ``compact`` of saved views;
 * ``engine``: ``run_batch``: prepare, group, one forward per group with its
   guards, finish, and the runs alone.
 """

@@ -23,12 +23,22 @@ does (the hazards numbered in docs/cobatching.md, "Guards"):
 * **Cache objects** (a transformers ``DynamicCache``) are plain objects nnsight's
   ``apply`` does not descend into: a worker would read every user's keys and
   values. A worker gets a read-only snapshot of its own rows (hazard 3).
+* **Flattened values** (``[rows x width, ...]``: the ``x.view(-1, d)`` inside
+  GPT-2's ``Conv1D``, reached through ``.source``; OPT's MLP; a router's
+  logits) hold each row's tokens one after another: a request is served its
+  own tokens where they are one range (one row, or rows without padding), and
+  otherwise is marked ``unlaid`` and run again alone (hazard 4c).
 * **Shared values** (GPT-2's ``[1, S]`` ``position_ids``, rotary tables, a cache
   object) are not batched on dim 0, so nnsight serves them whole. Replacing
   one would change every user's forward: the swap is refused and recorded
   (``refused``), and that request is run again alone (hazard 4). An in-place
-  write to one cannot be intercepted, so every value served whole is stamped
-  with its version counter; a change re-runs the whole forward alone (4b).
+  write to one cannot be intercepted, and one through ``.data`` moves no
+  version counter, so every value served whole is kept as a copy and compared
+  after the forward; a change re-runs the whole forward alone (4b). A value
+  served whole whose first dimension is neither 1 (one value for every row)
+  nor a known layout of rows (an expert's tokens, gathered from every user)
+  holds other users' data: its reader is marked ``unlaid`` and run again
+  alone, so nothing it saw is kept (4c).
 """
 
 from __future__ import annotations
@@ -49,8 +59,8 @@ class CoBatcherMixin:
     ``spans``: one ``(start, rows, own length)`` per request, in row order.
     ``width``: the merged (padded) sequence width. ``refused``: the row groups
     whose worker tried to replace a value shared by the whole batch.
-    ``shared``: ``(tensor, its _version when served)`` for every tensor served
-    whole.
+    ``shared``: ``{id: (tensor, a copy when served)}`` for every tensor served
+    whole. ``unlaid``: the row groups served a value whose rows are every user's.
     """
 
     def setup(self, window: bool) -> None:
@@ -60,7 +70,8 @@ class CoBatcherMixin:
         self.width = 0
         self.target_width = 0  # set by the engine: widen the merged input to this (0: as collated)
         self.refused: list[list] = []
-        self.shared: list[tuple[torch.Tensor, int]] = []
+        self.unlaid: list[list] = []
+        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def add_request(self, encoding: dict, length: int, invokes: int) -> list:
         """Add one request's (alone-assembled) token rows; return its row group."""
@@ -110,9 +121,15 @@ class CoBatcherMixin:
 
     def _narrow_tensor(self, tensor: torch.Tensor, group: list) -> torch.Tensor:
         if tensor.dim() == 0 or tensor.shape[0] != self.total:
+            flat = self._narrow_flat(tensor, group)
+            if flat is not None:
+                return flat
+            if self.batching and tensor.dim() and tensor.shape[0] > 1:
+                self.unlaid.append(list(group))  # every user's rows, laid out in a way not known here
             # Served whole to every user; an in-place write to it cannot be
-            # stopped here, so remember its version to notice one afterwards.
-            self.shared.append((tensor, tensor._version))
+            # stopped here, so keep a copy to notice one afterwards.
+            if id(tensor) not in self.shared:
+                self.shared[id(tensor)] = (tensor, tensor.detach().clone())
             return tensor
         start, size = group
         view = tensor.narrow(0, start, size)
@@ -120,6 +137,19 @@ class CoBatcherMixin:
         for d in self._window_dims(view, length):
             view = view.narrow(d, self.width - length, length)
         view._nnsight_batch = True  # as nnsight marks its narrowed views (see intervention/backward.py)
+        return view
+
+    def _narrow_flat(self, tensor: torch.Tensor, group: list) -> Any:
+        """The group's own tokens of a value flattened over rows and positions
+        (``[rows x width, ...]``), where they are one range; else None."""
+        if not self.batching or not self.width or tensor.dim() == 0 or tensor.shape[0] != self.total * self.width:
+            return None
+        start, size = group
+        length = self._own_length(group) if self.window else self.width
+        if size > 1 and length != self.width:  # several rows, each left-padded: not one range
+            return None
+        view = tensor.narrow(0, start * self.width + (self.width - length), size * length)
+        view._nnsight_batch = True
         return view
 
     def narrow(self, value: Any, group: Any) -> Any:
@@ -187,8 +217,12 @@ class CoBatcherMixin:
     # -- after the forward ------------------------------------------------------------
 
     def shared_written(self) -> bool:
-        """Whether a tensor served whole to the workers was written in place since."""
-        return any(t._version != v for t, v in self.shared)
+        """Whether a tensor served whole to the workers was written since, by any
+        road (in place, through ``.data``, through its storage)."""
+        return any(not torch.equal(tensor, copy) for tensor, copy in self.shared.values())
+
+    def unlaid_in(self, start: int, rows: int) -> bool:
+        return any(start <= g[0] < start + rows for g in self.unlaid)
 
     def refused_in(self, start: int, rows: int) -> bool:
         return any(start <= g[0] < start + rows for g in self.refused)

@@ -16,7 +16,8 @@ The order of one batch (:func:`run_batch`):
    request's workers re-offset into them, nnsight's ``defer_exceptions`` on,
    and the guards around it: the weights' stamps read before and after (a
    write poisons the batch: everyone runs alone on the restored model), values
-   served whole version-stamped, swaps of shared values refused.
+   served whole copied and compared after, swaps of shared values refused, a
+   reader of a value whose rows are every user's (not split by user) run alone.
 4. **Finish.** Each request's greenlet is resumed: nnsight's own last step
    pushes its values into its frame; a session parks again for its next trace
    (step 2 again). Its saves are collected from its own saved-id set and
@@ -308,7 +309,7 @@ class _Batch:
                 mediator.__dict__.pop("_cobatch_owner", None)
         if not failure and batch.shared_written():
             failure = "a value shared by every row was written in place"
-        batch.shared = []
+        batch.shared = {}
         if self.stamps.changed(model._module):
             self._restore()
             self.poisoned = failure = "a weight was written during a shared forward"
@@ -322,6 +323,8 @@ class _Batch:
                 state.solo = "its generation met an end-of-sequence token before the batch's last step"
             elif batch.refused_in(park.start, park.rows):
                 state.solo = "it replaced a value shared by the whole batch"
+            elif batch.unlaid_in(park.start, park.rows):
+                state.solo = "it read a value holding every user's rows in a layout not split by user"
             elif len(park.workers) > 1 and any(isinstance(m.exception, EarlyStopException) for m in park.workers):
                 state.solo = "it stopped (tracer.stop()) one of several invokes"
         for state in group:
