@@ -147,35 +147,50 @@ def _train_tokenizer(vocab_size: int) -> Any:
     )
 
 
+# The architectures a tiny model can have besides GPT-2: OPT (its decoder flattens
+# every row's tokens into one [rows x positions, d] tensor before its MLP) and a
+# Mixtral-style mixture of experts (a router's logits over flattened tokens, each
+# expert fed the tokens routed to it from every row).
+ARCHITECTURES = ("gpt2", "opt", "mixtral")
+
+
+def _config(architecture: str, n_layer: int, n_embd: int, n_head: int, n_positions: int, vocab_size: int,
+            eos_id: int):
+    from transformers import GPT2Config, MixtralConfig, OPTConfig
+
+    ids = {"bos_token_id": eos_id, "eos_token_id": eos_id, "pad_token_id": eos_id}
+    if architecture == "gpt2":
+        return GPT2Config(vocab_size=vocab_size, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
+                          n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **ids)
+    if architecture == "opt":
+        return OPTConfig(vocab_size=vocab_size, hidden_size=n_embd, num_hidden_layers=n_layer, ffn_dim=4 * n_embd,
+                         num_attention_heads=n_head, max_position_embeddings=n_positions,
+                         word_embed_proj_dim=n_embd, dropout=0.0, attention_dropout=0.0, **ids)
+    if architecture == "mixtral":
+        return MixtralConfig(vocab_size=vocab_size, hidden_size=n_embd, intermediate_size=2 * n_embd,
+                             num_hidden_layers=n_layer, num_attention_heads=n_head, num_key_value_heads=n_head,
+                             num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=n_positions,
+                             **ids)
+    raise ValueError(f"unknown architecture {architecture!r}; known: {ARCHITECTURES}")
+
+
 def _write_snapshot(
     snap: Path, n_layer: int, n_embd: int, n_head: int, n_positions: int, seed: int,
-    vocab_size: int,
+    vocab_size: int, architecture: str = "gpt2",
 ) -> None:
     import torch
-    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+    from transformers import GenerationConfig, GPT2LMHeadModel, MixtralForCausalLM, OPTForCausalLM
 
     tokenizer = _train_tokenizer(vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids(EOS)
     if len(tokenizer) > vocab_size:
         raise ValueError(f"tokenizer has {len(tokenizer)} tokens, over vocab_size={vocab_size}")
-    config = GPT2Config(
-        vocab_size=vocab_size,
-        n_positions=n_positions,
-        n_embd=n_embd,
-        n_layer=n_layer,
-        n_head=n_head,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        pad_token_id=eos_id,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    config = _config(architecture, n_layer, n_embd, n_head, n_positions, vocab_size, eos_id)
     # Seed only a private generator state: save and restore the global RNG so
     # building a model never perturbs the caller's randomness.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = GPT2LMHeadModel(config)
+        model = {"gpt2": GPT2LMHeadModel, "opt": OPTForCausalLM, "mixtral": MixtralForCausalLM}[architecture](config)
     model.eval()
     model.save_pretrained(snap, safe_serialization=True)
     GenerationConfig(
@@ -193,8 +208,10 @@ def build_tiny_gpt2(
     seed: int = 0,
     n_positions: int = N_POSITIONS,
     vocab_size: int = VOCAB,
+    architecture: str = "gpt2",
 ) -> Path:
-    """Build (once) a tiny random GPT-2 as a hub-cache entry; return its snapshot dir.
+    """Build (once) a tiny random GPT-2 (or another of :data:`ARCHITECTURES`) as a
+    hub-cache entry; return its snapshot dir.
 
     Idempotent and safe against concurrent builders (other pytest workers or
     processes): the build is serialised with a file lock, written to a private
@@ -222,6 +239,8 @@ def build_tiny_gpt2(
                 n_layer=n_layer, n_embd=n_embd, n_head=n_head, seed=seed,
                 n_positions=n_positions, vocab_size=vocab_size,
             )
+            if architecture != "gpt2":  # (GPT-2's snapshots keep the name they always had)
+                params["architecture"] = architecture
             rev = _revision(repo_id, params)
             tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{repo.name}-", dir=hub))
             tmp.chmod(0o755)  # mkdtemp makes it owner-only; servers may run as others

@@ -115,10 +115,10 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
         assert 0 < row["jain"] <= 1, (order, row)
 
     # Every other target is measured and reported as PASS or FAIL (a FAIL does not fail the run).
-    # Seven targets (the isolation target twice: fork and zygote), co-batching's three and the
-    # capacity section's five.
+    # Eight targets (the isolation target twice: fork and zygote; fairness's one), co-batching's
+    # three and the capacity section's five.
     names = [check["name"] for check in data["checks"]]
-    assert len([n for n in names if not n.startswith(("capacity", "cobatch"))]) == 7, names
+    assert len([n for n in names if not n.startswith(("capacity", "cobatch"))]) == 8, names
     assert len([n for n in names if n.startswith("cobatch")]) == 3, names
     assert len([n for n in names if n.startswith("capacity")]) == 5, names
     for check in data["checks"]:
@@ -130,12 +130,13 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
         else:
             assert check["verdict"] in ("PASS", "FAIL"), check
         assert f"{check['verdict']}  {check['name']}" in proc.stdout
-    for name in TIMED + ("isolation", "throughput", "cobatch"):
+    for name in TIMED + ("isolation", "throughput", "cobatch", "fairness"):
         assert f"== {name}:" in proc.stdout
     assert proc.stdout.count(f"commit {data['commit']}") >= len(TIMED) + 3
     assert "every remote column returned exactly the local values" in proc.stdout, report
     # Where the run's minutes went: every section's wall time, in the JSON and the last line.
-    assert set(data["section_s"]) == set(TIMED) | {"isolation", "throughput", "cobatch", "capacity"}, data["section_s"]
+    assert set(data["section_s"]) == set(TIMED) | {"isolation", "throughput", "cobatch", "fairness", "capacity"}, \
+        data["section_s"]
     assert all(took >= 0 for took in data["section_s"].values()) and sum(data["section_s"].values()) > 0
     assert f"isolation {data['section_s']['isolation']:.0f}" in proc.stdout
 
