@@ -62,18 +62,24 @@ def read(model, prompt):
         out = model.lm_head.output.save()
 
 
-ARCHITECTURES = {
-    "opt": (opt_mlp, opt_mlp_written),
-    "mixtral": (moe_router, None),
-}
+READS = {"opt": opt_mlp, "mixtral": moe_router}  # each model's flattened values, read
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
-def setup(request, hf_home):
-    repo = f"ndif-celery/tiny-{request.param}"
-    build_tiny_gpt2(hf_home, repo, n_layer=2, architecture=request.param)
+def _loaded(hf_home, architecture: str):
+    repo = f"ndif-celery/tiny-{architecture}"
+    build_tiny_gpt2(hf_home, repo, n_layer=2, architecture=architecture)
     _, model = worker_loaded(repo)
-    return request.param, client_model(repo), model
+    return client_model(repo), model
+
+
+@pytest.fixture(scope="module")
+def opt(hf_home):
+    return _loaded(hf_home, "opt")
+
+
+@pytest.fixture(scope="module")
+def mixtral(hf_home):
+    return _loaded(hf_home, "mixtral")
 
 
 def alone(model, requests):
@@ -84,10 +90,11 @@ def together(model, requests):
     return run_batch(model, requests, max_batch=16, pad=True)
 
 
-def test_flattened_values_are_each_users_own_tokens(setup):
-    architecture, client, model = setup
-    reads, _ = ARCHITECTURES[architecture]
-    requests = [capture(reads, client, prompt) for prompt in (SHORT, MID, LONG)] + [capture(read, client, CANARY)]
+@pytest.mark.parametrize("architecture", sorted(READS))
+def test_flattened_values_are_each_users_own_tokens(architecture, request):
+    client, model = request.getfixturevalue(architecture)
+    requests = [capture(READS[architecture], client, prompt) for prompt in (SHORT, MID, LONG)]
+    requests.append(capture(read, client, CANARY))
     solo, merged = alone(model, requests), together(model, requests)
     for s, m in zip(solo, merged):
         assert m.ok and m.meta == {"cobatch": 4}, (m.meta, m.error)
@@ -96,12 +103,9 @@ def test_flattened_values_are_each_users_own_tokens(setup):
         assert worst_difference(s.saved, m.saved) <= TOLERANCE
 
 
-def test_a_write_to_ones_own_flattened_tokens_stays_theirs(setup):
-    architecture, client, model = setup
-    _, writes = ARCHITECTURES[architecture]
-    if writes is None:
-        pytest.skip(f"{architecture}: its flattened values are the router's, read only here")
-    requests = [capture(writes, client, MID), capture(read, client, SHORT), capture(read, client, LONG)]
+def test_a_write_to_ones_own_flattened_tokens_stays_theirs(opt):
+    client, model = opt
+    requests = [capture(opt_mlp_written, client, MID), capture(read, client, SHORT), capture(read, client, LONG)]
     solo, merged = alone(model, requests), together(model, requests)
     for s, m in zip(solo, merged):
         assert m.ok and m.meta == {"cobatch": 3}, (m.meta, m.error)
@@ -109,10 +113,8 @@ def test_a_write_to_ones_own_flattened_tokens_stays_theirs(setup):
     assert not torch.allclose(merged[0].saved["out"], alone(model, [capture(read, client, MID)])[0].saved["out"])
 
 
-def test_an_experts_tokens_from_every_row_send_their_reader_alone(setup):
-    architecture, client, model = setup
-    if architecture != "mixtral":
-        pytest.skip("no experts")
+def test_an_experts_tokens_from_every_row_send_their_reader_alone(mixtral):
+    client, model = mixtral
     requests = [capture(moe_expert_tokens, client, MID), capture(read, client, CANARY), capture(read, client, LONG)]
     solo, merged = alone(model, requests), together(model, requests)
     assert "layout not split by user" in merged[0].meta.get("cobatch_solo", ""), merged[0].meta
