@@ -337,7 +337,7 @@ VARIABLES: tuple = (
     Var("NDIF_MAX_CONCURRENT_JOBS", "max_concurrent_jobs", 0, _int, "jobs queued or running at once per key (0: none)", auth_on=4),
     Var("NDIF_MAX_QUEUE_DEPTH", "max_queue_depth", 0, _int, "jobs waiting per model (0: none)", auth_on=32),
     Var("NDIF_MAX_WEBSOCKETS_PER_KEY", "max_websockets_per_key", 0, _int, "`/subscribe` websockets per key (0: none)", auth_on=16),
-    Var("NDIF_UPLOADS_PER_KEY", "uploads_per_key", 0, _int, "request bodies one key may be sending at once (0: none)", auth_on=4),
+    Var("NDIF_UPLOADS_PER_KEY", "uploads_per_key", 0, _int, "request bodies one key may be sending at once (0: none)", auth_on=16),
     Var("NDIF_MAX_RUNNING_PER_KEY", "max_running_per_key", 0, _int,
         "jobs of one key running at once on one model, across its replicas (0: none)", auth_on=2),
     Var("NDIF_SOCKET_LEASE_S", "socket_lease_s", 30.0, _socket_lease,

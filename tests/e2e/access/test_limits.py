@@ -30,6 +30,7 @@ import redis
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
+from ndif_celery import config
 from tests.support import pace
 from tests.support.remote import final_status, poll, slow_job, wait_status
 from tests.support.stack import client_on_stack
@@ -336,16 +337,17 @@ def test_a_body_is_refused_unread_when_its_key_may_not_send_it(stack, model, mon
 
 
 def test_slow_bodies_are_cut_at_their_deadline_and_bounded_per_key(stack, model, monkeypatch):
-    """NDIF_UPLOADS_PER_KEY (4 with auth on) bodies in flight per key: the next
-    is refused at once. Those in flight are cut at their deadline, a trickled
+    """NDIF_UPLOADS_PER_KEY (its auth-on default) bodies in flight per key: the
+    next is refused at once. Those in flight are cut at their deadline, a trickled
     one too (ten bytes a second), and the key's uploads are counted no longer."""
+    in_flight = config.AUTH_ON_DEFAULTS["NDIF_UPLOADS_PER_KEY"]
     key = make_key(stack)
     started = time.monotonic()
-    uploads = [_start_upload(stack, key, 100_000) for _ in range(4)]
+    uploads = [_start_upload(stack, key, 100_000) for _ in range(in_flight)]
     client = redis.Redis.from_url(stack.redis_url)
-    try:  # the four admitted (each counted in its key's uploads) before the fifth is sent
-        wait_until(lambda: [client.zcard(name) for name in client.keys("ndif:uploads:*")] == [4], pace.bound(5),
-                   "the four uploads to be admitted")
+    try:  # all admitted (each counted in its key's uploads) before the next is sent
+        wait_until(lambda: [client.zcard(name) for name in client.keys("ndif:uploads:*")] == [in_flight],
+                   pace.bound(5), "the uploads to be admitted")
     finally:
         client.close()
     status, body = _answer(_start_upload(stack, key, 100_000), within_s=pace.bound(5))
