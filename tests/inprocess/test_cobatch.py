@@ -473,14 +473,19 @@ def test_a_weight_written_and_undone_mid_forward_still_sends_everyone_alone(clie
     rows ran layer 1 with the doubled weight: the stamps' version counters
     show the writes, so every request runs again alone, each getting what it
     gets alone (a whole fingerprint before and after could not see this)."""
-    model, _ = server
-    requests = [capture(weight_write_undone, client, SAME_A), capture(read, client, SAME_B),
-                capture(logits, client, SAME_A)]
+    writer = capture(weight_write_undone, client, SAME_A)
+    assert_everyone_alone(server, client, writer, "weight was written", batch_invariant)
+
+
+def assert_everyone_alone(server, client, writer: Request, reason: str, invariant: bool) -> None:
+    """``writer`` shares a forward with two readers; every one of them runs again
+    alone, saying ``reason``, and gets what it gets alone."""
+    requests = [writer, capture(read, client, SAME_B), capture(logits, client, SAME_A)]
     solo = alone(server, requests)
     merged = together(server, requests)
     for s, m in zip(solo, merged):
-        assert m.ok and "weight was written" in m.meta["cobatch_solo"], m.meta
-        assert_as_alone(s, m, batch_invariant)
+        assert m.ok and reason in m.meta["cobatch_solo"], m.meta
+        assert_as_alone(s, m, invariant)
 
 
 def test_generation_with_iter_shares_a_generate(client, server, batch_invariant):
@@ -569,13 +574,8 @@ def test_flattened_values_are_each_users_own_tokens(client, server):
 def test_a_shared_value_written_through_data_sends_everyone_alone(client, server, batch_invariant):
     """``.data`` moves no version counter: the copy of every value served whole
     shows the write, and every request of the forward runs again alone."""
-    requests = [capture(shared_data_write, client, SAME_A), capture(read, client, SAME_B),
-                capture(logits, client, SAME_A)]
-    solo = alone(server, requests)
-    merged = together(server, requests)
-    for s, m in zip(solo, merged):
-        assert m.ok and "written in place" in m.meta["cobatch_solo"], m.meta
-        assert_as_alone(s, m, batch_invariant)
+    assert_everyone_alone(server, client, capture(shared_data_write, client, SAME_A), "written in place",
+                          batch_invariant)
 
 
 def test_sessions_share_one_forward_per_trace(client, server):

@@ -15,13 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.inprocess.test_cobatch import TOLERANCE, capture, worst_difference
+from tests.inprocess.test_cobatch import LONG, MID, SHORT, TOLERANCE, capture, logits, worst_difference
 from tests.support.tiny_model import build_tiny_gpt2, client_model, worker_loaded
-from workers.cobatch import run_batch, run_alone
+from workers.cobatch import run_alone, run_batch
 
-SHORT = "Hello world"
-MID = "The Eiffel Tower is in the city of"
-LONG = "Madison Square Garden is located in the city of New York"
 CANARY = "Zyxwvut canary passphrase hunter2 Zyxwvut"
 
 
@@ -57,11 +54,6 @@ def moe_expert_tokens(model, prompt):
         out = model.lm_head.output.save()
 
 
-def read(model, prompt):
-    with model.trace(prompt, remote=True):
-        out = model.lm_head.output.save()
-
-
 READS = {"opt": opt_mlp, "mixtral": moe_router}  # each model's flattened values, read
 
 
@@ -94,7 +86,7 @@ def together(model, requests):
 def test_flattened_values_are_each_users_own_tokens(architecture, request):
     client, model = request.getfixturevalue(architecture)
     requests = [capture(READS[architecture], client, prompt) for prompt in (SHORT, MID, LONG)]
-    requests.append(capture(read, client, CANARY))
+    requests.append(capture(logits, client, CANARY))
     solo, merged = alone(model, requests), together(model, requests)
     for s, m in zip(solo, merged):
         assert m.ok and m.meta == {"cobatch": 4}, (m.meta, m.error)
@@ -105,17 +97,17 @@ def test_flattened_values_are_each_users_own_tokens(architecture, request):
 
 def test_a_write_to_ones_own_flattened_tokens_stays_theirs(opt):
     client, model = opt
-    requests = [capture(opt_mlp_written, client, MID), capture(read, client, SHORT), capture(read, client, LONG)]
+    requests = [capture(opt_mlp_written, client, MID), capture(logits, client, SHORT), capture(logits, client, LONG)]
     solo, merged = alone(model, requests), together(model, requests)
     for s, m in zip(solo, merged):
         assert m.ok and m.meta == {"cobatch": 3}, (m.meta, m.error)
         assert worst_difference(s.saved, m.saved) <= TOLERANCE
-    assert not torch.allclose(merged[0].saved["out"], alone(model, [capture(read, client, MID)])[0].saved["out"])
+    assert not torch.allclose(merged[0].saved["out"], alone(model, [capture(logits, client, MID)])[0].saved["out"])
 
 
 def test_an_experts_tokens_from_every_row_send_their_reader_alone(mixtral):
     client, model = mixtral
-    requests = [capture(moe_expert_tokens, client, MID), capture(read, client, CANARY), capture(read, client, LONG)]
+    requests = [capture(moe_expert_tokens, client, MID), capture(logits, client, CANARY), capture(logits, client, LONG)]
     solo, merged = alone(model, requests), together(model, requests)
     assert "layout not split by user" in merged[0].meta.get("cobatch_solo", ""), merged[0].meta
     assert torch.equal(merged[0].saved["routed"], solo[0].saved["routed"])
