@@ -142,8 +142,9 @@ def _left(session_id: str) -> None:
     if not grace_s:
         return
     try:
-        left = [job_id.decode() for job_id in client.smembers(jobs.session_jobs_key(session_id))]
-        left = [job_id for job_id in left if not jobs.finished(client, job_id)]
+        ids = [job_id.decode() for job_id in client.smembers(jobs.session_jobs_key(session_id))]
+        latest = client.mget([jobs.status_key(job_id) for job_id in ids]) if ids else []
+        left = [job_id for job_id, status in zip(ids, latest) if not jobs.ended(status)]
         if not left:
             return
         pipe = client.pipeline(transaction=False)

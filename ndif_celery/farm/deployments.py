@@ -248,16 +248,12 @@ def check_access(client: redis.Redis, identity, model_key: str) -> None:
     not list in ``users``, whatever revision or task names them (a revision
     that may be the same commit counts as the same: refused rather than guessed)."""
     key = model_policy.parse(model_key)
-    refs = None
-    for wished, wish in registry.desired(client).items():
-        users = wish.get("users") or ()
-        if not users or may_use(users, identity):
-            continue
-        others = model_policy.parsed_keys([wished])
-        if not others or others[0].repo_id != key.repo_id:
-            continue
-        refs = registry.refs(client, key.repo_id) if refs is None else refs
-        if model_policy.may_be_same_weights(key, others[0], refs):
+    restricted = [wished for wished, wish in registry.desired(client).items()
+                  if wish.get("users") and not may_use(wish["users"], identity)]
+    others = model_policy.keys_of_repo(restricted, key.repo_id)
+    refs = registry.refs(client, key.repo_id) if others else {}
+    for other in others:
+        if model_policy.may_be_same_weights(key, other, refs):
             raise Refused(f"Model {key.repo_id!r} is deployed on this farm for named users only, and this API key "
                           "is not one of them. Ask the operator to add your email or key to its deployment.", 403)
 

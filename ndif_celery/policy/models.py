@@ -77,7 +77,7 @@ TASK_ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-class
                 "text-to-speech": "text-to-audio"}
 # What the hub loads for revision None; a key naming it is the key without it.
 DEFAULT_BRANCH = "main"
-_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+COMMIT = re.compile(r"[0-9a-f]{40}")  # a commit sha, as the hub names one (fullmatch)
 
 # Attention implementations transformers ships (ALL_ATTENTION_FUNCTIONS, plus
 # eager, each also as `paged|<name>`). Never a hub kernel repo (`org/name`):
@@ -240,7 +240,7 @@ def commit(key: ModelKey, refs: Mapping[str, str]) -> Optional[str]:
     """The commit ``key`` names: its revision when that is a commit sha, else
     the commit ``refs`` (the repo's branches and tags) give it; None when unknown."""
     revision = key.revision or DEFAULT_BRANCH
-    return revision if _COMMIT.match(revision) else refs.get(revision)
+    return revision if COMMIT.fullmatch(revision) else refs.get(revision)
 
 
 def same_weights(a: ModelKey, b: ModelKey, refs: Mapping[str, str]) -> bool:
@@ -269,15 +269,21 @@ def same_model(a: ModelKey, b: ModelKey, refs: Mapping[str, str]) -> bool:
     return (a.cls, a.task, a.trust_remote_code) == (b.cls, b.task, b.trust_remote_code) and same_weights(a, b, refs)
 
 
-def parsed_keys(keys: Iterable[str]) -> list[ModelKey]:
-    """``keys`` already canonical (deployed, or wished by the operator), parsed;
-    any that no longer parses is left out."""
+def keys_of_repo(keys: Iterable[str], repo_id: str) -> list[ModelKey]:
+    """Those of ``keys`` (canonical: deployed, or wished by the operator) that
+    name ``repo_id``, parsed; any that no longer parses is left out. Only the
+    keys that name it by their text are parsed: intake asks on every request."""
+    named = '{"repo_id": %s,' % json.dumps(repo_id)
     out = []
     for raw in sorted(keys):
+        if named not in raw:
+            continue
         try:
-            out.append(parse(raw))
+            key = parse(raw)
         except PolicyError:
             continue
+        if key.repo_id == repo_id:
+            out.append(key)
     return out
 
 
@@ -326,7 +332,7 @@ class ModelPolicy:
         self.check_model(key)
         clean_env = check_env(env)
         self.check_peft(clean_env)
-        same_repo = [other for other in parsed_keys(offered) if other.repo_id == key.repo_id]
+        same_repo = keys_of_repo(offered, key.repo_id)
         if same_repo:
             refs = refs_of(key.repo_id)
             for other in same_repo:

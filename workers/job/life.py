@@ -72,6 +72,7 @@ log = logging.getLogger("ndif_celery.worker")
 BOUNCE_PAUSE_S = 0.5
 SENT_BACK: Any = object()  # what start returns for a job it sent back to its queue
 
+
 @dataclass
 class Life:
     """One job as it runs: what :func:`start` gathered, what the steps add."""

@@ -7,7 +7,6 @@ forks per request), so GPU memory is read from ``nvidia-smi``, not torch.
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 
@@ -82,6 +81,8 @@ def cached_refs(repo_id: str) -> dict:
     knows two revisions name the same weights (``registry.record_refs``)."""
     from huggingface_hub import constants, file_download
 
+    from ndif_celery.policy.models import COMMIT
+
     root = os.path.join(constants.HF_HUB_CACHE, file_download.repo_folder_name(repo_id=repo_id, repo_type="model"),
                         "refs")
     refs = {}
@@ -92,6 +93,6 @@ def cached_refs(repo_id: str) -> dict:
                     sha = f.read().strip()
             except OSError:
                 continue
-            if re.fullmatch(r"[0-9a-f]{40}", sha):
+            if COMMIT.fullmatch(sha):
                 refs[os.path.relpath(os.path.join(folder, name), root)] = sha
     return refs
