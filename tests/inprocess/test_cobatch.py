@@ -171,10 +171,39 @@ def flat_ops_two_rows(model, prompt_a, prompt_b):
             flat_out = model.transformer.h[0].mlp.c_fc.source.torch_addmm_0.output.save()
 
 
-def shared_data_write(model, prompt):
-    # position_ids [1, S], served whole: written through .data, which moves no version counter.
+def weight_argument(model, prompt):
+    # addmm(bias, x, weight) inside GPT-2's Conv1D: its weight, [64, 256], every user's alike.
     with model.trace(prompt, remote=True):
-        model.transformer.wpe.input.data[:] = 0
+        args, _ = model.transformer.h[0].mlp.c_fc.source.torch_addmm_0.inputs
+        weight = nnsight.save(args[2])
+        out = model.lm_head.output.save()
+
+
+def writes_own_rows(model, prompt):
+    # Every road to a value's memory, on values served as this user's rows: each
+    # write must land in this user's rows of the shared forward, and nowhere else.
+    with model.trace(prompt, remote=True):
+        model.transformer.h[0].output.data[:, 0] = 1.0  # .data: no version counter moves
+        h1 = model.transformer.h[1].output
+        h1.set_(h1 * 0.5)  # set_: the tensor takes another storage
+        model.transformer.h[2].output.view(-1)[:7] = 3.0  # in place, through a view
+        model.transformer.h[3].output.untyped_storage().fill_(0)  # its storage, bytes at once
+        model.transformer.h[4].mlp.c_fc.source.torch_addmm_0.output.data.mul_(2)  # a flattened value
+        out = model.lm_head.output.save()
+
+
+def writes_shared(model, prompt, road):
+    # position_ids [1, S] is served whole: every row's. A write to it by any road.
+    with model.trace(prompt, remote=True):
+        ids = model.transformer.wpe.input
+        if road == "data":
+            ids.data[:] = 0
+        elif road == "set_":
+            ids.set_(torch.zeros_like(ids))
+        elif road == "view":
+            ids.view(-1)[:3] = 0
+        elif road == "storage":
+            ids.untyped_storage().fill_(0)
         out = model.lm_head.output.save()
 
 
@@ -395,10 +424,10 @@ def test_saved_values_carry_no_other_users_rows(client, server):
 def test_edits_stay_in_their_own_rows(client, server):
     model, _ = server
     requests = [capture(edit_everything, client, MID), capture(logits, client, SHORT),
-                capture(read, client, LONG), capture(logits, client, MID)]
+                capture(read, client, LONG), capture(logits, client, MID), capture(read, client, SHORT)]
     solo = alone(server, requests)
     merged = together(server, requests)
-    assert all(m.ok and m.meta == {"cobatch": 4} for m in merged)
+    assert all(m.ok and m.meta == {"cobatch": 5} for m in merged)
     for s, m in zip(solo, merged):
         assert worst_difference(s.saved, m.saved) <= TOLERANCE
     # The edit took effect for its user (same prompt, unedited logits differ a lot) ...
@@ -409,14 +438,14 @@ def test_edits_stay_in_their_own_rows(client, server):
 
 def test_one_users_error_or_stop_ends_only_theirs(client, server, batch_invariant):
     requests = [capture(error, client, SAME_A), capture(stops, client, SAME_B),
-                capture(read, client, SAME_A), capture(logits, client, SAME_B)]
+                capture(read, client, SAME_A), capture(logits, client, SAME_B), capture(read, client, SAME_B)]
     solo = alone(server, requests)
     merged = together(server, requests)
     assert not merged[0].ok and not solo[0].ok
     assert str(merged[0].error) == str(solo[0].error) and "IndexError" in str(merged[0].error)
     assert merged[0].meta["cobatch"] == 1 and "failed in a shared forward" in merged[0].meta["cobatch_solo"]
     for s, m in zip(solo[1:], merged[1:]):
-        assert m.ok and m.meta == {"cobatch": 4}
+        assert m.ok and m.meta == {"cobatch": 5}
         assert_as_alone(s, m, batch_invariant)
 
 
@@ -540,13 +569,13 @@ def test_one_token_rows_differ_with_batch_size_in_plain_torch(server):
 
 def test_source_ops_cache_and_kv_cache_objects(client, server):
     requests = [capture(source_op, client, SHORT), capture(cached, client, MID),
-                capture(kv, client, LONG), capture(read, client, SHORT)]
+                capture(kv, client, LONG), capture(read, client, SHORT), capture(logits, client, MID)]
     solo = alone(server, requests)
     merged = together(server, requests)
     for s, m in zip(solo, merged):
-        assert m.ok and m.meta == {"cobatch": 4}, (m.meta, m.error)
+        assert m.ok and m.meta == {"cobatch": 5}, (m.meta, m.error)
         assert worst_difference(s.saved, m.saved) <= TOLERANCE
-    # The KV cache object holds this user's row only (batch 1), not the batch's 4.
+    # The KV cache object holds this user's row only (batch 1), not the batch's 5.
     assert merged[2].saved["kv"].layers[0].keys.shape[0] == 1
 
 
@@ -571,11 +600,56 @@ def test_flattened_values_are_each_users_own_tokens(client, server):
     assert torch.equal(merged[3].saved["flat_out"], solo[3].saved["flat_out"])
 
 
-def test_a_shared_value_written_through_data_sends_everyone_alone(client, server, batch_invariant):
-    """``.data`` moves no version counter: the copy of every value served whole
-    shows the write, and every request of the forward runs again alone."""
-    assert_everyone_alone(server, client, capture(shared_data_write, client, SAME_A), "written in place",
-                          batch_invariant)
+def test_sizes_that_are_the_models_own_are_never_taken_for_users_rows(client, server, batch_invariant):
+    """Values are told to be the users' by their first dimension: the rows, or
+    rows x width. Eight prompts of 8 tokens would make rows x width 64, the
+    model's hidden size, and a weight [64, 256] read inside a ``.source`` op
+    would be cut as if it held the users' tokens: the batch is padded to a
+    width where no such size is the model's. Four rows (the model's head
+    count) are never a batch: one request waits for the next forward."""
+    from workers.cobatch import batcher
+
+    dims = batcher.model_dims(server[0])
+    assert len(client.tokenizer(MID)["input_ids"]) == 8 and 8 * 8 in dims and 4 in dims
+    requests = [capture(weight_argument, client, MID) for _ in range(8)]
+    solo, merged = alone(server, requests), together(server, requests)
+    for s, m in zip(solo, merged):
+        assert m.ok and m.meta == {"cobatch": 8}, (m.meta, m.error)
+        assert torch.equal(m.saved["weight"], server[0]._module.transformer.h[0].mlp.c_fc.weight)
+        assert worst_difference(s.saved, m.saved) <= TOLERANCE
+    four = together(server, [capture(read, client, MID) for _ in range(4)])
+    assert sorted(m.meta.get("cobatch", 1) for m in four) == [1, 3, 3, 3], [m.meta for m in four]
+    assert batcher.layout_width({8}, 8, dims, 128) not in (0, None)  # padded past 8 x 8
+    assert batcher.layout_width({9}, 8, dims, 128) == 0
+    assert batcher.layout_width({9}, 4, dims, 128) is None
+
+
+def test_writes_by_every_road_land_in_the_writers_own_rows(client, server, batch_invariant):
+    """Each worker is served copies of its own part: a write through ``.data``,
+    ``set_``, a view or the storage changes its rows of the shared forward as
+    it changes the run alone, and nothing of the readers beside it."""
+    requests = [capture(writes_own_rows, client, SAME_A), capture(read, client, SAME_B), capture(logits, client, SAME_A)]
+    solo, merged = alone(server, requests), together(server, requests)
+    for s, m in zip(solo, merged):
+        assert m.ok and m.meta == {"cobatch": 3}, (m.meta, m.error)
+        assert_as_alone(s, m, batch_invariant)
+    untouched = alone(server, [capture(logits, client, SAME_A)])[0].saved["out"]
+    assert (merged[0].saved["out"] - untouched).abs().max() > 1e-2  # the writes did change the writer's run
+
+
+@pytest.mark.parametrize("road", ["data", "set_", "view", "storage"])
+def test_a_write_to_a_shared_value_sends_only_its_writer_alone(client, server, batch_invariant, road):
+    """A value every row shares (``position_ids``), written by any road: the
+    writer's copy shows it (its content is compared, not a version counter),
+    nothing is written back, the writer runs again alone; the readers keep
+    their shared forward, untouched."""
+    requests = [capture(writes_shared, client, SAME_A, road), capture(read, client, SAME_B),
+                capture(logits, client, SAME_A)]
+    solo, merged = alone(server, requests), together(server, requests)
+    assert merged[0].ok and "shared by the whole batch" in merged[0].meta["cobatch_solo"], merged[0].meta
+    for s, m in zip(solo, merged):
+        assert_as_alone(s, m, batch_invariant)
+    assert merged[1].meta == merged[2].meta == {"cobatch": 3}, [m.meta for m in merged]
 
 
 def test_sessions_share_one_forward_per_trace(client, server):

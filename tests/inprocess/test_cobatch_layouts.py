@@ -86,10 +86,10 @@ def together(model, requests):
 def test_flattened_values_are_each_users_own_tokens(architecture, request):
     client, model = request.getfixturevalue(architecture)
     requests = [capture(READS[architecture], client, prompt) for prompt in (SHORT, MID, LONG)]
-    requests.append(capture(logits, client, CANARY))
+    requests += [capture(logits, client, CANARY), capture(logits, client, MID)]
     solo, merged = alone(model, requests), together(model, requests)
     for s, m in zip(solo, merged):
-        assert m.ok and m.meta == {"cobatch": 4}, (m.meta, m.error)
+        assert m.ok and m.meta == {"cobatch": 5}, (m.meta, m.error)
         for name, value in s.saved.items():
             assert m.saved[name].shape == value.shape, (name, m.saved[name].shape, value.shape)
         assert worst_difference(s.saved, m.saved) <= TOLERANCE

@@ -22,8 +22,9 @@ Modules, one job each:
 * ``screen``: what may share a forward, and the sentence for what may not;
 * ``park``: a request's greenlet, parked at its forward; per-request saves,
   depth and logs; errors kept to their own worker;
-* ``batcher``: the co-batcher (rows, sequence window, cache snapshots,
-  refused swaps, copies of values served whole, flattened rows) and ``compact`` of saved views;
+* ``batcher``: the co-batcher (rows, sequence window, flattened rows, each
+  worker served copies of its own part and their writes put back, cache
+  snapshots, refused changes of shared values) and ``compact`` of saved views;
 * ``engine``: ``run_batch``: prepare, group, one forward per group with its
   guards, finish, and the runs alone.
 """

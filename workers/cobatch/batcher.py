@@ -28,13 +28,18 @@ does (the hazards numbered in docs/cobatching.md, "Guards"):
   logits) hold each row's tokens one after another: a request is served its
   own tokens where they are one range (one row, or rows without padding), and
   otherwise is marked ``unlaid`` and run again alone (hazard 4c).
+* **Own storage.** Every value a worker is served is a copy of its part
+  (its rows, its window, its tokens), never a view of the batch: whatever the
+  worker does to it (in place, through ``.data``, ``set_``, a view, its
+  storage) reaches no other user's rows. Before the model goes on (the next
+  read or write of the visit, and the visit's end) each copy the worker
+  changed is written back into its own part of the batch, as a write to the
+  view would have been (:meth:`CoBatcherMixin.write_back`).
 * **Shared values** (GPT-2's ``[1, S]`` ``position_ids``, rotary tables, a cache
-  object) are not batched on dim 0, so nnsight serves them whole. Replacing
-  one would change every user's forward: the swap is refused and recorded
-  (``refused``), and that request is run again alone (hazard 4). An in-place
-  write to one cannot be intercepted, and one through ``.data`` moves no
-  version counter, so every value served whole is kept as a copy and compared
-  after the forward; a change re-runs the whole forward alone (4b). A value
+  object) are not batched on dim 0, so nnsight serves them whole, as a copy
+  here. Replacing one, or changing the copy by any road, would change every
+  user's forward: nothing is written back, the change is recorded
+  (``refused``) and that request is run again alone (hazards 4, 4b). A value
   served whole whose first dimension is neither 1 (one value for every row)
   nor a known layout of rows (an expert's tokens, gathered from every user)
   holds other users' data: its reader is marked ``unlaid`` and run again
@@ -47,6 +52,7 @@ import copy
 from typing import Any
 
 import torch
+from nnsight.modeling import processing
 
 # The fields a text encoding is batched on (nnsight's processing.ROW_FIELDS) and
 # the value a left pad of each holds (None: the tokenizer's pad token).
@@ -58,9 +64,10 @@ class CoBatcherMixin:
 
     ``spans``: one ``(start, rows, own length)`` per request, in row order.
     ``width``: the merged (padded) sequence width. ``refused``: the row groups
-    whose worker tried to replace a value shared by the whole batch.
-    ``shared``: ``{id: (tensor, a copy when served)}`` for every tensor served
-    whole. ``unlaid``: the row groups served a value whose rows are every user's.
+    whose worker tried to change a value shared by the whole batch.
+    ``unlaid``: the row groups served a value whose rows are every user's.
+    ``served``: the copies handed out since the last :meth:`write_back`, each
+    ``(part of the batch, its version then, the copy, row group, per row)``.
     """
 
     def setup(self, window: bool) -> None:
@@ -71,7 +78,8 @@ class CoBatcherMixin:
         self.target_width = 0  # set by the engine: widen the merged input to this (0: as collated)
         self.refused: list[list] = []
         self.unlaid: list[list] = []
-        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.served: list[tuple[torch.Tensor, int, torch.Tensor, list, bool]] = []
+        self.weights: frozenset[int] = frozenset()  # set by the engine: model_storages()
 
     def add_request(self, encoding: dict, length: int, invokes: int) -> list:
         """Add one request's (alone-assembled) token rows; return its row group."""
@@ -103,54 +111,77 @@ class CoBatcherMixin:
                     fill = pad_id if value is None else value
                     left = torch.full((tensor.shape[0], extra), fill, dtype=tensor.dtype, device=tensor.device)
                     kwargs[key] = torch.cat([left, tensor], dim=1)
+            mask = kwargs.get("attention_mask")
+            if "position_ids" not in kwargs and isinstance(mask, torch.Tensor):
+                # Rows of one length were not padded by collate, so it gave no
+                # positions: counted from each row's first token, as it would.
+                kwargs["position_ids"] = processing.positions(mask)
             self.width = self.target_width
         return args, kwargs
 
     # -- reads ------------------------------------------------------------------------
 
+    def _span(self, group: list) -> tuple[int, int, int]:
+        """(first row, rows, own length) of the request ``group`` belongs to."""
+        for span in self.spans:
+            if span[0] <= group[0] < span[0] + span[1]:
+                return span
+        return (group[0], group[1], self.width)
+
     def _own_length(self, group: list) -> int:
-        for start, rows, length in self.spans:
-            if start <= group[0] < start + rows:
-                return length
-        return self.width
+        return self._span(group)[2]
 
     def _window_dims(self, tensor: torch.Tensor, length: int) -> list[int]:
         if not self.window or length >= self.width:
             return []
         return [d for d in range(1, tensor.dim()) if tensor.shape[d] == self.width]
 
-    def _narrow_tensor(self, tensor: torch.Tensor, group: list) -> torch.Tensor:
+    def _part(self, tensor: torch.Tensor, group: list) -> tuple[torch.Tensor, bool]:
+        """The group's part of ``tensor`` as a view, and whether it is per row
+        (False: the tensor is every row's, served whole)."""
         if tensor.dim() == 0 or tensor.shape[0] != self.total:
             flat = self._narrow_flat(tensor, group)
             if flat is not None:
-                return flat
-            if self.batching and tensor.dim() and tensor.shape[0] > 1:
+                return flat, True
+            if self.batching and tensor.dim() and tensor.shape[0] > 1 and not self._weight(tensor):
                 self.unlaid.append(list(group))  # every user's rows, laid out in a way not known here
-            # Served whole to every user; an in-place write to it cannot be
-            # stopped here, so keep a copy to notice one afterwards.
-            if id(tensor) not in self.shared:
-                self.shared[id(tensor)] = (tensor, tensor.detach().clone())
-            return tensor
+            return tensor, False
         start, size = group
         view = tensor.narrow(0, start, size)
         length = self._own_length(group)
         for d in self._window_dims(view, length):
             view = view.narrow(d, self.width - length, length)
-        view._nnsight_batch = True  # as nnsight marks its narrowed views (see intervention/backward.py)
-        return view
+        return view, True
+
+    def _weight(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is (a view of) one of the model's weights or buffers:
+        the same for every user, whatever its size."""
+        try:
+            return tensor.untyped_storage().data_ptr() in self.weights
+        except RuntimeError:  # a tensor without storage (meta, sparse): not known
+            return False
+
+    def _narrow_tensor(self, tensor: torch.Tensor, group: list) -> torch.Tensor:
+        """A copy of the group's part, in storage of its own (see "Own storage")."""
+        self.write_back()  # the worker's earlier writes first: a second read sees them
+        part, per_row = self._part(tensor, group)
+        mine = part.clone()
+        self.served.append((part, part._version, mine, list(group), per_row))
+        return mine
 
     def _narrow_flat(self, tensor: torch.Tensor, group: list) -> Any:
-        """The group's own tokens of a value flattened over rows and positions
-        (``[rows x width, ...]``), where they are one range; else None."""
+        """The request's own tokens of a value flattened over rows and positions
+        (``[rows x width, ...]``), where they are one range; else None. Every
+        invoke of the request is served all of them, as alone (nnsight's own
+        batcher serves such a value whole to each invoke)."""
         if not self.batching or not self.width or tensor.dim() == 0 or tensor.shape[0] != self.total * self.width:
             return None
-        start, size = group
-        length = self._own_length(group) if self.window else self.width
+        start, size, length = self._span(group)
+        if not self.window:
+            length = self.width
         if size > 1 and length != self.width:  # several rows, each left-padded: not one range
             return None
-        view = tensor.narrow(0, start * self.width + (self.width - length), size * length)
-        view._nnsight_batch = True
-        return view
+        return tensor.narrow(0, start * self.width + (self.width - length), size * length)
 
     def narrow(self, value: Any, group: Any) -> Any:
         value = super().narrow(value, group)
@@ -162,7 +193,7 @@ class CoBatcherMixin:
 
     def _widen_tensor(self, full: torch.Tensor, group: list, edited: torch.Tensor) -> torch.Tensor:
         if full.dim() == 0 or full.shape[0] != self.total:
-            if edited is not full:
+            if edited is not full and not _same(edited, full):
                 self.refused.append(list(group))
             return full
         start, size = group
@@ -185,6 +216,7 @@ class CoBatcherMixin:
         refused and recorded, and the batch keeps its own."""
         if not self.batching or group is None:
             return edited
+        self.write_back()  # what the worker wrote to its copies lands before the splice
 
         def merge(f: Any, e: Any) -> Any:
             if isinstance(f, torch.Tensor):
@@ -214,18 +246,48 @@ class CoBatcherMixin:
 
         return merge(full, edited)
 
-    # -- after the forward ------------------------------------------------------------
+    def assemble_skip(self, running: Any) -> Any:
+        # Called once per visit, after every worker parked there was served:
+        # the model is about to go on with the value.
+        self.write_back()
+        return super().assemble_skip(running)
 
-    def shared_written(self) -> bool:
-        """Whether a tensor served whole to the workers was written since, by any
-        road (in place, through ``.data``, through its storage)."""
-        return any(not torch.equal(tensor, copy) for tensor, copy in self.shared.values())
+    # -- the workers' copies ----------------------------------------------------------
+
+    def write_back(self) -> None:
+        """Each copy served since the last call that its worker changed, by any
+        road (its content is compared, not a version counter), is written into
+        its own part of the batch; a changed copy of a value shared by every
+        row is not, and its group is ``refused``. Called while the model waits,
+        so a part nobody else wrote since it was served (its version unmoved)
+        still holds what the copy was made from."""
+        served, self.served = self.served, []
+        for part, version, mine, group, per_row in served:
+            if _same(mine, part):
+                continue
+            if not per_row or mine.shape != part.shape or mine.dtype != part.dtype or mine.device != part.device:
+                self.refused.append(group)
+            elif part._version == version:
+                with torch.no_grad():
+                    part.copy_(mine)
+
+    # -- after the forward ------------------------------------------------------------
 
     def unlaid_in(self, start: int, rows: int) -> bool:
         return any(start <= g[0] < start + rows for g in self.unlaid)
 
     def refused_in(self, start: int, rows: int) -> bool:
         return any(start <= g[0] < start + rows for g in self.refused)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal in shape, type, device and every element, NaN equal to NaN
+    (``torch.equal`` alone finds an untouched copy of a NaN changed)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def make(model: Any, window: bool) -> Any:
@@ -257,7 +319,7 @@ def _snapshot_caches(batcher: Any, value: Any, group: list) -> Any:
             for name in ("keys", "values"):
                 t = getattr(layer, name, None)
                 if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == batcher.total:
-                    setattr(mine, name, batcher._narrow_tensor(t, group).clone())
+                    setattr(mine, name, batcher._part(t, group)[0].clone())
             clone.layers.append(mine)
         return clone
 
@@ -273,6 +335,13 @@ def _snapshot_caches(batcher: Any, value: Any, group: list) -> Any:
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(_snapshot_caches(batcher, v, group) for v in value)
     return value
+
+
+def model_storages(model: Any) -> frozenset[int]:
+    """The storage address of every weight and buffer: a value on one of them is
+    the model's own, not a user's (see ``CoBatcherMixin._weight``)."""
+    tensors = list(model._module.parameters()) + list(model._module.buffers())
+    return frozenset(t.untyped_storage().data_ptr() for t in tensors)
 
 
 def model_dims(model: Any) -> set[int]:
@@ -294,13 +363,30 @@ def model_dims(model: Any) -> set[int]:
     return dims
 
 
-def safe_width(width: int, dims: set[int], limit: int) -> int:
-    """The smallest width >= ``width`` that is no model dimension, or 0 when
-    none fits under ``limit`` (the model's positions): then lengths are bucketed."""
+def safe_width(width: int, dims: set[int], limit: int, rows: int = 1) -> int:
+    """The smallest width >= ``width`` that is no model dimension and whose
+    flattened size (``rows x width``) is none either, or 0 when none fits
+    under ``limit`` (the model's positions): then lengths are bucketed."""
     for candidate in range(width, limit + 1):
-        if candidate not in dims:
+        if candidate not in dims and candidate != rows and rows * candidate not in dims:
             return candidate
     return 0
+
+
+def layout_width(lengths: set[int], rows: int, dims: set[int], limit: int) -> int | None:
+    """The merged width at which a forward's values are laid out by size alone,
+    or None when there is none: 0 (no padding: one length, and its flattened
+    size no model dimension), else the width to pad to (:func:`safe_width`).
+
+    A value is told to be every row's by its first dimension: ``rows`` (by
+    row) or ``rows x width`` (flattened). Neither may be a size the model
+    itself gives a dimension (a weight's, a head count), or a value made from
+    the weights alone would be cut as if it held the users' rows."""
+    if rows in dims:
+        return None
+    if len(lengths) == 1 and max(lengths) != rows and rows * max(lengths) not in dims:
+        return 0
+    return safe_width(max(lengths), dims, limit, rows) or None
 
 
 def max_positions(model: Any) -> int:

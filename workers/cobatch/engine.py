@@ -15,9 +15,11 @@ The order of one batch (:func:`run_batch`):
    co-batcher (``batcher.make``) holding every request's rows and every
    request's workers re-offset into them, nnsight's ``defer_exceptions`` on,
    and the guards around it: the weights' stamps read before and after (a
-   write poisons the batch: everyone runs alone on the restored model), values
-   served whole copied and compared after, swaps of shared values refused, a
-   reader of a value whose rows are every user's (not split by user) run alone.
+   write poisons the batch: everyone runs alone on the restored model), every
+   value served as a copy of the worker's own part (written back when changed;
+   a changed copy of a value shared by every row, or a swap of one, sends its
+   writer alone), a reader of a value whose rows are every user's (not split
+   by user) run alone.
 4. **Finish.** Each request's greenlet is resumed: nnsight's own last step
    pushes its values into its frame; a session parks again for its next trace
    (step 2 again). Its saves are collected from its own saved-id set and
@@ -128,6 +130,7 @@ class _Batch:
         self.stamps = integrity.Stamps(model._module)
         self.router = parking.LogRouter(sys.stdout)
         self.dims = cobatcher.model_dims(model)
+        self.weights = cobatcher.model_storages(model)
         self.limit = cobatcher.max_positions(model)
         self.poisoned = ""  # set when weights were written: everything left runs alone
 
@@ -141,10 +144,10 @@ class _Batch:
                     parked = [s for s in states if s.active and s.park is not None]
                     if not parked or self.poisoned:
                         break
-                    for group in self._groups(parked):
+                    for group, width in self._groups(parked):
                         if self.poisoned:  # the model was restored: the rest run alone
                             break
-                        self._share(group)
+                        self._share(group, width)
                 outcomes = [self._collect(s) if s.finished and not s.solo else None for s in states]
             finally:
                 self._unwind(states)
@@ -212,7 +215,7 @@ class _Batch:
 
     # -- 2. group ------------------------------------------------------------------------
 
-    def _groups(self, parked: list[_InFlight]) -> list[list[_InFlight]]:
+    def _groups(self, parked: list[_InFlight]) -> list[tuple[list[_InFlight], int]]:
         keyed: dict = {}
         for state in parked:
             key, why = screen.inspect(self.model, state.park, state.request.env)
@@ -225,43 +228,65 @@ class _Batch:
         groups = []
         for members in keyed.values():
             for chunk in self._chunks(members):
-                for bucket in self._safe_widths(chunk):
+                for bucket, width in self._safe_widths(chunk):
                     if len(bucket) == 1 and bucket[0].rounds == 1:
                         bucket[0].solo = screen.ALONE_IN_BATCH
                     else:
-                        groups.append(bucket)
+                        groups.append((bucket, width))
         return groups
 
     def _chunks(self, members: list[_InFlight]):
-        chunk: list = []
-        rows = 0
-        for state in members:
-            if chunk and rows + state.park.rows > self.max_rows:
-                yield chunk
-                chunk, rows = [], 0
-            chunk.append(state)
-            rows += state.park.rows
-        if chunk:
+        """Runs of members of at most ``max_rows`` rows, each ended early
+        while its row count is a model dimension (see ``layout_width``)."""
+        waiting = list(members)
+        while waiting:
+            chunk: list = []
+            rows = 0
+            for state in waiting:
+                if chunk and rows + state.park.rows > self.max_rows:
+                    break
+                chunk.append(state)
+                rows += state.park.rows
+            while len(chunk) > 1 and rows in self.dims:
+                rows -= chunk.pop().park.rows
+            waiting = waiting[len(chunk):]
             yield chunk
 
-    def _safe_widths(self, chunk: list[_InFlight]) -> list[list[_InFlight]]:
-        """The chunk, padded to a width that is no model dimension; or, where no
-        such width fits the model's positions, bucketed by length."""
-        lengths = {s.park.length for s in chunk}
-        if len(lengths) == 1:
-            return [chunk]
-        if cobatcher.safe_width(max(lengths), self.dims, self.limit):
-            return [chunk]
+    def _safe_widths(self, chunk: list[_InFlight]) -> list[tuple[list[_InFlight], int]]:
+        """The chunk with the width to pad it to (``layout_width``); or, where no
+        width fits the model's positions, its lengths apart (and a length whose
+        sizes are ambiguous even so runs alone)."""
+        rows = sum(s.park.rows for s in chunk)
+        width = cobatcher.layout_width({s.park.length for s in chunk}, rows, self.dims, self.limit)
+        if screen.length_bound(self.model, chunk[0].park.fn_name, self.window):
+            # One length, never padded: fewer rows until their sizes are the users'.
+            while len(chunk) > 1 and width != 0:
+                chunk.pop().solo = screen.NO_LAYOUT
+                rows = sum(s.park.rows for s in chunk)
+                width = cobatcher.layout_width({chunk[0].park.length}, rows, self.dims, self.limit)
+            return [(chunk, 0)]
+        if width is not None:
+            return [(chunk, width)]
         buckets: dict = {}
         for state in chunk:
             buckets.setdefault(state.park.length, []).append(state)
-        return list(buckets.values())
+        out = []
+        for bucket in buckets.values():
+            rows = sum(s.park.rows for s in bucket)
+            width = cobatcher.layout_width({bucket[0].park.length}, rows, self.dims, self.limit)
+            if width is None:
+                for state in bucket:
+                    state.solo = screen.NO_LAYOUT
+            else:
+                out.append((bucket, width))
+        return out
 
     # -- 3. one shared forward, 4. finish --------------------------------------------------
 
-    def _share(self, group: list[_InFlight]) -> None:
+    def _share(self, group: list[_InFlight], width: int) -> None:
         model = self.model
         batch = cobatcher.make(model, self.window)
+        batch.weights = self.weights
         workers: list = []
         for state in group:
             park = state.park
@@ -275,9 +300,7 @@ class _Batch:
                 mediator._cobatch_owner = state
                 mediator.start = types.MethodType(parking.safe_start, mediator)
             workers += park.workers
-        lengths = {s.park.length for s in group}
-        if len(lengths) > 1:
-            batch.target_width = cobatcher.safe_width(max(lengths), self.dims, self.limit)
+        batch.target_width = width
 
         first = group[0].park
         fn = first.fn if isinstance(first.fn, str) else first.fn.__func__.__get__(model, type(model))
@@ -307,9 +330,8 @@ class _Batch:
             for mediator in workers:
                 mediator.__dict__.pop("start", None)
                 mediator.__dict__.pop("_cobatch_owner", None)
-        if not failure and batch.shared_written():
-            failure = "a value shared by every row was written in place"
-        batch.shared = {}
+        batch.write_back()  # the copies changed after their visit: a shared one sends its writer alone
+        batch.served = []
         if self.stamps.changed(model._module):
             self._restore()
             self.poisoned = failure = "a weight was written during a shared forward"
@@ -322,7 +344,7 @@ class _Batch:
             elif id(park) in early:
                 state.solo = "its generation met an end-of-sequence token before the batch's last step"
             elif batch.refused_in(park.start, park.rows):
-                state.solo = "it replaced a value shared by the whole batch"
+                state.solo = "it replaced or wrote a value shared by the whole batch"
             elif batch.unlaid_in(park.start, park.rows):
                 state.solo = "it read a value holding every user's rows in a layout not split by user"
             elif len(park.workers) > 1 and any(isinstance(m.exception, EarlyStopException) for m in park.workers):
@@ -347,6 +369,7 @@ class _Batch:
             raise RuntimeError("a request wrote the model's weights and run_batch was given no restore()")
         self.model = self.restore()
         self.stamps = integrity.Stamps(self.model._module)
+        self.weights = cobatcher.model_storages(self.model)
 
     def _unwind(self, states: list[_InFlight]) -> None:
         """Every greenlet ended, every hook and per-request filename gone, and
