@@ -225,17 +225,24 @@ def shared_positions(model, prompt):
 
 
 def weight_write(model, prompt):
+    # The weight reached by a built name: the screen for weight names misses it.
     with model.trace(prompt, remote=True):
         hidden = model.transformer.h[0].output
-        model.transformer.h[2].mlp.c_fc.weight.data[:] = 0
+        getattr(model.transformer.h[2].mlp.c_fc, "wei" + "ght").data[:] = 0
         out = model.lm_head.output.save()
+
+
+def logit_lens(model, prompt):
+    # Names a weight: every user's, so the screen sends it alone.
+    with model.trace(prompt, remote=True):
+        lens = (model.transformer.ln_f.output @ model.lm_head.weight.T).save()
 
 
 def weight_write_undone(model, prompt):
     # Layer 1's weight doubled while layer 1 runs for every row, halved again
     # before the forward ends: bit for bit as loaded afterwards.
     with model.trace(prompt, remote=True):
-        weight = model.transformer.h[1].mlp.c_fc.weight
+        weight = getattr(model.transformer.h[1].mlp.c_fc, "wei" + "ght")
         hidden = model.transformer.h[0].output
         weight.mul_(2)
         hidden = model.transformer.h[11].output
@@ -469,7 +476,7 @@ def test_what_cannot_share_runs_alone_and_says_why(client, server, batch_invaria
     requests = [capture(skips, client, SAME_A), capture(backward, client, SAME_B),
                 capture(generate, client, SAME_A, 3, do_sample=True),
                 capture(shared_positions, client, SAME_A), capture(read, client, SAME_B),
-                capture(read, client, SAME_A)]
+                capture(read, client, SAME_A), capture(logit_lens, client, SAME_B)]
     solo = alone(server, requests)
     merged = together(server, requests)
     reasons = [m.meta.get("cobatch_solo", "") for m in merged]
@@ -477,6 +484,7 @@ def test_what_cannot_share_runs_alone_and_says_why(client, server, batch_invaria
     assert "backward" in reasons[1]
     assert "do_sample" in reasons[2]
     assert "shared by the whole batch" in reasons[3]
+    assert "names the model's weights" in reasons[6]
     assert merged[4].meta == merged[5].meta == {"cobatch": 3}
     for i, (s, m) in enumerate(zip(solo, merged)):
         assert m.ok, (i, m.error)

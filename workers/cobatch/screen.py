@@ -2,9 +2,11 @@
 
 Two kinds of check. **Source screens** look at the text of a request's blocks
 before anything runs: a ``.skip(`` (a batched skip must cover every row, and
-skips of different lengths do not concatenate) or a ``.backward(`` (a second
+skips of different lengths do not concatenate), a ``.backward(`` (a second
 backward through the shared graph fails; ``.grad`` of shared weights would
-accumulate across users) sends the request straight to a run of its own.
+accumulate across users) or a name that reaches the weights (``.weight``,
+``parameters()``: the weights are every user's) sends the request straight
+to a run of its own.
 **Inspection** looks at a request parked at its forward: which call it makes
 (``_call`` / ``generate``), its inputs tokenized alone, its forward kwargs, its
 env. Requests merge only when all of these agree (:func:`merge_key`); a
@@ -30,6 +32,10 @@ SOLO_MARKERS = {
     ".skip(": "it skips a module (.skip()), which cannot cover only its own rows of a shared forward",
     ".backward(": "it runs a backward pass, which cannot share a forward's graph with other users",
 }
+# Names that reach the weights, which every user of a shared forward shares (a
+# write through ``.data`` to a few words could escape the stamps' samples).
+WEIGHT_MARKERS = (".weight", ".bias", "parameters(", "buffers(", "state_dict", "_parameters", "_buffers")
+WEIGHTS = "it names the model's weights, which every user of a shared forward shares"
 
 ROW_FIELDS = set(processing.ROW_FIELDS)
 _CALLS = ("__call__", "_call", "generate")
@@ -46,6 +52,8 @@ def source_reason(sources: list[str]) -> str:
     """Why these block sources must run alone, or ''."""
     text = "\n".join(sources)
     found = [why for marker, why in SOLO_MARKERS.items() if marker in text]
+    if any(marker in text for marker in WEIGHT_MARKERS):
+        found.append(WEIGHTS)
     return "; ".join(found)
 
 

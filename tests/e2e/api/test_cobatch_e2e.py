@@ -12,6 +12,14 @@ engine's stated tolerance (``tests.support.load.COBATCH_TOLERANCE``, measured in
 on float values; token ids always exact). The raising user gets its own error,
 and ``meta`` shows that requests shared forwards.
 
+Then, per architecture (GPT-2 through ``.source``, a tiny OPT-style and a tiny
+Mixtral-style model built like the test GPT-2), a dozen users at once whose
+values are flattened over rows and positions (GPT-2's ``Conv1D`` internals,
+OPT's MLP, Mixtral's router logits): each gets its local run, none holds a
+row of a canary user's values, and two users who write every value they
+reach by every road (``.data``, ``set_``, a view, the storage) change no one
+else's result.
+
 Also: an untrusted job (auth on, a key without the ``trusted`` tag) is never
 merged: it runs in its jailed child while the trusted jobs queued around it
 share a forward. All on the shared auth farm (tests/support/stack_pool.py).
@@ -25,6 +33,7 @@ import os
 import signal
 import threading
 import time
+from functools import partial
 from unittest import mock
 
 import httpx
@@ -39,7 +48,7 @@ from tests.support import conformance
 from tests.support.load import COBATCH_TOLERANCE as TOLERANCE
 from tests.support.load import compile_one_at_a_time
 from tests.support.remote import PollUntilDone, client_pointed_at, final_status, poll, slow_job, wait_status
-from tests.support.tiny_model import PROMPT
+from tests.support.tiny_model import PROMPT, REPO_ID, build_tiny_gpt2, client_model
 
 pytestmark = pytest.mark.pools("auth")
 
@@ -204,6 +213,110 @@ def _diff(got, want, shared_forward: bool):
         return conformance.diff(got, want)
 
 
+# --- users of three architectures: values flattened over rows and positions -------
+
+CANARY = "Zyxwvut canary passphrase hunter2 Zyxwvut"
+PROMPTS = ["Hello world", "The cat sat on the mat", "Paris is the capital of",
+           "Madison Square Garden is located in the city of", "The quick brown fox jumps over the lazy dog",
+           "One, two, three, four, five, six, seven, eight, nine, ten.", "Big Ben is a famous clock tower",
+           "Water boils at one hundred degrees", "She walked to the market to buy apples, bread, milk and cheese."]
+
+
+def gpt2_reads(model, run, prompt):
+    with model.trace(prompt, **run) as tracer:
+        c_fc = model.transformer.h[0].mlp.c_fc.source  # x.view(-1, d) and addmm: [rows x positions, d]
+        flat_in = c_fc.x_view_0.output.save()
+        flat_out = c_fc.torch_addmm_0.output.save()
+        act = model.transformer.h[1].mlp.source.self_act_0.output.save()
+        logits = model.lm_head.output.save()
+    return {"flat_in": flat_in, "flat_out": flat_out, "act": act, "logits": logits}, tracer
+
+
+def gpt2_writes(model, run, prompt):
+    with model.trace(prompt, **run) as tracer:
+        model.transformer.wpe.input.data[:] = 0  # the positions: this user's rows, or every row's
+        model.transformer.h[0].mlp.c_fc.source.torch_addmm_0.output.data.mul_(2)  # flattened
+        model.transformer.h[0].output.data[:, 0] = 1.0
+        h1 = model.transformer.h[1].output
+        h1.set_(h1 * 0.5)
+        model.transformer.h[2].output.view(-1)[:7] = 3.0
+        model.transformer.h[3].output.untyped_storage().fill_(0)
+        logits = model.lm_head.output.save()
+    return {"logits": logits}, tracer
+
+
+def opt_reads(model, run, prompt):
+    with model.trace(prompt, **run) as tracer:
+        layer = model.model.decoder.layers[0]
+        fc1 = layer.fc1.output.save()  # [rows x positions, ffn]
+        fc2 = layer.fc2.output.save()
+        hidden = model.model.decoder.layers[1].output.save()
+        logits = model.lm_head.output.save()
+    return {"fc1": fc1, "fc2": fc2, "hidden": hidden, "logits": logits}, tracer
+
+
+def opt_writes(model, run, prompt):
+    with model.trace(prompt, **run) as tracer:
+        model.model.decoder.embed_positions.inputs[1]["position_ids"].data[:] = 0
+        layer = model.model.decoder.layers[0]
+        layer.self_attn.output[0].data.mul_(0.5)
+        layer.fc1.output.data[:] = 0
+        fc2 = layer.fc2.output
+        fc2.set_(fc2 + 1.0)
+        layer.output.view(-1)[:5] = 2.0
+        model.model.decoder.layers[1].output.untyped_storage().fill_(0)
+        logits = model.lm_head.output.save()
+    return {"logits": logits}, tracer
+
+
+def mixtral_reads(model, run, prompt):
+    with model.trace(prompt, **run) as tracer:
+        moe = model.model.layers[0].mlp
+        router = moe.gate.output[0].save()  # [rows x positions, experts]
+        hidden = model.model.layers[0].output.save()
+        logits = model.lm_head.output.save()
+    return {"router": router, "hidden": hidden, "logits": logits}, tracer
+
+
+def mixtral_writes(model, run, prompt):
+    with model.trace(prompt, **run) as tracer:
+        cos, sin = model.model.rotary_emb.output
+        cos.data.mul_(0.5)  # the rotary table: this user's rows, or every row's
+        model.model.layers[0].mlp.gate.output[0].data[:, 0] = 5.0
+        hidden = model.model.layers[0].output
+        hidden.set_(hidden * 2)
+        model.model.layers[1].self_attn.output[0].view(-1)[:9] = 0.0
+        model.model.layers[1].output.untyped_storage().fill_(0)
+        logits = model.lm_head.output.save()
+    return {"logits": logits}, tracer
+
+
+ARCHITECTURES = {"gpt2": (gpt2_reads, gpt2_writes), "opt": (opt_reads, opt_writes),
+                 "mixtral": (mixtral_reads, mixtral_writes)}
+
+
+def _rows(value) -> list[torch.Tensor]:
+    """Every float tensor in a saved value, as rows of its last dimension."""
+    if isinstance(value, torch.Tensor):
+        return [value.detach().reshape(-1, value.shape[-1])] if value.is_floating_point() and value.dim() else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [rows for item in value for rows in _rows(item)]
+    return []
+
+
+def _holds_a_row_of(saves, canary_saves) -> bool:
+    theirs = {}
+    for rows in _rows(canary_saves):
+        theirs.setdefault(rows.shape[-1], []).append(rows)
+    for rows in _rows(saves):
+        for other in theirs.get(rows.shape[-1], []):
+            if (rows[:, None, :] == other[None, :, :]).all(-1).any():
+                return True
+    return False
+
+
 # --- running users at once against a busy worker ------------------------------------
 
 
@@ -354,3 +467,40 @@ def test_a_worker_killed_mid_batch_loses_none_of_its_jobs(auth_stack, model):
     beat = (auth_stack.logs_dir / "beat.log").read_text(errors="replace")
     for backend in batch:  # every one rescued by the watchdog, the three taken ones included
         assert f"job {backend.job_id} lost with worker" in beat, beat[-3000:]
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_each_architectures_users_get_their_own_rows(auth_stack, model, hf_home, architecture):
+    """Twelve users at once: nine readers of flattened and per-row values with
+    prompts of 2 to 16 tokens, a canary, two writers of every value they
+    reach. Each gets its local run; no one else holds a row of the canary's
+    values; the writers changed only their own results."""
+    reads, writes = ARCHITECTURES[architecture]
+    if architecture == "gpt2":
+        client = model
+    else:
+        repo = f"ndif-celery/e2e-tiny-{architecture}"
+        build_tiny_gpt2(hf_home, repo, n_layer=2, architecture=architecture)
+        client = client_model(repo)
+        _remote(client, partial(reads, prompt=PROMPT), True)()  # the first request deploys it
+    users = [partial(reads, prompt=p) for p in PROMPTS] + [partial(reads, prompt=CANARY)]
+    users += [partial(writes, prompt=PROMPTS[1]), partial(writes, prompt=PROMPTS[4])]
+    expected = [_local(client, user) for user in users]
+    answers = _at_once(auth_stack, model, [_remote(client, u, blocking=i % 2 == 0) for i, u in enumerate(users)])
+
+    metas = []
+    for i, (want, got) in enumerate(zip(expected, answers)):
+        assert not isinstance(got, BaseException), f"user {i}: {got!r}"
+        saves, meta = got
+        metas.append(meta)
+        found = _diff(saves, want, meta.get("cobatch", 1) > 1)
+        assert found is None, f"user {i} ({meta}): {found}"
+    canary = answers[len(PROMPTS)][0]
+    for i, (saves, meta) in enumerate(answers):
+        if i != len(PROMPTS):
+            assert not _holds_a_row_of(saves, canary), f"user {i} holds a row of the canary's values ({meta})"
+    readers = metas[:len(PROMPTS) + 1]
+    assert sum(meta.get("cobatch", 1) > 1 for meta in readers) >= 6, metas
+    untouched = _local(client, partial(reads, prompt=PROMPTS[1]))["logits"]
+    assert (answers[-2][0]["logits"] - untouched).abs().max() > 1e-2  # the writes did change the writer's own run
+    print(architecture, [(m.get("cobatch"), m.get("cobatch_solo")) for m in metas])
