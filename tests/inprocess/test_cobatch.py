@@ -614,7 +614,7 @@ def test_sizes_that_are_the_models_own_are_never_taken_for_users_rows(client, se
     model's hidden size, and a weight [64, 256] read inside a ``.source`` op
     would be cut as if it held the users' tokens: the batch is padded to a
     width where no such size is the model's. Four rows (the model's head
-    count) are never a batch: one request waits for the next forward."""
+    count) are never a batch's: a filler row, nobody's, makes them five."""
     from workers.cobatch import batcher
 
     dims = batcher.model_dims(server[0])
@@ -625,11 +625,15 @@ def test_sizes_that_are_the_models_own_are_never_taken_for_users_rows(client, se
         assert m.ok and m.meta == {"cobatch": 8}, (m.meta, m.error)
         assert torch.equal(m.saved["weight"], server[0]._module.transformer.h[0].mlp.c_fc.weight)
         assert worst_difference(s.saved, m.saved) <= TOLERANCE
-    four = together(server, [capture(read, client, MID) for _ in range(4)])
-    assert sorted(m.meta.get("cobatch", 1) for m in four) == [1, 3, 3, 3], [m.meta for m in four]
-    assert batcher.layout_width({8}, 8, dims, 128) not in (0, None)  # padded past 8 x 8
-    assert batcher.layout_width({9}, 8, dims, 128) == 0
-    assert batcher.layout_width({9}, 4, dims, 128) is None
+    four = [capture(read, client, prompt) for prompt in (MID, SHORT, LONG, SAME_A)]
+    solo, merged = alone(server, four), together(server, four)
+    for s, m in zip(solo, merged):
+        assert m.meta == {"cobatch": 4}, m.meta  # and a filler row: five in the forward
+        assert worst_difference(s.saved, m.saved) <= TOLERANCE
+    assert batcher.layout({8}, 8, dims, 128, pad=True)[0] == 0 and batcher.layout({8}, 8, dims, 128, True)[1] > 8
+    assert batcher.layout({9}, 8, dims, 128, pad=True) == (0, 0)  # 72: no dimension
+    assert batcher.layout({9}, 4, dims, 128, pad=True) == (1, 0)  # 4 heads: five rows
+    assert batcher.layout({16}, 8, dims, 128, pad=False) == (1, 0)  # 8 x 16 = 128 positions: nine rows
 
 
 def test_writes_by_every_road_land_in_the_writers_own_rows(client, server, batch_invariant):

@@ -16,10 +16,10 @@ does (the hazards numbered in docs/cobatching.md, "Guards"):
   its workers are served the *last* ``L_r`` positions of every dimension that
   has the batch's padded width, and their edits are written back into that
   window. Left padding and mask-derived ``position_ids`` make those positions
-  hold what r alone computes. The heuristic matches dimensions by size, so the
-  merged width is padded further until it equals no dimension of the model
-  (:func:`safe_width`); a dimension that happened to equal the width would be
-  sliced by mistake.
+  hold what r alone computes. Layouts are told by size, so the batch's sizes
+  (rows, width, rows x width) are kept off every dimension of the model's own
+  (:func:`layout`: a filler row, a wider padding); a dimension that happened to
+  equal one would be sliced by mistake.
 * **Cache objects** (a transformers ``DynamicCache``) are plain objects nnsight's
   ``apply`` does not descend into: a worker would read every user's keys and
   values. A worker gets a read-only snapshot of its own rows (hazard 3).
@@ -89,6 +89,10 @@ class CoBatcherMixin:
         self.width = max(self.width, length)
         return group
 
+    def add_filler(self, encoding: dict) -> None:
+        """A row of nobody's (see :func:`layout`): in the forward, served to no one."""
+        self.add(**encoding)
+
     @property
     def batching(self) -> bool:
         # nnsight narrows once a forward has two row-contributing invokes; here
@@ -99,7 +103,7 @@ class CoBatcherMixin:
 
     def assemble(self, fn: Any) -> tuple:
         """nnsight's assembly (``collate`` left-pads, positions from the mask), then
-        further left padding up to ``target_width`` (see :func:`safe_width`)."""
+        further left padding up to ``target_width`` (see :func:`layout`)."""
         args, kwargs = super().assemble(fn)
         ids = kwargs.get("input_ids")
         if self.target_width and isinstance(ids, torch.Tensor) and ids.shape[1] < self.target_width:
@@ -373,20 +377,31 @@ def safe_width(width: int, dims: set[int], limit: int, rows: int = 1) -> int:
     return 0
 
 
-def layout_width(lengths: set[int], rows: int, dims: set[int], limit: int) -> int | None:
-    """The merged width at which a forward's values are laid out by size alone,
-    or None when there is none: 0 (no padding: one length, and its flattened
-    size no model dimension), else the width to pad to (:func:`safe_width`).
+def layout(lengths: set[int], rows: int, dims: set[int], limit: int, pad: bool) -> tuple[int, int] | None:
+    """``(filler rows, width)`` at which a forward's values are told apart by
+    size alone, or None when there is none. Width 0: as collated (one length
+    and no padding needed); else the width to left-pad to. ``pad`` False: one
+    length, never padded (a generate).
 
-    A value is told to be every row's by its first dimension: ``rows`` (by
-    row) or ``rows x width`` (flattened). Neither may be a size the model
-    itself gives a dimension (a weight's, a head count), or a value made from
-    the weights alone would be cut as if it held the users' rows."""
-    if rows in dims:
-        return None
-    if len(lengths) == 1 and max(lengths) != rows and rows * max(lengths) not in dims:
-        return 0
-    return safe_width(max(lengths), dims, limit, rows) or None
+    A value is taken to be every row's by its first dimension: the rows (by
+    row) or rows x width (flattened), and a dimension of the width is the
+    positions. None of these may be a size the model gives a dimension by
+    itself, or a value made from the weights alone would be cut as if it
+    held users' rows: rows that would be are made one more with a filler row
+    (a copy of a user's, nobody's: a row costs far less than a second
+    forward, which reads every weight again), a width is padded past."""
+    length = max(lengths)
+    for fill in range(4):
+        total = rows + fill
+        if total in dims:
+            continue
+        if len(lengths) == 1 and length != total and total * length not in dims:
+            return fill, 0
+        if pad:
+            width = safe_width(length, dims, limit, total)
+            if width:
+                return fill, width
+    return None
 
 
 def max_positions(model: Any) -> int:

@@ -144,10 +144,10 @@ class _Batch:
                     parked = [s for s in states if s.active and s.park is not None]
                     if not parked or self.poisoned:
                         break
-                    for group, width in self._groups(parked):
+                    for group, (fill, width) in self._groups(parked):
                         if self.poisoned:  # the model was restored: the rest run alone
                             break
-                        self._share(group, width)
+                        self._share(group, fill, width)
                 outcomes = [self._collect(s) if s.finished and not s.solo else None for s in states]
             finally:
                 self._unwind(states)
@@ -215,7 +215,7 @@ class _Batch:
 
     # -- 2. group ------------------------------------------------------------------------
 
-    def _groups(self, parked: list[_InFlight]) -> list[tuple[list[_InFlight], int]]:
+    def _groups(self, parked: list[_InFlight]) -> list[tuple[list[_InFlight], tuple[int, int]]]:
         keyed: dict = {}
         for state in parked:
             key, why = screen.inspect(self.model, state.park, state.request.env)
@@ -228,62 +228,47 @@ class _Batch:
         groups = []
         for members in keyed.values():
             for chunk in self._chunks(members):
-                for bucket, width in self._safe_widths(chunk):
+                for bucket, sizes in self._safe_widths(chunk):
                     if len(bucket) == 1 and bucket[0].rounds == 1:
                         bucket[0].solo = screen.ALONE_IN_BATCH
                     else:
-                        groups.append((bucket, width))
+                        groups.append((bucket, sizes))
         return groups
 
     def _chunks(self, members: list[_InFlight]):
-        """Runs of members of at most ``max_rows`` rows, each ended early
-        while its row count is a model dimension (see ``layout_width``)."""
-        waiting = list(members)
-        while waiting:
-            chunk: list = []
-            rows = 0
-            for state in waiting:
-                if chunk and rows + state.park.rows > self.max_rows:
-                    break
-                chunk.append(state)
-                rows += state.park.rows
-            while len(chunk) > 1 and rows in self.dims:
-                rows -= chunk.pop().park.rows
-            waiting = waiting[len(chunk):]
+        chunk: list = []
+        for state in members:
+            if chunk and _rows(chunk) + state.park.rows > self.max_rows:
+                yield chunk
+                chunk = []
+            chunk.append(state)
+        if chunk:
             yield chunk
 
-    def _safe_widths(self, chunk: list[_InFlight]) -> list[tuple[list[_InFlight], int]]:
-        """The chunk with the width to pad it to (``layout_width``); or, where no
-        width fits the model's positions, its lengths apart (and a length whose
+    def _safe_widths(self, chunk: list[_InFlight]) -> list[tuple[list[_InFlight], tuple[int, int]]]:
+        """The chunk with its filler rows and width (``layout``); or, where no
+        width fits the model's positions, its lengths apart (a length whose
         sizes are ambiguous even so runs alone)."""
-        rows = sum(s.park.rows for s in chunk)
-        width = cobatcher.layout_width({s.park.length for s in chunk}, rows, self.dims, self.limit)
-        if screen.length_bound(self.model, chunk[0].park.fn_name, self.window):
-            # One length, never padded: fewer rows until their sizes are the users'.
-            while len(chunk) > 1 and width != 0:
-                chunk.pop().solo = screen.NO_LAYOUT
-                rows = sum(s.park.rows for s in chunk)
-                width = cobatcher.layout_width({chunk[0].park.length}, rows, self.dims, self.limit)
-            return [(chunk, 0)]
-        if width is not None:
-            return [(chunk, width)]
+        bound = screen.length_bound(self.model, chunk[0].park.fn_name, self.window)
+        found = cobatcher.layout({s.park.length for s in chunk}, _rows(chunk), self.dims, self.limit, not bound)
+        if found is not None:
+            return [(chunk, found)]
         buckets: dict = {}
         for state in chunk:
             buckets.setdefault(state.park.length, []).append(state)
         out = []
         for bucket in buckets.values():
-            rows = sum(s.park.rows for s in bucket)
-            width = cobatcher.layout_width({bucket[0].park.length}, rows, self.dims, self.limit)
-            if width is None:
+            found = cobatcher.layout({bucket[0].park.length}, _rows(bucket), self.dims, self.limit, not bound)
+            if found is None or len(buckets) == 1:
                 for state in bucket:
                     state.solo = screen.NO_LAYOUT
             else:
-                out.append((bucket, width))
+                out.append((bucket, found))
         return out
 
     # -- 3. one shared forward, 4. finish --------------------------------------------------
 
-    def _share(self, group: list[_InFlight], width: int) -> None:
+    def _share(self, group: list[_InFlight], fill: int, width: int) -> None:
         model = self.model
         batch = cobatcher.make(model, self.window)
         batch.weights = self.weights
@@ -300,6 +285,9 @@ class _Batch:
                 mediator._cobatch_owner = state
                 mediator.start = types.MethodType(parking.safe_start, mediator)
             workers += park.workers
+        filler = {key: value[:1] for key, value in group[0].park.encoding.items()}
+        for _ in range(fill):
+            batch.add_filler(filler)
         batch.target_width = width
 
         first = group[0].park
@@ -389,6 +377,10 @@ class _Batch:
                 _forget(state.filename)
             state.greenlet = state.park = None
         self.model.interleaver.cancel()
+
+
+def _rows(states: list) -> int:
+    return sum(state.park.rows for state in states)
 
 
 def _own_filename(tracer: Any) -> str:

@@ -45,7 +45,7 @@ _PLAIN = (int, float, str, bool, type(None))
 ALONE_IN_BATCH = "no other request in this batch could share its forward"
 COBATCH_OFF = "co-batching is off (NDIF_COBATCH_MAX=1)"
 NO_LAYOUT = ("its batch's rows, or rows x positions, would equal a dimension of the model's own, "
-             "so its values could not be told apart from the model's")
+             "so its values could not be told apart from the model's")  # batcher.layout found none
 
 
 def source_reason(sources: list[str]) -> str:
