@@ -112,6 +112,31 @@ class NullServer:
                 self.proc.wait()
 
 
+# -- a request's timeline -----------------------------------------------------------
+
+#: A remote request's hops, in order: the client's clock at both ends, the
+#: web's and the worker's in between (``meta["timeline"]``, from workers.job.life).
+TIMELINE = ("client_to_web", "web", "broker", "start", "deserialize", "forward", "encode", "handover",
+            "relay_and_client")
+
+
+def timeline(meta: dict) -> dict:
+    """A remote call's hops in ms (empty when its meta has no timeline).
+    ``client_to_web``: the client's serialization and upload until the web
+    has the request; ``relay_and_client``: from the worker sending the result
+    to the call's return (the web's relay, the transfer, the client's decoding)."""
+    server = meta.get("timeline") if isinstance(meta, dict) else None
+    client = meta.get("client_at") if isinstance(meta, dict) else None
+    if not isinstance(server, dict) or not client or "sent_at" not in server:
+        return {}
+    hops = {"client_to_web": (server["received_at"] - client[0]) * 1000}
+    for hop in TIMELINE[1:-1]:
+        if isinstance(server.get(f"{hop}_ms"), (int, float)):
+            hops[hop] = float(server[f"{hop}_ms"])
+    hops["relay_and_client"] = (client[1] - server["sent_at"]) * 1000
+    return hops
+
+
 # -- a column ----------------------------------------------------------------------
 
 
@@ -126,12 +151,15 @@ class Column:
     first_wrong: Optional[str] = None
     errors: list = field(default_factory=list)
     meta: dict = field(default_factory=dict)  # the last remote meta
+    timeline: dict = field(default_factory=dict)  # hop -> samples (ms), see TIMELINE
 
     def record_meta(self, meta: dict) -> None:
         self.meta = meta or self.meta
         for key in ("queue_ms", "deserialize_ms", "run_ms", "isolated_ms", "upload_ms"):
             if isinstance(meta.get(key), (int, float)):
                 self.server.setdefault(key, []).append(float(meta[key]))
+        for hop, ms in timeline(meta).items():
+            self.timeline.setdefault(hop, []).append(ms)
 
     def absorb(self, other: "Column") -> None:
         """Add ``other``'s samples, checks, errors and server timings to this
@@ -143,10 +171,14 @@ class Column:
         self.errors += other.errors
         for key, samples in other.server.items():
             self.server.setdefault(key, []).extend(samples)
+        for hop, samples in other.timeline.items():
+            self.timeline.setdefault(hop, []).extend(samples)
 
     def summary(self, check: bool = True) -> dict:
         out = measure.stats(self.samples)
         out["server_p50_ms"] = {k: round(measure.percentile(v, 0.5), 3) for k, v in self.server.items() if v}
+        if self.timeline:
+            out["timeline_mean_ms"] = {hop: round(sum(v) / len(v), 2) for hop, v in self.timeline.items() if v}
         out["correct"] = (self.wrong == 0 and self.checked > 0) if check else None
         out["checked"] = self.checked
         if self.first_wrong:

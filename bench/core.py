@@ -31,14 +31,15 @@ from bench.plan import ALL, COMPUTE_THREADS, OUT_DIR, TIME_WORKLOADS, TITLES, Mi
 from bench.sections.capacity import CapacitySection
 from bench.sections.checks import TargetChecks
 from bench.sections.cobatch import CobatchSection
+from bench.sections.cpu import CpuSection
 from bench.sections.fairness import FairnessSection
 from bench.sections.isolation import IsolationSection
 from bench.sections.throughput import ThroughputSection
 from bench.sections.timed import TimedSections
 
 
-class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, FairnessSection, CapacitySection,
-            TargetChecks):
+class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, FairnessSection, CpuSection,
+            CapacitySection, TargetChecks):
     """One bench run: ``Bench(args, plan, model, hf_home).run()``, then ``close()``."""
 
     def __init__(self, args: argparse.Namespace, plan: Plan, model: BenchModel, hf_home: Path) -> None:
@@ -68,7 +69,7 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
                      "cold_reps": plan.cold_reps, "isolation_reps": plan.isolation_reps,
                      "throughput": plan.throughput, "compute_throughput": plan.compute_throughput,
                      "cobatch": plan.cobatch, "compute_cobatch": plan.compute_cobatch,
-                     "cobatch_rounds": plan.cobatch_rounds, "fairness": plan.fairness,
+                     "cobatch_rounds": plan.cobatch_rounds, "fairness": plan.fairness, "cpu": plan.cpu,
                      "client_nice": self.client_nice},
             "workloads": {},
             "checks": [],
@@ -136,13 +137,17 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
             remote = {"remote": True}
         forget_meta()
         sync = self.args.device == "cuda" and host is None
-        started = time.perf_counter()
+        started, called_at = time.perf_counter(), time.time()
         saves = fn(model, remote, spec or self.spec)
         if sync:
             import torch
 
             torch.cuda.synchronize()
-        return (time.perf_counter() - started) * 1000, saves, last_meta()
+        ms = (time.perf_counter() - started) * 1000
+        meta = last_meta()
+        if meta:  # the client's clock around the call: the timeline's first and last hops
+            meta = dict(meta, client_at=(called_at, time.time()))
+        return ms, saves, meta
 
     def measure_into(self, column: Column, fn: Callable, model, host: Optional[str], ref: Any, spec=None) -> Any:
         try:
@@ -213,6 +218,8 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
                 self.timed("cobatch_compute", self.compute_cobatch)
         if "fairness" in self.only:
             self.timed("fairness", self.fairness)
+        if "cpu_per_request" in self.only:
+            self.timed("cpu_per_request", self.cpu_per_request)
         if "capacity" in self.only:
             self.timed("capacity", self.capacity)
         self.out["checks"] = self.checks()
@@ -311,6 +318,10 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
         server = summary.get("ours", {}).get("server_p50_ms")
         if server:
             self.emit("   ours server p50: " + ", ".join(f"{k} {v:.1f}" for k, v in server.items()))
+        hops = summary.get("ours", {}).get("timeline_mean_ms")
+        if hops:
+            self.emit("   ours timeline, mean ms: " + ", ".join(f"{hop} {ms:.1f}" for hop, ms in hops.items())
+                      + f" (sum {sum(hops.values()):.1f})")
         for note in notes or []:
             self.emit("   " + note)
 

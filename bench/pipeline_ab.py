@@ -57,7 +57,7 @@ def main(argv=None) -> int:
 
     info = models.MODELS["gpt2-medium"]
     models.build(info, Path(args.hf_home))
-    spec = importlib.util.spec_from_file_location("base_stack", Path(args.base) / "tests" / "stack.py")
+    spec = importlib.util.spec_from_file_location("base_stack", Path(args.base) / "tests" / "support" / "stack.py")
     base_stack = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(base_stack)
     env = {"NDIF_TORCH_THREADS": "1", "NDIF_COBATCH_MAX": "1"}

@@ -17,7 +17,11 @@ MiB = 1024 * 1024
 COMPUTE_THREADS = 1  # NDIF_TORCH_THREADS of the compute-bound throughput stack: one "device" per worker
 OUT_DIR = ROOT / "bench" / "_out"
 TIME_WORKLOADS = ("small_trace", "every_layer", "generate", "session", "big_result")
-ALL = TIME_WORKLOADS + ("cold_start", "isolation", "throughput", "cobatch", "fairness", "capacity")
+ALL = TIME_WORKLOADS + ("cold_start", "isolation", "throughput", "cobatch", "fairness", "cpu_per_request",
+                        "capacity")
+# The farm's code that cpu_per_request holds this checkout's against: main before the work to halve
+# the CPU a request costs (its numbers are in docs/performance.md, "CPU per request").
+CPU_BASE = "6cb6711"
 # Co-batched values against the local solo run: torch.equal where no padding is involved, else within
 # the engine's stated tolerance (tests/support/load.py's COBATCH_TOLERANCE, measured in
 # tests/inprocess/test_cobatch.py; a smoke test keeps them equal).
@@ -37,6 +41,7 @@ TITLES = {
     "cobatch_compute": "co-batching on a compute-bound model: small traces from N client threads against one "
                        "worker, off vs on, {torch_threads} torch thread per worker and locally",
     "isolation": "isolation: small trace in a jailed child (NDIF_DEFAULT_TRUSTED=0) vs in the worker",
+    "cpu_per_request": "CPU-ms of each process kind per small trace, a base commit vs this checkout",
     "fairness": "fairness: one key floods a model's queue, five work interactively; first in first out "
                 "(NDIF_FAIR_TURNS=0) vs fair turns",
 }
@@ -57,6 +62,8 @@ class Plan:
     compute_cobatch: list = ((1, 6), (4, 2), (16, 6))  # the same, on the compute-bound model
     cobatch_rounds: int = 2  # each cell alternates off / on this many times (its requests split between rounds)
     fairness: tuple = (40, 2)  # the flooding key's jobs; how many times around the five light keys go
+    cpu: tuple = (6, 25)  # cpu_per_request: rounds, small traces per stack per round
+    cpu_base: str = CPU_BASE
     gen_tokens: int = 20
     session_traces: int = 5
 
@@ -72,6 +79,6 @@ SMOKE = Plan(
     warmup=1, big_bytes=16 * MiB, cold_reps=1, isolation_reps=5,
     throughput=[(1, 4), (4, 2), (16, 1)],
     compute_throughput=[(1, 2), (4, 1), (16, 1)],
-    cobatch=((4, 2),), compute_cobatch=((4, 1),), cobatch_rounds=1, fairness=(8, 1),
+    cobatch=((4, 2),), compute_cobatch=((4, 1),), cobatch_rounds=1, fairness=(8, 1), cpu=(2, 4),
 )
 

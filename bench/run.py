@@ -74,6 +74,8 @@ from bench.plan import ALL, FULL, OUT_DIR, SMOKE, MiB, Plan  # noqa: E402,F401  
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="ndif-celery bench: local vs null server vs ours")
     parser.add_argument("--smoke", action="store_true", help="about a minute: few repetitions, a 16 MiB big result")
+    parser.add_argument("--cpu-base", help="cpu_per_request's base: a commit or a checkout folder "
+                        "(default bench.plan.CPU_BASE)")
     parser.add_argument("--out", help="JSON path (default bench/_out/bench.json, bench-smoke.json with --smoke)")
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(ALL)}")
     parser.add_argument("--model", default="tiny", choices=sorted(MODELS), help="which model (bench/models.py)")

@@ -47,9 +47,11 @@ def accept(
     data: Optional[str],
     blob: Optional[bytes],
     headers: Mapping[str, str],
+    arrived: Optional[float] = None,
 ) -> jobs.Job:
     """Check ``data`` (the envelope form field) and ``blob`` (the payload part,
-    None when absent) for ``identity``; park, enqueue and return the job."""
+    None when absent) for ``identity``; park, enqueue and return the job.
+    ``arrived``: when the request reached the web (the job's timeline)."""
     envelope = wire.parse_envelope(data)
     # After the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION.
     versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
@@ -63,7 +65,7 @@ def accept(
         session_id=envelope.session_id,
         compress=envelope.compress,
         env=envelope.env,
-        received_at=jobs.now(),
+        received_at=arrived or jobs.now(),
         payload_bytes=len(blob),
         trusted=identity.trusted,
         priority="priority" in identity.tags,
@@ -76,6 +78,7 @@ def accept(
         position = sum(depths[:served_with - 1]) + turns.plan(client, job, queue, settings.job_ttl_s) + 1
     else:  # first in, first out: behind every job of its priority or before it
         position = sum(depths[:served_with]) + 1
+    job.queued_at = jobs.now()
     park(client, job, blob, queue, position, settings)
     send_job(celery, job)
     if settings.fair_turns:

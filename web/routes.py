@@ -44,6 +44,7 @@ def ping():
 
 @bp.post("/request")
 def submit():
+    arrived = jobs.now()
     identity = identify()
     # The key, its limits and the body's size are checked before the body is read.
     with uploads.reading(_redis(), _settings(), identity):
@@ -51,7 +52,7 @@ def submit():
         blob_file = request.files.get("blob")
         blob = None if blob_file is None else blob_file.read()
     job = intake.accept(_redis(), current_app.config["NDIF_CELERY"], _settings(), identity, data, blob,
-                        request.headers)
+                        request.headers, arrived)
     return Response(wire.response_json(job.id, wire.RECEIVED, wire.RECEIVED_DESCRIPTION), mimetype="application/json")
 
 

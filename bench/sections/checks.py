@@ -26,12 +26,12 @@ class TargetChecks:
                            "detail": detail})
 
         small = w.get("small_trace", {}).get("columns", {})
+        name = f"small trace p50 ({self.model_info.name}): ours <= null + local + 3 ms"
         try:
             o, n, loc = small["ours"]["p50_ms"], small["null"]["p50_ms"], small["local"]["p50_ms"]
-            add("small trace p50: ours <= null + local + 10 ms", o <= n + loc + 10,
-                f"ours {o:.1f} ms vs null {n:.1f} + local {loc:.1f} + 10 = {n + loc + 10:.1f} ms")
+            add(name, o <= n + loc + 3, f"ours {o:.1f} ms vs null {n:.1f} + local {loc:.1f} + 3 = {n + loc + 3:.1f} ms")
         except (KeyError, TypeError):
-            add("small trace p50: ours <= null + local + 10 ms", None, "not measured")
+            add(name, None, "not measured")
 
         big = w.get("big_result", {})
         try:
@@ -73,6 +73,16 @@ class TargetChecks:
             "not measured" if zygote is None else f"{zygote:+.1f} ms")
         for check in w.get("capacity", {}).get("checks", []):  # the waiting-clients targets, from bench/capacity.py
             add(f"capacity: {check['name']}", check["pass"], check["detail"])
+        cpu = w.get("cpu_per_request", {}).get("cpu_ms")
+        name = "cpu per request: the farm's (web + worker + redis) <= 0.5 x the base's"
+        if cpu:
+            new, base = cpu["new"]["farm"], cpu["base"]["farm"]
+            add(name, new <= 0.5 * base, f"{new:.2f} CPU-ms vs 0.5 x {base:.2f} = {0.5 * base:.2f} "
+                f"(base {w['cpu_per_request']['base']}; web {cpu['new']['web']:.2f} vs {cpu['base']['web']:.2f}, "
+                f"worker {cpu['new']['worker']:.2f} vs {cpu['base']['worker']:.2f}, "
+                f"redis {cpu['new']['redis']:.2f} vs {cpu['base']['redis']:.2f})")
+        else:
+            add(name, None, "not measured")
         fair = w.get("fairness", {}).get("orders", {})
         name = "fairness: light keys' p95 wait <= 2 x one job's run time (fair turns)"
         try:

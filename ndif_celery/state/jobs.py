@@ -102,7 +102,8 @@ class Job:
     session_id: str = ""
     compress: bool = False
     env: dict = field(default_factory=dict)
-    received_at: float = 0.0
+    received_at: float = 0.0  # the request reached the web (epoch seconds)
+    queued_at: float = 0.0  # the web's checks done: parked and sent next
     payload_bytes: int = 0
     trusted: bool = True  # stamped by the web from the key; never from the client
     owner: str = "anonymous"

@@ -88,7 +88,10 @@ class InProcess:
                 meta["deserialize_ms"] = outcome.deserialize_ms
             if outcome.error is not None:
                 raise outcome.error
-            return results.encode(outcome.saved, job.compress)
+            encode_started = time.perf_counter()
+            data = results.encode(outcome.saved, job.compress)
+            meta["encode_ms"] = ms_since(encode_started)
+            return data
 
     def run_together(self, model, runs: list[tuple]) -> list:
         """A co-batch: ``runs`` is (job, blob, channel, meta) per job, every one

@@ -88,6 +88,7 @@ class Life:
     outcome: str = wire.ERROR  # until the result is delivered
     handed: bool = False  # answered and closed by the worker's delivery thread (workers.job.deliveries)
     jobs_run: int = 1  # the jobs of the co-batch it led (workers.job.gather), itself included
+    encoded_at: float = 0.0  # when its result bytes were ready (the timeline's handover)
 
 
 def perform(worker: WorkerState, life: Life) -> None:
@@ -166,6 +167,9 @@ def start(worker: WorkerState, job: jobs.Job, bounded: bool = True) -> Optional[
                                settings.log_bytes_per_job)
     life = Life(job, model, blob, worker.executor_for(job), channel, worker.redis.pipeline(transaction=False))
     life.meta.update(job_id=job.id, worker=worker.name, queue_ms=round((life.started - job.received_at) * 1000, 1))
+    life.meta["timeline"] = timeline = {"received_at": job.received_at}
+    if job.queued_at:
+        timeline.update(web_ms=_ms(job.queued_at - job.received_at), broker_ms=_ms(life.started - job.queued_at))
     # One more round trip (sent by announce): this worker runs the job (for the
     # watchdog), the model was just used (so a placement decided meanwhile will
     # not evict it), and RUNNING for the client.
@@ -188,8 +192,10 @@ def announce(worker: WorkerState, life: Life) -> None:
 
 def execute(worker: WorkerState, life: Life) -> bytes:
     """Run the block through the job's executor; its result bytes, within the result limit."""
+    life.meta["timeline"]["start_ms"] = _ms(time.time() - life.started)
     run_started = time.perf_counter()
     data = life.executor.run(life.model, life.job, life.blob, life.channel, life.meta)
+    life.encoded_at = time.time()
     return within_limit(worker, life, data, ms_since(run_started))
 
 
@@ -212,6 +218,7 @@ def deliver(worker: WorkerState, life: Life, data: bytes) -> None:
     description = "Your job has been completed."
     if job.session_id and len(data) <= worker.settings.max_inline_bytes:
         meta["inline"] = True
+        _sent(life)
         latest = wire.response_json(
             job.id, wire.COMPLETED, description + " Its result was delivered over the websocket.", meta=meta
         )
@@ -231,7 +238,31 @@ def deliver(worker: WorkerState, life: Life, data: bytes) -> None:
         raise
     meta["upload_ms"] = ms_since(upload_started)
     meta["inline"] = False
+    _sent(life)
     channel.send(wire.COMPLETED, description, data=worker.store.url(key), meta=meta)
+
+
+def _sent(life: Life) -> None:
+    """The timeline's last hops, as the result is sent: from the result bytes
+    to here (the delivery thread's turn), and when (the client's clock tells
+    the rest: the web's relay and the transfer)."""
+    timeline = life.meta.get("timeline")
+    if timeline is None:
+        return
+    now = time.time()
+    if life.encoded_at:
+        timeline["handover_ms"] = _ms(now - life.encoded_at)
+    for hop in ("deserialize_ms", "encode_ms"):
+        if hop in life.meta:
+            timeline[hop] = life.meta[hop]
+    if "run_ms" in life.meta and "encode_ms" in life.meta:
+        timeline["forward_ms"] = round(life.meta["run_ms"] - life.meta["encode_ms"] - life.meta.get("deserialize_ms", 0), 1)
+    timeline["sent_at"] = now
+    log.debug("job %s timeline %s", life.job.id, timeline)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
 
 
 def hand_over(worker: WorkerState, answers: list) -> None:

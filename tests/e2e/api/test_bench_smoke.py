@@ -114,11 +114,25 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
         assert row["run_p50_ms"] > 0 and row["light_wait_p95_ms"] >= row["light_wait_p50_ms"] >= 0, (order, row)
         assert 0 < row["jain"] <= 1, (order, row)
 
+    # CPU per request: both stacks (the base commit's code and this checkout's) answered every
+    # request with the local values; each process kind's CPU-ms per request, the farm's above zero.
+    cpu = workloads["cpu_per_request"]
+    assert cpu["wrong"] == {"base": 0, "new": 0}, cpu
+    for name in ("base", "new"):
+        assert cpu["cpu_ms"][name]["farm"] > 0 and cpu["cpu_ms"][name]["client"] > 0, cpu
+        assert cpu["cpu_ms"][name]["worker"] > 0 and cpu["cpu_ms"][name]["web"] > 0, cpu
+
+    # The small trace's timeline: every hop measured, summing to about the whole request.
+    hops = workloads["small_trace"]["columns"]["ours"]["timeline_mean_ms"]
+    assert set(hops) >= {"client_to_web", "web", "broker", "start", "deserialize", "forward", "encode",
+                         "relay_and_client"}, hops
+    assert sum(hops.values()) <= workloads["small_trace"]["columns"]["ours"]["mean_ms"] * 1.05, hops
+
     # Every other target is measured and reported as PASS or FAIL (a FAIL does not fail the run).
-    # Eight targets (the isolation target twice: fork and zygote; fairness's one), co-batching's
-    # three and the capacity section's five.
+    # Nine targets (the isolation target twice: fork and zygote; fairness's one; cpu per request),
+    # co-batching's three and the capacity section's five.
     names = [check["name"] for check in data["checks"]]
-    assert len([n for n in names if not n.startswith(("capacity", "cobatch"))]) == 8, names
+    assert len([n for n in names if not n.startswith(("capacity", "cobatch"))]) == 9, names
     assert len([n for n in names if n.startswith("cobatch")]) == 3, names
     assert len([n for n in names if n.startswith("capacity")]) == 5, names
     for check in data["checks"]:
@@ -130,7 +144,7 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
         else:
             assert check["verdict"] in ("PASS", "FAIL"), check
         assert f"{check['verdict']}  {check['name']}" in proc.stdout
-    for name in TIMED + ("isolation", "throughput", "cobatch", "fairness"):
+    for name in TIMED + ("isolation", "throughput", "cobatch", "fairness", "cpu_per_request"):
         assert f"== {name}:" in proc.stdout
     assert proc.stdout.count(f"commit {data['commit']}") >= len(TIMED) + 3
     assert "every remote column returned exactly the local values" in proc.stdout, report
