@@ -249,3 +249,36 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
 
 
 # --- the worker runs the check on a real stack ---------------------------------
+
+
+def test_the_plain_check_read_again_gives_the_whole_fingerprint_and_sees_every_write(monkeypatch):
+    """``PlainFingerprint`` reads small tensors together and large ones alone:
+    its numbers are ``fingerprint``'s, and a changed bit, a ``.data`` write, a
+    new storage and an unaligned tensor show on either road."""
+    module = WithRotary()
+    module.register_buffer("flag", torch.tensor([True, False, True]))  # 3 bytes: no whole word
+    module.register_buffer("odd", torch.arange(11, dtype=torch.int16)[1:])  # starts 2 bytes into its storage
+    monkeypatch.setattr(integrity, "SMALL_BYTES", 1000)  # proj.weight (7,680 bytes) is read alone
+    plain = integrity.PlainFingerprint(module)
+    assert plain.read(module) == integrity.fingerprint(module) == plain.expected
+    assert plain._large and plain._small  # both roads taken
+    assert plain.changed(module) == []
+    written: set = set()
+    for name, write, undo in [
+        ("proj.weight", lambda: module.proj.weight.data.view(torch.int32)[0, 3].__ixor__(1),
+         lambda: module.proj.weight.data.view(torch.int32)[0, 3].__ixor__(1)),
+        ("proj.bias", lambda: module.proj.bias.data.__setitem__(39, 2.0), None),
+        ("inv_freq", lambda: module.inv_freq.view(torch.int32)[7].__ixor__(1 << 31), None),
+        ("flag", lambda: module.flag.__setitem__(1, True), None),
+        ("odd", lambda: module.odd.__setitem__(0, 99), None),
+    ]:
+        write()
+        written.add(name)
+        assert plain.changed(module) == sorted(written), name
+        if undo is not None:
+            undo()
+            written.discard(name)
+            assert plain.changed(module) == sorted(written), name
+    fresh = integrity.PlainFingerprint(module)  # what it reads now is the new normal
+    module.proj.bias.data = module.proj.bias.data.clone()  # same values, another storage
+    assert fresh.changed(module) == ["proj.bias"]

@@ -40,8 +40,9 @@ log = logging.getLogger(__name__)
 class Resident:
     """One model this worker holds, and everything kept for it.
 
-    ``fingerprint``: the plain fingerprint, checked after trusted jobs (retaken
-    when the weights move into shared memory: same values, new storage).
+    ``fingerprint``: the plain fingerprint (``integrity.PlainFingerprint``),
+    checked after trusted jobs (retaken when the weights move into shared
+    memory: same values, new storage).
     ``stamps``: the cheap ``integrity.Stamps`` read after every trusted job,
     and ``unchecked``: the trusted jobs since the last whole check.
     ``keyed``: ``(KeyedHash, its fingerprint at load)`` where untrusted jobs are
@@ -57,7 +58,7 @@ class Resident:
         self.model = model
         self.dtype = dtype
         self.size_bytes = size_bytes
-        self.fingerprint = integrity.fingerprint(model._module)
+        self.fingerprint = integrity.PlainFingerprint(model._module)
         self.stamps = integrity.Stamps(model._module)
         self.unchecked = 0
         self.keyed: Optional[tuple] = None
@@ -72,7 +73,7 @@ class Resident:
         """The weights in shared memory (moved there on first call)."""
         if self.shared is None:
             self.shared = shared_weights.share(self.model._module)
-            self.fingerprint = integrity.fingerprint(self.model._module)  # same values, new storage
+            self.fingerprint = integrity.PlainFingerprint(self.model._module)  # same values, new storage
             self.stamps = integrity.Stamps(self.model._module)
         return self.shared
 
@@ -93,7 +94,7 @@ class Resident:
 
     def changed(self) -> list[str]:
         """After a trusted job: the tensors whose plain fingerprint changed."""
-        return integrity.changed(self.model._module, self.fingerprint)
+        return self.fingerprint.changed(self.model._module)
 
     def changed_keyed(self) -> list[str]:
         """After an untrusted job: the tensors whose keyed fingerprint changed (raises if the check fails)."""
