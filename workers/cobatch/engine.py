@@ -259,7 +259,7 @@ class _Batch:
         out = []
         for bucket in buckets.values():
             found = cobatcher.layout({bucket[0].park.length}, _rows(bucket), self.dims, self.limit, not bound)
-            if found is None or len(buckets) == 1:
+            if found is None:
                 for state in bucket:
                     state.solo = screen.NO_LAYOUT
             else:
@@ -285,9 +285,8 @@ class _Batch:
                 mediator._cobatch_owner = state
                 mediator.start = types.MethodType(parking.safe_start, mediator)
             workers += park.workers
-        filler = {key: value[:1] for key, value in group[0].park.encoding.items()}
         for _ in range(fill):
-            batch.add_filler(filler)
+            batch.add_filler({key: value[:1] for key, value in group[0].park.encoding.items()})
         batch.target_width = width
 
         first = group[0].park
@@ -319,7 +318,6 @@ class _Batch:
                 mediator.__dict__.pop("start", None)
                 mediator.__dict__.pop("_cobatch_owner", None)
         batch.write_back()  # the copies changed after their visit: a shared one sends its writer alone
-        batch.served = []
         if self.stamps.changed(model._module):
             self._restore()
             self.poisoned = failure = "a weight was written during a shared forward"
