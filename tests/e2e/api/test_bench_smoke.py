@@ -46,7 +46,12 @@ def _positive_cell(cell: dict, where: str) -> None:
 @pytest.mark.bench_smoke  # `make test-bench`, not `make test`
 def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
     out = tmp_path / "bench.json"
-    proc = _run(["--smoke", "--out", str(out)], timeout=600)
+    # cpu_per_request's base: the pinned commit where this clone has its history, else this
+    # checkout itself (a shallow clone): the section's machinery is what the smoke run proves.
+    from bench.plan import CPU_BASE
+
+    pinned = subprocess.run(["git", "cat-file", "-e", f"{CPU_BASE}^{{commit}}"], cwd=ROOT).returncode == 0
+    proc = _run(["--smoke", "--out", str(out)] + ([] if pinned else ["--cpu-base", str(ROOT)]), timeout=600)
     report = f"--- stdout\n{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     assert proc.returncode == 0, report
     data = json.loads(out.read_text())
@@ -117,6 +122,7 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
     # CPU per request: both stacks (the base commit's code and this checkout's) answered every
     # request with the local values; each process kind's CPU-ms per request, the farm's above zero.
     cpu = workloads["cpu_per_request"]
+    assert cpu["base"] == (CPU_BASE if pinned else str(ROOT)), cpu
     assert cpu["wrong"] == {"base": 0, "new": 0}, cpu
     for name in ("base", "new"):
         assert cpu["cpu_ms"][name]["farm"] > 0 and cpu["cpu_ms"][name]["client"] > 0, cpu
