@@ -612,9 +612,10 @@ def test_sizes_that_are_the_models_own_are_never_taken_for_users_rows(client, se
     """Values are told to be the users' by their first dimension: the rows, or
     rows x width. Eight prompts of 8 tokens would make rows x width 64, the
     model's hidden size, and a weight [64, 256] read inside a ``.source`` op
-    would be cut as if it held the users' tokens: the batch is padded to a
-    width where no such size is the model's. Four rows (the model's head
-    count) are never a batch's: a filler row, nobody's, makes them five."""
+    would be cut as if it held the users' tokens: a filler row (nobody's)
+    makes them nine. Four rows (the model's head count) are never a batch's
+    either: a filler makes them five. Rows of two lengths are padded to a
+    width whose sizes are free."""
     from workers.cobatch import batcher
 
     dims = batcher.model_dims(server[0])
@@ -630,10 +631,12 @@ def test_sizes_that_are_the_models_own_are_never_taken_for_users_rows(client, se
     for s, m in zip(solo, merged):
         assert m.meta == {"cobatch": 4}, m.meta  # and a filler row: five in the forward
         assert worst_difference(s.saved, m.saved) <= TOLERANCE
-    assert batcher.layout({8}, 8, dims, 128, pad=True)[0] == 0 and batcher.layout({8}, 8, dims, 128, True)[1] > 8
+    assert batcher.layout({8}, 8, dims, 128, pad=True) == (1, 0)  # 8 x 8 = 64: nine rows, no padding
     assert batcher.layout({9}, 8, dims, 128, pad=True) == (0, 0)  # 72: no dimension
     assert batcher.layout({9}, 4, dims, 128, pad=True) == (1, 0)  # 4 heads: five rows
     assert batcher.layout({16}, 8, dims, 128, pad=False) == (1, 0)  # 8 x 16 = 128 positions: nine rows
+    assert batcher.layout({7, 8}, 8, dims, 128, pad=True) == (0, 9)  # two lengths: padded to 9 (8 x 8 = 64)
+    assert batcher.layout({9}, 16, dims, 128, pad=True) == (1, 0)  # 16 rows (head width): seventeen
 
 
 def test_writes_by_every_road_land_in_the_writers_own_rows(client, server, batch_invariant):

@@ -379,26 +379,28 @@ def safe_width(width: int, dims: set[int], limit: int, rows: int = 1) -> int:
 
 def layout(lengths: set[int], rows: int, dims: set[int], limit: int, pad: bool) -> tuple[int, int] | None:
     """``(filler rows, width)`` at which a forward's values are told apart by
-    size alone, or None when there is none. Width 0: as collated (one length
-    and no padding needed); else the width to left-pad to. ``pad`` False: one
-    length, never padded (a generate).
+    size alone, or None when there is none. Width 0: as collated (no padding
+    added); else the width to left-pad to. ``pad`` False: never padded (a
+    generate).
 
     A value is taken to be every row's by its first dimension: the rows (by
     row) or rows x width (flattened), and a dimension of the width is the
     positions. None of these may be a size the model gives a dimension by
     itself, or a value made from the weights alone would be cut as if it
-    held users' rows: rows that would be are made one more with a filler row
-    (a copy of a user's, nobody's: a row costs far less than a second
-    forward, which reads every weight again), a width is padded past."""
+    held users' rows. Rows of one length take filler rows (copies of a
+    user's row, nobody's) until their sizes are free: positions and bits stay
+    as alone, and a row costs far less than a second forward, which reads
+    every weight again. Otherwise the width is padded past the model's sizes."""
     length = max(lengths)
-    for fill in range(4):
-        total = rows + fill
-        if total in dims:
-            continue
-        if len(lengths) == 1 and length != total and total * length not in dims:
-            return fill, 0
-        if pad:
-            width = safe_width(length, dims, limit, total)
+    if len(lengths) == 1:
+        for fill in range(4):
+            total = rows + fill
+            if total not in dims and total != length and total * length not in dims:
+                return fill, 0
+    if pad:
+        for fill in range(4):
+            total = rows + fill
+            width = safe_width(length, dims, limit, total) if total not in dims else 0
             if width:
                 return fill, width
     return None

@@ -147,7 +147,7 @@ def test_a_client_interrupted_mid_job_frees_the_model(farm):
     running = first.job_at("RUNNING")
     second = ClientProcess(farm, steps=1)
     waiting = second.job_at("QUEUED")
-    after = slow_job(model, 1, layer=1)  # the next user's, in line behind them
+    after = slow_job(model, 20, layer=1)  # the next user's (1 s: long enough to be seen RUNNING), in line behind them
     second.interrupt()
     first.interrupt()
     left = time.monotonic()
