@@ -155,7 +155,7 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
     assert proc.stdout.count(f"commit {data['commit']}") >= len(TIMED) + 3
     assert "every remote column returned exactly the local values" in proc.stdout, report
     # Where the run's minutes went: every section's wall time, in the JSON and the last line.
-    assert set(data["section_s"]) == set(TIMED) | {"isolation", "throughput", "cobatch", "fairness", "capacity"}, \
+    assert set(data["section_s"]) == set(TIMED) | {"isolation", "throughput", "cobatch", "fairness", "cpu_per_request", "capacity"}, \
         data["section_s"]
     assert all(took >= 0 for took in data["section_s"].values()) and sum(data["section_s"].values()) > 0
     assert f"isolation {data['section_s']['isolation']:.0f}" in proc.stdout
