@@ -254,6 +254,28 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
         self.out["first_request"] = {"ms": round(ms, 3), "meta": meta}
         self.emit(f"first request on the new stack (deploys {self.model_info.repo_id} in a fresh worker): "
                   f"{ms:.0f} ms (queue_ms {meta.get('queue_ms')}, run_ms {meta.get('run_ms')})")
+        self.follow_worker_threads(self.stack)
+
+    def follow_worker_threads(self, stack) -> None:
+        """The local column runs on the torch threads the worker chose for the
+        model (``workers.models.threads``): the same compute, the same bits."""
+        import redis
+        import torch
+
+        from ndif_celery.state import registry
+
+        client = redis.Redis.from_url(stack.redis_url)
+        try:
+            chosen = [entry.get("torch_threads") for entry in registry.live_deployments(client)
+                      if self.model_info.repo_id in entry["model_key"]]
+        finally:
+            client.close()
+        self.default_threads = torch.get_num_threads()  # a base commit's workers use it (bench/sections/cpu.py)
+        if chosen and chosen[0]:
+            torch.set_num_threads(int(chosen[0]))
+            self.out["torch_threads"] = int(chosen[0])
+            self.emit(f"the worker runs {self.model_info.repo_id} on {chosen[0]} torch thread(s); "
+                      f"so does the local column")
 
     def close(self) -> None:
         import shutil

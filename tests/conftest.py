@@ -305,9 +305,21 @@ class _ModuleDurations:
         cache.set(DURATIONS_KEY, durations)
 
 
+def _pin_torch_threads() -> None:
+    """The suite compares remote values with local runs in its own processes, to
+    the bit, and a thread count can change the last bits. So every stack's
+    workers use the count this torch uses (inherited by the pytest processes
+    and the stacks), not one measured per model; a test of the setting passes its own."""
+    if "NDIF_TORCH_THREADS" not in os.environ:
+        import torch
+
+        os.environ["NDIF_TORCH_THREADS"] = str(torch.get_num_threads())
+
+
 def pytest_configure(config):
     # Recorded by the controlling process only: an xdist worker's reports reach it too.
     if not hasattr(config, "workerinput"):
+        _pin_torch_threads()
         config.pluginmanager.register(_ModuleDurations(), "ndif-module-durations")
         if getattr(config.option, "dist", "no") == "loadgroup":
             # Before the pytest processes start: they inherit it (see GroupScheduling).

@@ -68,7 +68,8 @@ class WorkerState:
         self.redis = jobs.connect(settings.redis_url, settings.redis_outage_s)
         self.store = open_store(settings)
         self.models = ResidentModels(verify_untrusted=settings.verify_untrusted,
-                                     trusted_check_every=settings.trusted_check_every)
+                                     trusted_check_every=settings.trusted_check_every,
+                                     torch_threads=settings.torch_threads)
         # The deadline of every job, and `ndif-celery kill`: answers, interrupts, replaces this process if stuck.
         self.deadlines = deadline.DeadlineWatchdog(settings.execution_timeout_s, settings.deadline_grace_s,
                                            (JobTimedOut, JobCancelled), self.replace)
@@ -250,6 +251,7 @@ class WorkerState:
         registry.set_deployment(
             self.redis, self.name, model_key, registry.RUNNING,
             size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,
+            torch_threads=self.models.threads_of(model_key),
         )
         registry.record_refs(self.redis, repo, memory.cached_refs(repo))  # which revisions name these weights
         if untrusted_jobs_possible(settings):

@@ -75,6 +75,22 @@ def client_cpu_s() -> float:
 class CpuSection:
     """Mixin of ``bench.core.Bench``: ``cpu_per_request()``."""
 
+    def base_reference(self, fn):
+        """The local values on the threads a base worker uses (the setting, else
+        torch's default; this checkout's workers choose per model): the same bits."""
+        import os
+
+        import torch
+
+        setting = int(self.stack_env().get("NDIF_TORCH_THREADS") or os.environ.get("NDIF_TORCH_THREADS") or 0)
+        threads = setting or getattr(self, "default_threads", 0) or torch.get_num_threads()
+        kept = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return self.reference("small_trace", fn, self.model)
+        finally:
+            torch.set_num_threads(kept)
+
     def cpu_per_request(self) -> None:
         from bench import workloads
 
@@ -88,12 +104,16 @@ class CpuSection:
         spec = importlib.util.spec_from_file_location("base_stack", base_root / "tests" / "support" / "stack.py")
         base_stack = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(base_stack)
+        # Its `from tests.support.paths import ROOT` found this checkout's module, already
+        # imported: pointed at the base's folder, its CLI and services run the base's code.
+        base_stack.ROOT = base_root
         stacks = {"base": base_stack.Stack(Path(tempfile.mkdtemp(prefix="ndif-bench-")), env=self.stack_env(**COLD)),
                   "new": self.new_stack(**COLD)}
         self.homes.append(stacks["base"].home)
         self.at_once(lambda stack: stack.start(), list(stacks.values()))
         fn = workloads.WORKLOADS["small_trace"]
-        ref = self.refs.get("small_trace") or self.reference("small_trace", fn, self.model)
+        refs = {"new": self.refs.get("small_trace") or self.reference("small_trace", fn, self.model),
+                "base": self.base_reference(fn)}
         rounds, per_round = self.plan.cpu
         used = {name: dict.fromkeys(KINDS, 0.0) for name in stacks}
         wrong: dict = {name: 0 for name in stacks}
@@ -109,7 +129,7 @@ class CpuSection:
                     before, client_before = service_cpu_s(pids), client_cpu_s()
                     for _ in range(per_round):
                         _, saves, _ = self.call(fn, self.model, stack.url)
-                        wrong[name] += bool(measure.difference(saves, ref))
+                        wrong[name] += bool(measure.difference(saves, refs[name]))
                     client, after = client_cpu_s() - client_before, service_cpu_s(pids)
                     used[name]["client"] += client
                     for kind in KINDS[1:]:

@@ -78,7 +78,8 @@ class ZygoteChild:
 class Zygote:
     """The worker's handle on the zygote of one resident model."""
 
-    def __init__(self, model: Any, shared: Any, model_key: str, dtype: Optional[str], fork_server: Any = None) -> None:
+    def __init__(self, model: Any, shared: Any, model_key: str, dtype: Optional[str], fork_server: Any = None,
+                 threads: int = 0) -> None:
         self.model_id = id(model)
         # NDIF_ISOLATION: "zygote" = a fresh interpreter exec'd here; "fork" = a
         # fork of the worker's fork server (workers.isolation.forkserver). Same code after that.
@@ -120,6 +121,7 @@ class Zygote:
             "shared": shared.header(),
             "training": [path for path, sub in module.named_modules() if sub.training],
             "modules": [path for path, _ in module.named_modules()],
+            "threads": threads,  # as the worker chose for this model (workers.models.threads)
         }
         try:
             self.process.stdin.write(pickle.dumps(header))  # to the zygote: trusted direction
@@ -234,8 +236,8 @@ def _build(header: dict, cpu_fd: int) -> Any:
 
     from . import shared_weights
 
-    threads = os.environ.get("NDIF_TORCH_THREADS")
-    if threads:
+    threads = header.get("threads") or os.environ.get("NDIF_TORCH_THREADS")
+    if threads and int(threads) > 0:
         torch.set_num_threads(int(threads))
     model = Remotable.from_model_key(header["model_key"], dispatch=False, **header["kwargs"])
     module = model._module

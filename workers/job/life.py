@@ -139,7 +139,7 @@ def start(worker: WorkerState, job: jobs.Job, bounded: bool = True) -> Optional[
     if bounded:  # a slot among its key's jobs running on the model, on the same round trip
         turns.claim_run(pipe, job, queue, worker.settings)
     latest, blob, deployment, *claimed = pipe.execute()
-    model = worker.models.get(job.model_key)
+    model = worker.models.use(job.model_key)  # torch set to the model's threads
     if claimed and claimed[0] and (jobs.ended(latest) or model is None):
         turns.release_run(worker.redis, job, queue)  # claimed for a job that does not run here
     if jobs.ended(latest):

@@ -33,6 +33,7 @@ from workers.isolation import shared_weights
 from workers.isolation.zygote import Zygote
 
 from . import integrity
+from .threads import Threads
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +51,16 @@ class Resident:
     ``shared``: the weights in memory a zygote maps (``shared_weights.Shared``),
     made on the zygote's first start. ``zygote``: the model's ``zygote.Zygote``.
     ``size_bytes``: as placed, for re-registering the deployment.
+    ``threads``: torch's intra-op threads for its forward (``workers.models.threads``).
     """
 
     def __init__(self, model_key: str, model: Any, dtype: Optional[str], size_bytes: int = 0,
-                 keyed: bool = False) -> None:
+                 keyed: bool = False, threads: int = 0) -> None:
         self.model_key = model_key
         self.model = model
         self.dtype = dtype
         self.size_bytes = size_bytes
+        self.threads = threads
         self.fingerprint = integrity.PlainFingerprint(model._module)
         self.stamps = integrity.Stamps(model._module)
         self.unchecked = 0
@@ -82,7 +85,8 @@ class Resident:
         if self.zygote is not None and self.zygote.fits(self.model):
             return self.zygote
         self.drop_zygote()
-        self.zygote = Zygote(self.model, self.share(), self.model_key, self.dtype, fork_server=fork_server)
+        self.zygote = Zygote(self.model, self.share(), self.model_key, self.dtype, fork_server=fork_server,
+                             threads=self.threads)
         return self.zygote
 
     def drop_zygote(self) -> None:
@@ -116,7 +120,7 @@ class Resident:
 class ResidentModels:
     """The registry of this worker's :class:`Resident` models, by model key."""
 
-    def __init__(self, verify_untrusted: bool = False, trusted_check_every: int = 1) -> None:
+    def __init__(self, verify_untrusted: bool = False, trusted_check_every: int = 1, torch_threads: int = 0) -> None:
         # NDIF_VERIFY_UNTRUSTED: the keyed check after every untrusted job on
         # every model, not only on GPU models (whose weights a child can write).
         self.verify_untrusted = verify_untrusted
@@ -124,10 +128,23 @@ class ResidentModels:
         # job at least (the stamps after every one; see check_after_trusted).
         self.trusted_check_every = max(1, trusted_check_every)
         self._residents: dict[str, Resident] = {}
+        self.threads = Threads(torch_threads)  # NDIF_TORCH_THREADS: a count, or 0 (measured per model)
 
     def get(self, model_key: str) -> Optional[Any]:
         resident = self._residents.get(model_key)
         return resident.model if resident is not None else None
+
+    def use(self, model_key: str) -> Optional[Any]:
+        """The model for a job to run on, torch set to its thread count."""
+        resident = self._residents.get(model_key)
+        if resident is None:
+            return None
+        self.threads.use(resident.threads)
+        return resident.model
+
+    def threads_of(self, model_key: str) -> int:
+        resident = self._residents.get(model_key)
+        return resident.threads if resident is not None else 0
 
     def resident(self, model_key: str) -> Optional[Resident]:
         return self._residents.get(model_key)
@@ -140,10 +157,11 @@ class ResidentModels:
         resident = self._residents.get(model_key)
         return resident.size_bytes if resident is not None else 0
 
-    def load(self, model_key: str, dtype: Optional[str] = None, size_bytes: int = 0) -> float:
+    def load(self, model_key: str, dtype: Optional[str] = None, size_bytes: int = 0, threads: int = 0) -> float:
         """Load ``model_key`` (if not already here); return the seconds it took.
         ``size_bytes``: its size as placed, kept for re-registering it (a model
-        already here keeps its weights and takes the new size)."""
+        already here keeps its weights and takes the new size). ``threads``:
+        its thread count as chosen before (a reload), else chosen now."""
         if model_key in self._residents:
             self._residents[model_key].size_bytes = size_bytes
             return 0.0
@@ -167,8 +185,11 @@ class ResidentModels:
                 f"{type(error).__name__}: {error}"
             ) from None
         no_grad_weights(model._module)
+        threads, why = (threads, "as before") if threads else self.threads.for_model(model._module)
+        log.info("%s: %d torch thread(s) per forward (%s)", repo_fields(model_key)["repo_id"], threads, why)
         self._residents[model_key] = Resident(model_key, model, dtype, size_bytes,
-                                              keyed=self.verify_untrusted or cuda.on_gpu(integrity.named_tensors(model._module)))
+                                              keyed=self.verify_untrusted or cuda.on_gpu(integrity.named_tensors(model._module)),
+                                              threads=threads)
         return round(time.monotonic() - started, 3)
 
     def zygote(self, model_key: str, fork_server: Any = None) -> Optional[Zygote]:
@@ -279,7 +300,7 @@ class ResidentModels:
 
     def _reload(self, resident: Resident) -> None:
         self.evict(resident.model_key)
-        self.load(resident.model_key, resident.dtype, resident.size_bytes)
+        self.load(resident.model_key, resident.dtype, resident.size_bytes, resident.threads)
 
     def evict(self, model_key: str) -> bool:
         resident = self._residents.pop(model_key, None)

@@ -30,6 +30,9 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     # from this pytest process's launcher (tests/support/launcher.py), since what a
     # smoke run proves is that every workload is measured and exact, not a worker's start.
     env = dict(os.environ)
+    # Unpinned (tests/conftest.py pins it for the suite): the bench's workers measure
+    # their threads per model and its local column follows them (bench/core.py).
+    env.pop("NDIF_TORCH_THREADS", None)
     env.update(launcher.stack_env(env))
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / "run.py"), *args],
@@ -57,6 +60,8 @@ def test_smoke_bench_measures_everything_and_gets_the_local_values(tmp_path):
     data = json.loads(out.read_text())
     assert "crashed" not in data, data.get("crashed")
     assert data["smoke"] is True and data["commit"] and data["commit"] != "unknown"
+    # The worker chose its torch threads for the model, and the local column ran on them.
+    assert data["torch_threads"] >= 1, data.get("first_request")
 
     workloads = data["workloads"]
     for name in TIMED:
