@@ -55,8 +55,9 @@ def accept(
     envelope = wire.parse_envelope(data)
     # After the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION.
     versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
-    admit_model(client, settings, identity, envelope)
-    check_probe(client, settings, identity, headers, envelope.model_key)
+    offer = registry.offer(client)
+    admit_model(client, settings, identity, envelope, offer.keys)
+    check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
     check_session(client, identity, envelope.session_id)
     blob = check_payload(blob, envelope.compress, settings)
     job = jobs.Job(
@@ -83,25 +84,27 @@ def accept(
     send_job(celery, job)
     if settings.fair_turns:
         turns.place(client, job, queue, settings.job_ttl_s)
-    # The controller deploys the model if no worker holds it (``ndif_celery.farm.controller``).
-    registry.wake_controller_once(client, queue)
+    # The controller deploys the model if no worker serves it (``ndif_celery.farm.controller``);
+    # a model served needs nothing of it now (its ticks tell positions and add replicas).
+    if job.model_key not in offer.serving:
+        registry.wake_controller_once(client, queue)
     return job
 
 
 def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
-                envelope: wire.Envelope) -> None:
+                envelope: wire.Envelope, offered: set) -> None:
     """The key and env as nnsight sends them, made canonical in ``envelope``
     (the deployment serving the same weights, if one does); what this key may
     load (``policy.models``)."""
     envelope.model_key, envelope.env = model_policy.ModelPolicy.from_settings(settings).admit(
-        envelope.model_key, envelope.env, identity.trusted, registry.offered_keys(client),
+        envelope.model_key, envelope.env, identity.trusted, offered,
         lambda repo_id: registry.refs(client, repo_id))
     # A deployment that lists its users (``deploy -f``: ``users``) serves only them.
     deployments.check_access(client, identity, envelope.model_key)
 
 
 def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
-                headers: Mapping[str, str], model_key: str) -> None:
+                headers: Mapping[str, str], model_key: str, offered: set) -> None:
     """The health probe (``ndif_celery.monitoring.probes``, its key ``NDIF_PROBE_API_KEY``) never
     deploys a model: a probe sent just as the model was evicted would load it again.
     Refused here when the model is not deployed; its owner is recorded
@@ -114,7 +117,7 @@ def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.I
         return
     if identity.key_id is not None:
         client.set(probes.OWNER, identity.owner, ex=86400)
-    if model_key not in registry.offered_keys(client):
+    if model_key not in offered:
         raise Refused("The health probe does not deploy models, and this one is not deployed now.", 409)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import redis
@@ -264,11 +265,34 @@ def cached_status(client: redis.Redis) -> bytes:
     return raw if raw is not None else json.dumps(status_document(client)).encode()
 
 
+@dataclass
+class Offer:
+    """What the farm offers now, as one request's intake reads it.
+
+    ``keys``: deployed on a live worker (any state) or by the operator;
+    ``serving``: running on a live worker (a job for it needs no controller)."""
+
+    keys: set
+    serving: set
+
+
+def offer(client: redis.Redis) -> Offer:
+    """The farm's :class:`Offer`, on one round trip."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(WORKERS)
+    pipe.hvals(DEPLOYMENTS)
+    pipe.hkeys(DESIRED)
+    raw_workers, raw_deployments, wished = pipe.execute()
+    now = time.time()
+    live = {name for name, raw in raw_workers.items() if now - json.loads(raw).get("last_seen", 0) <= STALE_S}
+    entries = [entry for entry in map(json.loads, raw_deployments) if entry["worker"].encode() in live]
+    return Offer(keys={entry["model_key"] for entry in entries} | {key.decode() for key in wished},
+                 serving={entry["model_key"] for entry in entries if entry.get("state") == RUNNING})
+
+
 def offered_keys(redis_client) -> set:
     """Keys deployed on a live worker (any state) or deployed by the operator."""
-    keys = {entry["model_key"] for entry in live_deployments(redis_client)}
-    keys.update(key.decode() for key in redis_client.hkeys(DESIRED))
-    return keys
+    return offer(redis_client).keys
 
 
 def _refs_key(repo_id: str) -> str:

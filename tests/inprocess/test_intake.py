@@ -206,3 +206,32 @@ def test_keys_take_turns_on_a_models_queue(web, client, settings):
     assert queues.waiting(client, queue)[0].job.id == first
     assert flood[0] not in [entry.job.id for entry in queues.waiting(client, queue)]
     queues.drain(client, queue)
+
+
+def test_the_controller_is_woken_only_for_a_model_no_worker_serves(web, client):
+    """A request for a model nobody serves wakes the controller (it deploys the
+    model); one for a model a live worker runs costs the controller nothing."""
+    import time
+
+    wakes = client.pubsub(ignore_subscribe_messages=True)
+    wakes.subscribe(registry.WAKE)
+    wakes.get_message(timeout=1)
+    try:
+        assert submit(web).status_code == 200
+        woken = wakes.get_message(timeout=2)
+        assert woken is not None and woken["data"] == queue_for(MODEL_KEY).encode()
+        client.delete(f"ndif:woken:{queue_for(MODEL_KEY)}")  # past the once-per-250-ms window
+        registry.register_worker(client, {"name": "w@intake"})
+        registry.set_deployment(client, "w@intake", MODEL_KEY, registry.RUNNING)
+        assert submit(web).status_code == 200
+        assert wakes.get_message(timeout=1) is None
+        registry.set_deployment(client, "w@intake", MODEL_KEY, registry.DEPLOYING)
+        assert submit(web).status_code == 200
+        assert wakes.get_message(timeout=2) is not None, "a model still loading: the controller looks"
+        client.delete(f"ndif:woken:{queue_for(MODEL_KEY)}")
+        client.hset(registry.WORKERS, "w@intake", json.dumps({"name": "w@intake", "last_seen": time.time() - 60}))
+        registry.set_deployment(client, "w@intake", MODEL_KEY, registry.RUNNING)
+        assert submit(web).status_code == 200
+        assert wakes.get_message(timeout=2) is not None, "its worker is dead: the controller places it again"
+    finally:
+        wakes.close()

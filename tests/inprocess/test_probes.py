@@ -156,13 +156,16 @@ def test_the_web_refuses_a_probe_of_a_model_not_deployed_and_records_its_owner(r
     settings = dataclasses.replace(embedded_settings, probe_api_key="probe-key")
     probe = auth.Identity(key_id=7, tags=("admin",))
     with pytest.raises(Refused) as refused:
-        intake.check_probe(redis_client, settings, probe, {auth.HEADER: "probe-key"}, KEY)
+        intake.check_probe(redis_client, settings, probe, {auth.HEADER: "probe-key"}, KEY,
+                            registry.offered_keys(redis_client))
     assert refused.value.status == 409 and "does not deploy models" in refused.value.detail
     assert redis_client.get(probes.OWNER) == b"key:7"
     _serve(redis_client)
-    intake.check_probe(redis_client, settings, probe, {auth.HEADER: "probe-key"}, KEY)
+    intake.check_probe(redis_client, settings, probe, {auth.HEADER: "probe-key"}, KEY,
+                            registry.offered_keys(redis_client))
     other = farm.model_key_for("org/elsewhere")
-    intake.check_probe(redis_client, settings, auth.Identity(key_id=8), {auth.HEADER: "someone-else"}, other)
+    intake.check_probe(redis_client, settings, auth.Identity(key_id=8), {auth.HEADER: "someone-else"}, other,
+                        registry.offered_keys(redis_client))
 
 
 def test_the_controller_ends_probe_jobs_left_waiting_for_an_evicted_model(redis_client, embedded_settings):

@@ -172,6 +172,30 @@ def test_an_untouched_model_passes_the_stamps_and_is_checked_whole_only_when_due
     assert why == f"{CHECK_EVERY} trusted jobs since the last whole check" and changed == []
 
 
+def test_idle_moments_run_the_whole_check_at_most_once_a_gap(worker, redis):
+    """A lone client's back-to-back jobs each leave the worker idle: the whole
+    check runs in one such moment per IDLE_CHECK_GAP_S, and in the others the
+    broker is not even asked whether a job waits."""
+    from workers.job.executors import InProcess
+    from workers.models import resident
+
+    key = client_model(REPO_ID).to_model_key()
+    models = worker.models
+    asked: list = []
+    executor = InProcess(worker.settings, models, worker.deadlines, lambda model_key: asked.append(model_key))
+    job = jobs.Job(id="idle-gap", model_key=key, session_id="", compress=False, env={}, received_at=time.time())
+    models.restore_if_changed(key)  # a whole check: just now
+    assert not models.idle_check_due(key)
+    unchecked = models.resident(key).unchecked
+    executor.after(job)
+    assert asked == [] and models.resident(key).unchecked == unchecked + 1, "no whole check, no question"
+    models.resident(key).checked_at -= resident.IDLE_CHECK_GAP_S
+    assert models.idle_check_due(key)
+    executor.after(job)  # nothing waits (job_waiting answers None): the whole check runs
+    assert asked == [key] and models.resident(key).unchecked == 0
+    assert not models.idle_check_due(key)
+
+
 def test_every_job_of_a_co_batch_counts_towards_the_nth_whole_check(worker, redis):
     """A co-batch's lead checks once for all its jobs: a batch of N-1 jobs and
     then one more job make the Nth, so a write no stamp sees during a shared

@@ -135,14 +135,16 @@ class InProcess:
     def after(self, job: jobs.Job, jobs_run: int = 1) -> None:
         """After the job (or the co-batch of ``jobs_run`` it led), before the
         next: the stamps of every weight, and the whole plain check when they
-        show a write, when no job waits, or every ``NDIF_TRUSTED_CHECK_EVERY``-th
+        show a write, when no job waits (at most once a second), or every ``NDIF_TRUSTED_CHECK_EVERY``-th
         job (``ResidentModels.check_after_trusted``); a change reloads the model."""
         started = time.perf_counter()
-        try:
-            waiting = self.job_waiting(job.model_key)
-        except Exception:  # noqa: BLE001 - the broker away: check now, as if idle
-            waiting = False
-        why, restored = self.models.check_after_trusted(job.model_key, idle=not waiting, jobs=jobs_run)
+        idle = False
+        if self.models.idle_check_due(job.model_key):  # else no need to ask the broker
+            try:
+                idle = not self.job_waiting(job.model_key)
+            except Exception:  # noqa: BLE001 - the broker away: check now, as if idle
+                idle = True
+        why, restored = self.models.check_after_trusted(job.model_key, idle=idle, jobs=jobs_run)
         if restored:
             log.warning("job %s changed %d weight tensors; model reloaded (checked: %s)", job.id, len(restored), why)
         elif why:

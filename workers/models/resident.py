@@ -37,6 +37,9 @@ from .threads import Threads
 
 log = logging.getLogger(__name__)
 
+#: The whole check runs in an idle moment at most this often (seconds).
+IDLE_CHECK_GAP_S = 1.0
+
 
 class Resident:
     """One model this worker holds, and everything kept for it.
@@ -64,6 +67,7 @@ class Resident:
         self.fingerprint = integrity.PlainFingerprint(model._module)
         self.stamps = integrity.Stamps(model._module)
         self.unchecked = 0
+        self.checked_at = time.monotonic()  # the last whole check (at load: the fingerprint itself)
         self.keyed: Optional[tuple] = None
         if keyed:
             # A fresh key per load, drawn here and never handed to any child.
@@ -220,10 +224,18 @@ class ResidentModels:
         if resident is None:
             return []
         changed = resident.changed()
-        resident.unchecked = 0
+        resident.unchecked, resident.checked_at = 0, time.monotonic()
         if changed:
             self._reload(resident)
         return changed
+
+    def idle_check_due(self, model_key: str) -> bool:
+        """Whether an idle moment should be spent on the whole check: at most
+        once per ``IDLE_CHECK_GAP_S``. A lone client's back-to-back jobs each
+        leave the worker idle; a check after every one cost a fifth of the
+        worker's CPU on a small model."""
+        resident = self._residents.get(model_key)
+        return resident is not None and time.monotonic() - resident.checked_at >= IDLE_CHECK_GAP_S
 
     def check_after_trusted(self, model_key: str, idle: bool, jobs: int = 1) -> tuple[str, list[str]]:
         """After a trusted job (or a co-batch of ``jobs``): ``(why the whole
@@ -232,7 +244,8 @@ class ResidentModels:
         The whole fingerprint reads every weight (~0.1 s per GiB on a CPU): it
         runs when the stamps show a write (``integrity.Stamps``: version
         counters, storages, sampled words, ~1 ms), when the worker has no
-        job waiting (``idle``: nobody waits for it), and after every
+        job waiting (``idle``: nobody waits for it; the caller asks only when
+        :meth:`idle_check_due`), and after every
         ``NDIF_TRUSTED_CHECK_EVERY``-th trusted job in any case (each job of
         a co-batch counted); in between, a write the stamps cannot see
         (through ``.data``, to words no sample covers) reaches at most that
