@@ -90,8 +90,11 @@ def celery_conf(settings: config.Settings) -> dict:
         worker_prefetch_multiplier=1,
         task_default_queue="ndif.default",
         task_create_missing_queues=True,
+        # Flower lists every task from the worker's events (received, started,
+        # succeeded). The web sends no task-sent event: one more Redis publish
+        # per request, and its JSON, for a job Flower sees when a worker takes it.
         worker_send_task_events=True,
-        task_send_sent_event=True,
+        task_send_sent_event=False,
         worker_hijack_root_logger=False,
         broker_connection_retry_on_startup=True,
         broker_transport_options={

@@ -55,8 +55,8 @@ def accept(
     envelope = wire.parse_envelope(data)
     # After the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION.
     versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
-    offer = registry.offer(client)
-    admit_model(client, settings, identity, envelope, offer.keys)
+    offer = registry.offer(client, wire.repo_id(envelope.model_key))
+    admit_model(client, settings, identity, envelope, offer)
     check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
     check_session(client, identity, envelope.session_id)
     blob = check_payload(blob, envelope.compress, settings)
@@ -92,15 +92,15 @@ def accept(
 
 
 def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
-                envelope: wire.Envelope, offered: set) -> None:
+                envelope: wire.Envelope, offer: registry.Offer) -> None:
     """The key and env as nnsight sends them, made canonical in ``envelope``
     (the deployment serving the same weights, if one does); what this key may
     load (``policy.models``)."""
     envelope.model_key, envelope.env = model_policy.ModelPolicy.from_settings(settings).admit(
-        envelope.model_key, envelope.env, identity.trusted, offered,
-        lambda repo_id: registry.refs(client, repo_id))
+        envelope.model_key, envelope.env, identity.trusted, offer.keys,
+        lambda repo_id: offer.refs_of(client, repo_id))
     # A deployment that lists its users (``deploy -f``: ``users``) serves only them.
-    deployments.check_access(client, identity, envelope.model_key)
+    deployments.check_access(client, identity, envelope.model_key, offer)
 
 
 def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.Identity,

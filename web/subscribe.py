@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 
 import redis
@@ -182,12 +183,15 @@ def subscribe(ws) -> None:
     box.wake = ws.event
     ws.event.set()
     ended = False
+    renewed = time.monotonic()  # the owner record was written at the handshake
     try:
         ws.send('{"session_id": "%s"}' % g.ndif_session_id)
         while ws.connected:
             ws.event.wait(IDLE_WAIT_S)
             ws.event.clear()
-            _renew_owner(g.ndif_session_id)
+            if time.monotonic() - renewed >= IDLE_WAIT_S:  # not at every frame: well inside its TTL
+                _renew_owner(g.ndif_session_id)
+                renewed = time.monotonic()
             if ws.input_buffer:  # the client sent a message: this socket takes none
                 ws.close(reason=1008, message="this socket takes no messages")
                 return

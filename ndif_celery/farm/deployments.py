@@ -243,15 +243,18 @@ def may_use(users: "list | tuple", identity) -> bool:
     return False
 
 
-def check_access(client: redis.Redis, identity, model_key: str) -> None:
+def check_access(client: redis.Redis, identity, model_key: str, offer: Optional[registry.Offer] = None) -> None:
     """At intake: refuse (403) a key that a deployment of the same weights does
     not list in ``users``, whatever revision or task names them (a revision
-    that may be the same commit counts as the same: refused rather than guessed)."""
+    that may be the same commit counts as the same: refused rather than guessed).
+    ``offer``: the farm as the intake read it (with the repo's refs), else read now."""
     key = model_policy.parse(model_key)
-    restricted = [wished for wished, wish in registry.desired(client).items()
+    desired = offer.desired if offer is not None else registry.desired(client)
+    restricted = [wished for wished, wish in desired.items()
                   if wish.get("users") and not may_use(wish["users"], identity)]
     others = model_policy.keys_of_repo(restricted, key.repo_id)
-    refs = registry.refs(client, key.repo_id) if others else {}
+    refs = ({} if not others else offer.refs_of(client, key.repo_id) if offer is not None
+            else registry.refs(client, key.repo_id))
     for other in others:
         if model_policy.may_be_same_weights(key, other, refs):
             raise Refused(f"Model {key.repo_id!r} is deployed on this farm for named users only, and this API key "

@@ -63,13 +63,14 @@ def _decode(raw: bytes) -> Optional[jobs.Job]:
         return None
 
 
-def waiting(client: redis.Redis, queue: str) -> list[Waiting]:
+def waiting(client: redis.Redis, queue: str, first: int = 0) -> list[Waiting]:
     """The jobs waiting in ``queue``, in the order they will run (priority
-    first, then oldest first)."""
+    first, then oldest first). ``first``: read only the first that many of
+    each list (a worker after the head of a long queue reads no more of it)."""
     names = lists(queue)
     pipe = client.pipeline(transaction=False)
     for name in names:
-        pipe.lrange(name, 0, -1)
+        pipe.lrange(name, -first if first > 0 else 0, -1)
     entries = []
     for name, raws in zip(names, pipe.execute()):
         for raw in reversed(raws):

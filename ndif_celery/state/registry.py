@@ -270,24 +270,38 @@ class Offer:
     """What the farm offers now, as one request's intake reads it.
 
     ``keys``: deployed on a live worker (any state) or by the operator;
-    ``serving``: running on a live worker (a job for it needs no controller)."""
+    ``serving``: running on a live worker (a job for it needs no controller);
+    ``desired``: the operators' deployments (``desired``); ``refs``: the
+    branches and tags (``refs``) of ``repo_id``, the repo asked for."""
 
     keys: set
     serving: set
+    desired: dict
+    refs: dict
+    repo_id: str = ""
+
+    def refs_of(self, client: redis.Redis, repo_id: str) -> dict:
+        return self.refs if repo_id == self.repo_id else refs(client, repo_id)
 
 
-def offer(client: redis.Redis) -> Offer:
-    """The farm's :class:`Offer`, on one round trip."""
+def offer(client: redis.Redis, repo_id: str = "") -> Offer:
+    """The farm's :class:`Offer` (with ``repo_id``'s refs), on one round trip."""
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(WORKERS)
     pipe.hvals(DEPLOYMENTS)
-    pipe.hkeys(DESIRED)
-    raw_workers, raw_deployments, wished = pipe.execute()
+    pipe.hgetall(DESIRED)
+    if repo_id:
+        pipe.hgetall(_refs_key(repo_id))
+    raw_workers, raw_deployments, raw_desired, *raw_refs = pipe.execute()
     now = time.time()
     live = {name for name, raw in raw_workers.items() if now - json.loads(raw).get("last_seen", 0) <= STALE_S}
     entries = [entry for entry in map(json.loads, raw_deployments) if entry["worker"].encode() in live]
-    return Offer(keys={entry["model_key"] for entry in entries} | {key.decode() for key in wished},
-                 serving={entry["model_key"] for entry in entries if entry.get("state") == RUNNING})
+    desired = {key.decode(): json.loads(wish) for key, wish in raw_desired.items()}
+    return Offer(keys={entry["model_key"] for entry in entries} | set(desired),
+                 serving={entry["model_key"] for entry in entries if entry.get("state") == RUNNING},
+                 desired=desired,
+                 refs={name.decode(): sha.decode() for name, sha in (raw_refs[0] if raw_refs else {}).items()},
+                 repo_id=repo_id)
 
 
 def offered_keys(redis_client) -> set:

@@ -174,7 +174,7 @@ def claim_run(pipe, job: jobs.Job, queue: str, settings) -> None:
     pipe.eval(_CLAIM, 1, _running(queue, job.owner), job.id, bound, now, now - held_s, int(held_s) + 60)
 
 
-def release_run(client: redis.Redis, job: jobs.Job, queue: str) -> None:
+def release_run(client: "redis.Redis | redis.client.Pipeline", job: jobs.Job, queue: str) -> None:
     client.zrem(_running(queue, job.owner), job.id)
 
 

@@ -84,7 +84,7 @@ def next_job(worker: WorkerState, done: jobs.Job, chained: int):
     if busy:
         log.debug("after job %s: back to Celery (%s waits)", done.id, busy[0])
         return None
-    waiting = queues.waiting(worker.redis, queue_for(key))
+    waiting = queues.waiting(worker.redis, queue_for(key), first=1)
     if not waiting:
         return None
     head = waiting[0]
@@ -103,7 +103,8 @@ def gather(worker: WorkerState, lead: job_life.Life) -> list[jobs.Job]:
     """Up to ``NDIF_COBATCH_MAX - 1`` of the model's waiting jobs that may share
     with ``lead``, taken out of the queue and reported as this worker's."""
     key = lead.job.model_key
-    waiting = [entry for entry in queues.waiting(worker.redis, queue_for(key))
+    # The first few of each list: the jobs that run next (a long queue is not read whole for each job).
+    waiting = [entry for entry in queues.waiting(worker.redis, queue_for(key), first=2 * worker.settings.cobatch_max)
                if entry.job.trusted and entry.job.attempt < 2 and entry.job.model_key == key
                and entry.job.id != lead.job.id]
     waiting = waiting[:worker.settings.cobatch_max - 1]

@@ -324,11 +324,13 @@ def close(worker: WorkerState, life: Life) -> None:
     """What every answered job leaves behind: its metrics, its payload deleted,
     its key's running slot on the model free."""
     try:
-        turns.release_run(worker.redis, life.job, queue_for(life.job.model_key))
-    except Exception:  # noqa: BLE001 - the slot lapses at the deadline if Redis is away
-        log.warning("job %s: could not free its key's running slot", life.job.id, exc_info=True)
-    try:
         metrics.job_ended(life.outcome, time.time() - life.started)
     except Exception:  # noqa: BLE001 - metrics never fail a job
         log.warning("worker metrics failed", exc_info=True)
-    worker.redis.delete(jobs.payload_key(life.job.id))
+    pipe = worker.redis.pipeline(transaction=False)  # one round trip
+    turns.release_run(pipe, life.job, queue_for(life.job.model_key))
+    pipe.delete(jobs.payload_key(life.job.id))
+    try:
+        pipe.execute()
+    except Exception:  # noqa: BLE001 - the slot lapses at the deadline, the payload at its TTL, if Redis is away
+        log.warning("job %s: could not free its key's running slot or delete its payload", life.job.id, exc_info=True)
