@@ -14,6 +14,7 @@ import os
 import site
 import sysconfig
 import traceback
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -80,7 +81,26 @@ def request_scope(model: Any):
         _restore(nnsight_globals.SOURCES, saved_sources)
         _restore(nnsight_globals.BLOCKS, saved_blocks)
         model.interleaver.cancel()  # unwind anything a failed or cancelled run left parked
-        model._module.zero_grad(set_to_none=True)
+        for parameter in _tree(model, "parameters", lambda: list(model._module.parameters())):
+            parameter.grad = None  # as zero_grad(set_to_none=True)
+
+
+# What every request reads of a loaded model's module tree, read once per model
+# (a reload is a new module): its parameters and its persistent objects. Walking
+# the tree for each request cost a millisecond of a small model's few. A
+# parameter a block swapped in moves a weight's storage: the stamps see it and
+# the model is reloaded. A model that ever took a PEFT adapter from a request's
+# env (which changes the tree) is walked every time.
+_TREES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _tree(model: Any, what: str, read: Callable[[], Any]) -> Any:
+    kept = _TREES.setdefault(model._module, {})
+    if kept.get("layered"):
+        return read()
+    if what not in kept:
+        kept[what] = read()
+    return kept[what]
 
 
 def _restore(target: dict, snapshot: dict) -> None:
@@ -89,8 +109,10 @@ def _restore(target: dict, snapshot: dict) -> None:
 
 
 def deserialize(model: Any, blob: bytes, compress: bool, env: dict) -> Any:
+    if (env or {}).get("peft"):
+        _TREES.setdefault(model._module, {})["layered"] = True
     model._remoteable_set_env(env)
-    persistent = model._remoteable_persistent_objects()
+    persistent = dict(_tree(model, "persistent", model._remoteable_persistent_objects))  # the unpickler's own copy
     try:
         return RequestModel.deserialize(blob, persistent, compress=compress)
     except UnknownPersistentIdError as error:
