@@ -53,6 +53,11 @@ LEASE_MS = 5000
 #: was tens of QUEUED a second, each through Redis, the web and a client
 #: parsing it, on the CPU the forward needs; the client shows one line.
 POSITION_EVERY_S = 1.0
+#: The cached ``/status`` is rewritten at most this often (it lives
+#: ``registry.STATUS_TTL_S``); a worker rewrites it at once when it loads or
+#: evicts a model. Every tick (twice a second) was a whole document a second
+#: time, in the process that runs the jobs.
+STATUS_EVERY_S = 2.0
 
 
 class Controller(threading.Thread):
@@ -70,6 +75,7 @@ class Controller(threading.Thread):
         # The same trouble meets every tick (a model no worker can take): logged once per change.
         self.notices = Notices(log)
         self.known_workers: set = set()  # (name, pid) of the live workers the last tick saw
+        self.status_at = 0.0  # when this controller last rewrote the cached /status
 
     def run(self) -> None:
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -134,7 +140,9 @@ class Controller(threading.Thread):
             if len(farm.holders(model_key)) < wish.get("replicas", 1):
                 self.place(farm, model_key, wish, evict=bool(wish.get("pinned")))
         self.retire_idle(farm, wishes, now)
-        registry.publish_status(self.redis)
+        if now - self.status_at >= STATUS_EVERY_S:
+            registry.publish_status(self.redis)
+            self.status_at = now
         self.ledger(self.redis)  # ended jobs into the database, off every job's path
         self.positions = {k: v for k, v in self.positions.items() if k in waiting_ids}
 
