@@ -20,18 +20,17 @@ from ndif_celery import wire
 def encode(saved: dict, compress: bool) -> memoryview:
     """The result bytes, made without a second full copy of them in memory.
 
-    ``torch.save`` runs twice: once into a sink that only counts, to learn the
-    size, then into memory sized for it (mapped, so only what is written
-    becomes resident), through a zstd stream that records that size in its
-    frame. Peak memory is the saved tensors plus one copy of the result,
-    instead of the tensors, the raw bytes and the compressed bytes at once.
+    A big result: ``torch.save`` runs twice, once into a sink that only
+    counts, to learn the size, then into memory sized for it (mapped, so only
+    what is written becomes resident), through a zstd stream that records that
+    size in its frame. Peak memory is the saved tensors plus one copy of the
+    result, instead of the tensors, the raw bytes and the compressed bytes at
+    once. A small one (most): the counting pass keeps its bytes, and is all.
     """
-    size = _CountingSink()
+    size = _CountingSink(keep=_SMALL)
     torch.save(saved, size, pickle_protocol=4)
-    if size.n < _SMALL:
-        buffer = io.BytesIO()
-        torch.save(saved, buffer, pickle_protocol=4)
-        raw = buffer.getbuffer()
+    if size.kept is not None:
+        raw = size.kept.getbuffer()
         return memoryview(zstandard.ZstdCompressor(level=3).compress(raw) if compress else bytes(raw))
     if compress:
         out = _MappedSink(_zstd_bound(size.n))
@@ -43,7 +42,7 @@ def encode(saved: dict, compress: bool) -> memoryview:
     return out.view()
 
 
-_SMALL = 1 << 20  # below this, after the count, a plain BytesIO pass is cheaper than streaming
+_SMALL = 1 << 20  # up to this, the counting pass keeps the bytes: one pass, no streaming
 
 # Level 3: zstd's default balance of speed and size; every core, since a big result is on the request's path.
 _COMPRESSOR = zstandard.ZstdCompressor(level=3, threads=-1)
@@ -55,8 +54,12 @@ def _zstd_bound(n: int) -> int:
 
 
 class _CountingSink(io.RawIOBase):
-    def __init__(self) -> None:
+    """Counts what is written; keeps it too (``kept``) while it is within ``keep`` bytes."""
+
+    def __init__(self, keep: int = 0) -> None:
         self.n = 0
+        self.keep = keep
+        self.kept: "io.BytesIO | None" = io.BytesIO() if keep else None
 
     def writable(self) -> bool:
         return True
@@ -64,6 +67,11 @@ class _CountingSink(io.RawIOBase):
     def write(self, data) -> int:
         length = memoryview(data).nbytes
         self.n += length
+        if self.kept is not None:
+            if self.n <= self.keep:
+                self.kept.write(data)
+            else:
+                self.kept = None  # too big to keep: counted only
         return length
 
 
