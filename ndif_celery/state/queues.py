@@ -67,12 +67,22 @@ def waiting(client: redis.Redis, queue: str, first: int = 0) -> list[Waiting]:
     """The jobs waiting in ``queue``, in the order they will run (priority
     first, then oldest first). ``first``: read only the first that many of
     each list (a worker after the head of a long queue reads no more of it)."""
-    names = lists(queue)
     pipe = client.pipeline(transaction=False)
-    for name in names:
+    read_waiting(pipe, queue, first)
+    return decode_waiting(queue, pipe.execute())
+
+
+def read_waiting(pipe: "redis.client.Pipeline", queue: str, first: int = 0) -> None:
+    """Queue :func:`waiting`'s reads on ``pipe`` (with others, one round trip);
+    :func:`decode_waiting` reads their answers, the last ``len(lists(queue))``."""
+    for name in lists(queue):
         pipe.lrange(name, -first if first > 0 else 0, -1)
+
+
+def decode_waiting(queue: str, answers: list) -> list[Waiting]:
+    names = lists(queue)
     entries = []
-    for name, raws in zip(names, pipe.execute()):
+    for name, raws in zip(names, answers[-len(names):]):
         for raw in reversed(raws):
             job = _decode(raw)
             if job is not None:

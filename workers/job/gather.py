@@ -77,14 +77,16 @@ def next_job(worker: WorkerState, done: jobs.Job, chained: int):
         return None
     others = [worker_queue(worker.name), MAINTENANCE_QUEUE] + [queue_for(k) for k in worker.models.keys() if k != key]
     names = [list_name for queue in others for list_name in queues.lists(queue)]
-    pipe = worker.redis.pipeline(transaction=False)
+    pipe = worker.redis.pipeline(transaction=False)  # one round trip: the other queues, and this one's head
     for name in names:
         pipe.llen(name)
-    busy = [name for name, length in zip(names, pipe.execute()) if length]
+    queues.read_waiting(pipe, queue_for(key), first=1)
+    answers = pipe.execute()
+    busy = [name for name, length in zip(names, answers) if length]
     if busy:
         log.debug("after job %s: back to Celery (%s waits)", done.id, busy[0])
         return None
-    waiting = queues.waiting(worker.redis, queue_for(key), first=1)
+    waiting = queues.decode_waiting(queue_for(key), answers)
     if not waiting:
         return None
     head = waiting[0]
