@@ -135,7 +135,7 @@ class InProcess:
     def after(self, job: jobs.Job, jobs_run: int = 1) -> None:
         """After the job (or the co-batch of ``jobs_run`` it led), before the
         next: the stamps of every weight, and the whole plain check when they
-        show a write, when no job waits (at most once a second), or every ``NDIF_TRUSTED_CHECK_EVERY``-th
+        show a write, when no job waits (at most every 10 s), or every ``NDIF_TRUSTED_CHECK_EVERY``-th
         job (``ResidentModels.check_after_trusted``); a change reloads the model."""
         started = time.perf_counter()
         idle = False
