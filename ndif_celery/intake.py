@@ -6,7 +6,7 @@ them. The order is part of the contract: a request wrong in two ways is
 refused for the first, as on NDIF (a bad envelope before an old client):
 
     envelope -> version gate -> model policy (and a deployment's users) -> session -> payload
-             -> limits -> turn -> park -> enqueue (QUEUED, Celery message at its turn, controller)
+             -> limits -> turn -> park (QUEUED, the Celery message at its turn) -> controller
 
 Before any of this the web has checked what the headers tell (the key, the
 body's size, the key's rate and concurrency, room to read the body:
@@ -30,7 +30,7 @@ from celery import Celery
 
 from . import config, messages, statuses, wire
 from .accounts import auth, limits
-from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for, send_job
+from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, job_message, queue_for
 from .errors import Refused
 from .farm import deployments
 from .monitoring import probes
@@ -80,10 +80,7 @@ def accept(
     else:  # first in, first out: behind every job of its priority or before it
         position = sum(depths[:served_with]) + 1
     job.queued_at = jobs.now()
-    park(client, job, blob, queue, position, settings)
-    send_job(celery, job)
-    if settings.fair_turns:
-        turns.place(client, job, queue, settings.job_ttl_s)
+    park(client, celery, job, blob, queue, position, settings)
     # The controller deploys the model if no worker serves it (``ndif_celery.farm.controller``);
     # a model served needs nothing of it now (its ticks tell positions and add replicas).
     if job.model_key not in offer.serving:
@@ -153,11 +150,12 @@ def zstd_problem(blob: bytes) -> str:
     return ""
 
 
-def park(client: redis.Redis, job: jobs.Job, blob: bytes, queue: str, position: int,
+def park(client: redis.Redis, celery: Celery, job: jobs.Job, blob: bytes, queue: str, position: int,
          settings: config.Settings) -> None:
     """One round trip for the job's state, its QUEUED status (the first the
-    client sees after RECEIVED, before the job is visible to any worker) and
-    the queue's registration; the Celery message goes after it."""
+    client sees after RECEIVED), the queue's registration, and last the
+    Celery message (``celery_app.job_message``) moved to its turn: a worker
+    sees the job only once everything it reads is written."""
     pipe = client.pipeline(transaction=False)
     pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
     pipe.set(jobs.owner_key(job.id), job.owner, ex=settings.job_ttl_s)
@@ -171,4 +169,7 @@ def park(client: redis.Redis, job: jobs.Job, blob: bytes, queue: str, position: 
     pipe.hset(registry.QUEUE_MODELS, queue, job.model_key)
     statuses.StatusChannel(client, job, settings.job_ttl_s).send(
         wire.QUEUED, messages.queued(job.model_key, position), pipe=pipe)
+    pipe.lpush(*job_message(celery, job))
+    if settings.fair_turns:
+        turns.place(pipe, job, queue, settings.job_ttl_s)
     pipe.execute()

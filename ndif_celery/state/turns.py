@@ -130,9 +130,10 @@ def plan(client: redis.Redis, job: jobs.Job, queue: str, ttl_s: int) -> int:
     return ahead
 
 
-def place(client: redis.Redis, job: jobs.Job, queue: str, ttl_s: int) -> bool:
+def place(client: "redis.Redis | redis.client.Pipeline", job: jobs.Job, queue: str, ttl_s: int) -> bool:
     """Move ``job``'s message, just sent, to its turn in its list; False when it
-    was not found near the back (a worker took it already)."""
+    was not found near the back (a worker took it already). On a pipeline,
+    queued after the send (the intake's park), and its answer is the pipeline's."""
     own = _list(queue, job)
     return bool(client.eval(_PLACE, 3, own, _order(own), f"{_order(own)}:raw", job.id, ttl_s, SEARCH))
 
