@@ -55,10 +55,16 @@ def accept(
     envelope = wire.parse_envelope(data)
     # After the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION.
     versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
-    offer = registry.offer(client, wire.repo_id(envelope.model_key))
+    # What the checks read, on one round trip: the farm's offer, the session's owner.
+    reads = client.pipeline(transaction=False)
+    repo = wire.repo_id(envelope.model_key)
+    registry.read_offer(reads, repo)
+    reads.get(jobs.session_owner_key(envelope.session_id or "-"))
+    answers = reads.execute()
+    offer = registry.decode_offer(answers, repo)
     admit_model(client, settings, identity, envelope, offer)
     check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
-    check_session(client, identity, envelope.session_id)
+    check_session(identity, envelope.session_id, answers[-1])
     blob = check_payload(blob, envelope.compress, settings)
     job = jobs.Job(
         id=uuid.uuid4().hex,
@@ -118,9 +124,10 @@ def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.I
         raise Refused("The health probe does not deploy models, and this one is not deployed now.", 409)
 
 
-def check_session(client: redis.Redis, identity: auth.Identity, session_id: str) -> None:
-    """Only the key that opened a /subscribe socket may submit jobs that report to it."""
-    if session_id and client.get(jobs.session_owner_key(session_id)) != identity.owner.encode():
+def check_session(identity: auth.Identity, session_id: str, owner: Optional[bytes]) -> None:
+    """Only the key that opened a /subscribe socket (``owner``, as recorded then)
+    may submit jobs that report to it."""
+    if session_id and owner != identity.owner.encode():
         raise Refused("session_id was not opened by this API key (open /subscribe with the same key).", 403)
 
 

@@ -287,12 +287,23 @@ class Offer:
 def offer(client: redis.Redis, repo_id: str = "") -> Offer:
     """The farm's :class:`Offer` (with ``repo_id``'s refs), on one round trip."""
     pipe = client.pipeline(transaction=False)
+    read_offer(pipe, repo_id)
+    return decode_offer(pipe.execute(), repo_id)
+
+
+def read_offer(pipe: "redis.client.Pipeline", repo_id: str = "") -> None:
+    """Queue :func:`offer`'s reads on ``pipe`` first (with others of the caller's:
+    one round trip); :func:`decode_offer` reads their answers."""
     pipe.hgetall(WORKERS)
     pipe.hvals(DEPLOYMENTS)
     pipe.hgetall(DESIRED)
     if repo_id:
         pipe.hgetall(_refs_key(repo_id))
-    raw_workers, raw_deployments, raw_desired, *raw_refs = pipe.execute()
+
+
+def decode_offer(answers: list, repo_id: str = "") -> Offer:
+    raw_workers, raw_deployments, raw_desired = answers[:3]
+    raw_refs = answers[3:4] if repo_id else []
     now = time.time()
     live = {name for name, raw in raw_workers.items() if now - json.loads(raw).get("last_seen", 0) <= STALE_S}
     entries = [entry for entry in map(json.loads, raw_deployments) if entry["worker"].encode() in live]
