@@ -282,3 +282,16 @@ def test_the_plain_check_read_again_gives_the_whole_fingerprint_and_sees_every_w
     fresh = integrity.PlainFingerprint(module)  # what it reads now is the new normal
     module.proj.bias.data = module.proj.bias.data.clone()  # same values, another storage
     assert fresh.changed(module) == ["proj.bias"]
+
+
+def test_named_tensors_are_torchs_parameters_then_buffers_under_every_name():
+    """One walk of the modules gives what named_parameters then named_buffers give
+    (duplicates kept): a tied weight under both names, a buffer outside state_dict."""
+    _, loaded = worker_loaded()
+    model = loaded._module
+    model.register_buffer("not_persistent", torch.ones(2), persistent=False)
+    expected = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    found = list(integrity.named_tensors(model))
+    assert [name for name, _ in found] == [name for name, _ in expected]
+    assert all(a is b for (_, a), (_, b) in zip(found, expected))
+    assert "lm_head.weight" in dict(found) and "transformer.wte.weight" in dict(found)
