@@ -81,17 +81,23 @@ def request_scope(model: Any):
         _restore(nnsight_globals.SOURCES, saved_sources)
         _restore(nnsight_globals.BLOCKS, saved_blocks)
         model.interleaver.cancel()  # unwind anything a failed or cancelled run left parked
-        for parameter in _tree(model, "parameters", lambda: list(model._module.parameters())):
-            parameter.grad = None  # as zero_grad(set_to_none=True)
+        # The live tree, not a kept list: a parameter a block swapped in keeps no grad into the next job.
+        model._module.zero_grad(set_to_none=True)
 
 
 # What every request reads of a loaded model's module tree, read once per model
-# (a reload is a new module): its parameters and its persistent objects. Walking
-# the tree for each request cost a millisecond of a small model's few. A
-# parameter a block swapped in moves a weight's storage: the stamps see it and
-# the model is reloaded. A model that ever took a PEFT adapter from a request's
-# env (which changes the tree) is walked every time.
+# (a reload is a new module): its persistent objects (every module by path).
+# Walking the tree for each request cost most of a millisecond of a small
+# model's few. A block that swaps a tensor or a module holding one in changes
+# the tree: the stamps see it, and the model is reloaded or, its values intact,
+# read again (``forget_tree``). A model that ever took a PEFT adapter from a
+# request's env (which changes the tree) is walked every time.
 _TREES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def forget_tree(model: Any) -> None:
+    """The model's tree changed: read it again at the next request."""
+    _TREES.pop(model._module, None)
 
 
 def _tree(model: Any, what: str, read: Callable[[], Any]) -> Any:
