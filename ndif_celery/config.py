@@ -280,7 +280,7 @@ VARIABLES: tuple = (
     Var("NDIF_WORKER_NAME", "worker_name", "", _text, "name of the worker `ndif-celery up` starts; unique per farm",
         shown="`gpu<ids>@<host>`, or `cpu@<host>`"),
     # 0 = torch's default (every core); see docs/performance.md.
-    Var("NDIF_TORCH_THREADS", "torch_threads", 0, _int, "intra-op threads of a worker's torch"),
+    Var("NDIF_TORCH_THREADS", "torch_threads", 0, _int, "intra-op threads of a worker's torch (0: measured per model at load)"),
     # Co-batching trusted requests of one model into one forward (workers.cobatch; docs/cobatching.md).
     Var("NDIF_FAIR_TURNS", "fair_turns", True, _bool,
         "keys with waiting jobs take turns on a model's queue (false: first in, first out)"),

@@ -235,13 +235,18 @@ def test_a_write_of_the_same_values_retakes_the_stamps_and_a_swap_the_sum_misses
     check, then the stamps are retaken; a sampled word that differs is a write
     even where the fingerprint's sum cancels (two words swapped), so the model
     is reloaded."""
+    from workers import execute
+
     key = client_model(REPO_ID).to_model_key()
     models = worker.models
     models.restore_if_changed(key)
-    weight = models.get(key)._module.transformer.h[0].mlp.c_fc.weight
+    model = models.get(key)
+    weight = model._module.transformer.h[0].mlp.c_fc.weight
+    execute._tree(model, "persistent", model._remoteable_persistent_objects)  # kept, as after a request
     with torch.no_grad():
         weight.add_(0)
     assert models.check_after_trusted(key, idle=False) == ("a weight's version counter or storage changed", [])
+    assert model._module not in execute._TREES, "the tree may have changed: read again at the next request"
     assert models.check_after_trusted(key, idle=False) == ("", []), "the stamps were retaken"
     words = weight.data.view(-1).view(torch.int64)  # through .data: no counter moves
     first, second = words[0].item(), words[1].item()
