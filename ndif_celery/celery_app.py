@@ -11,19 +11,14 @@ the controller sends it loads and evictions, in line with its jobs.
 
 from __future__ import annotations
 
-import base64
 import hashlib
-import json
 import re
 import socket
-import uuid
 from typing import Optional
 
 from celery import Celery
-from kombu import serialization
 
 from . import config
-from .state import queues
 
 RUN_JOB = "ndif.run_job"
 LOAD_MODEL = "ndif.load_model"
@@ -59,40 +54,6 @@ def send_job(app: Celery, job) -> None:
         RUN_JOB, kwargs={"job": job.to_message()}, queue=queue_for(job.model_key), task_id=job.id,
         priority=PRIORITY_FIRST if job.priority else PRIORITY_NORMAL,
     )
-
-
-def job_message(app: Celery, job) -> tuple[str, str]:
-    """``(list, message)``: what :func:`send_job` LPUSHes for ``job``, for the
-    intake to push on the round trip that parks the job.
-
-    Why: Celery's send (its router, producer pool and kombu's publish) cost
-    the web a millisecond of CPU and an extra round trip per request, and the
-    message reached the broker ~2 ms after the job's QUEUED status. Celery
-    still writes the message (``amqp.create_task_message``: protocol 2, its
-    headers, its JSON body); only kombu's Redis envelope is written here, the
-    one ``state.queues`` reads (tests/inprocess/test_intake.py holds both to
-    what ``send_task`` pushes)."""
-    queue = queue_for(job.model_key)
-    priority = PRIORITY_FIRST if job.priority else PRIORITY_NORMAL
-    kwargs = {"job": job.to_message()}
-    task = app.amqp.create_task_message(job.id, RUN_JOB, (), kwargs, reply_to=app.thread_oid,
-                                        create_sent_event=False, ignore_result=None)
-    content_type, content_encoding, body = serialization.dumps(task.body, serializer="json")
-    envelope = {
-        "body": base64.b64encode(body.encode()).decode(),
-        "content-encoding": content_encoding,
-        "content-type": content_type,
-        "headers": task.headers,
-        "properties": {
-            **task.properties,
-            "delivery_mode": 2,
-            "delivery_info": {"exchange": "", "routing_key": queue},
-            "priority": priority,
-            "body_encoding": "base64",
-            "delivery_tag": str(uuid.uuid4()),
-        },
-    }
-    return queues.list_for(queue, priority), json.dumps(envelope)
 
 
 def make_app(settings: Optional[config.Settings] = None) -> Celery:

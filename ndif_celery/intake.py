@@ -30,7 +30,7 @@ from celery import Celery
 
 from . import config, messages, statuses, wire
 from .accounts import auth, limits
-from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, job_message, queue_for
+from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for
 from .errors import Refused
 from .farm import deployments
 from .monitoring import probes
@@ -161,7 +161,7 @@ def park(client: redis.Redis, celery: Celery, job: jobs.Job, blob: bytes, queue:
          settings: config.Settings) -> None:
     """One round trip for the job's state, its QUEUED status (the first the
     client sees after RECEIVED), the queue's registration, and last the
-    Celery message (``celery_app.job_message``) moved to its turn: a worker
+    Celery message (``queues.job_message``) moved to its turn: a worker
     sees the job only once everything it reads is written."""
     pipe = client.pipeline(transaction=False)
     pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
@@ -176,7 +176,7 @@ def park(client: redis.Redis, celery: Celery, job: jobs.Job, blob: bytes, queue:
     pipe.hset(registry.QUEUE_MODELS, queue, job.model_key)
     statuses.StatusChannel(client, job, settings.job_ttl_s).send(
         wire.QUEUED, messages.queued(job.model_key, position), pipe=pipe)
-    pipe.lpush(*job_message(celery, job))
+    pipe.lpush(*queues.job_message(celery, job))
     if settings.fair_turns:
         turns.place(pipe, job, queue, settings.job_ttl_s)
     pipe.execute()

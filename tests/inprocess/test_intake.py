@@ -240,15 +240,15 @@ def test_the_controller_is_woken_only_for_a_model_no_worker_serves(web, client):
 @pytest.mark.parametrize("priority", [False, True])
 def test_the_intakes_message_is_the_one_celery_would_send(client, settings, priority):
     """The intake pushes the job's Celery message itself, on the round trip
-    that parks the job (``celery_app.job_message``): it must be what Celery's
+    that parks the job (``queues.job_message``): it must be what Celery's
     own send pushes, in the same list, but for the fields that are fresh per
     send (the delivery tag, and the sending host in ``origin``)."""
-    from ndif_celery.celery_app import job_message, make_app, send_job
+    from ndif_celery.celery_app import make_app, send_job
 
     app = make_app(settings)
     job = jobs.Job(id=f"message-{priority}", model_key=MODEL_KEY, session_id="", compress=False, env={"a": 1},
                    received_at=1.5, priority=priority, owner="key:3")
-    ours_list, ours = job_message(app, job)
+    ours_list, ours = queues.job_message(app, job)
     send_job(app, job)
     (sent_list,) = [key.decode() for key in client.keys("ndif.model.*")]
     (sent,) = client.lrange(sent_list, 0, -1)

