@@ -78,8 +78,11 @@ def embedded_redis(home: Path) -> Iterator[config.Settings]:
     a stack: one process, ready in a fraction of a second, so the real Redis
     semantics (pub/sub, Lua, NX leases) are tested without a farm."""
     port = free_port()
+    # The suite's pinned torch threads (tests/conftest.py): a worker state built from
+    # these settings sets this process's torch to them, and its local runs must keep their bits.
+    pinned = {"NDIF_TORCH_THREADS": os.environ["NDIF_TORCH_THREADS"]} if "NDIF_TORCH_THREADS" in os.environ else {}
     settings = config.load({"NDIF_HOME": str(home), "NDIF_EMBEDDED_REDIS_PORT": str(port),
-                            "NDIF_REDIS_URL": f"redis://127.0.0.1:{port}/0"})
+                            "NDIF_REDIS_URL": f"redis://127.0.0.1:{port}/0", **pinned})
     redis_server.redis_dir(settings).mkdir(parents=True)
     proc = subprocess.Popen(redis_server.redis_argv(settings), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
