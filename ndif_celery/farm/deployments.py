@@ -253,8 +253,9 @@ def check_access(client: redis.Redis, identity, model_key: str, offer: Optional[
     restricted = [wished for wished, wish in desired.items()
                   if wish.get("users") and not may_use(wish["users"], identity)]
     others = model_policy.keys_of_repo(restricted, key.repo_id)
-    refs = ({} if not others else offer.refs_of(client, key.repo_id) if offer is not None
-            else registry.refs(client, key.repo_id))
+    refs: dict = {}
+    if others:
+        refs = offer.refs_of(client, key.repo_id) if offer is not None else registry.refs(client, key.repo_id)
     for other in others:
         if model_policy.may_be_same_weights(key, other, refs):
             raise Refused(f"Model {key.repo_id!r} is deployed on this farm for named users only, and this API key "

@@ -160,9 +160,13 @@ def all_workers(client: redis.Redis) -> dict:
 
 
 def live_workers(client: redis.Redis, now: Optional[float] = None) -> dict:
-    now = time.time() if now is None else now
+    return _live(client.hgetall(WORKERS), time.time() if now is None else now)
+
+
+def _live(raw_workers: dict, now: float) -> dict:
+    """The entries of ``ndif:workers`` (as read) seen within ``STALE_S``, by name."""
     workers = {}
-    for name, raw in client.hgetall(WORKERS).items():
+    for name, raw in raw_workers.items():
         info = json.loads(raw)
         if now - info.get("last_seen", 0) <= STALE_S:
             workers[name.decode()] = info
@@ -304,9 +308,8 @@ def read_offer(pipe: "redis.client.Pipeline", repo_id: str = "") -> None:
 def decode_offer(answers: list, repo_id: str = "") -> Offer:
     raw_workers, raw_deployments, raw_desired = answers[:3]
     raw_refs = answers[3:4] if repo_id else []
-    now = time.time()
-    live = {name for name, raw in raw_workers.items() if now - json.loads(raw).get("last_seen", 0) <= STALE_S}
-    entries = [entry for entry in map(json.loads, raw_deployments) if entry["worker"].encode() in live]
+    live = _live(raw_workers, time.time())
+    entries = [entry for entry in map(json.loads, raw_deployments) if entry["worker"] in live]
     desired = {key.decode(): json.loads(wish) for key, wish in raw_desired.items()}
     return Offer(keys={entry["model_key"] for entry in entries} | set(desired),
                  serving={entry["model_key"] for entry in entries if entry.get("state") == RUNNING},
