@@ -15,7 +15,7 @@ import site
 import sysconfig
 import traceback
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from nnsight.intervention.serialization import UnknownPersistentIdError
@@ -85,28 +85,34 @@ def request_scope(model: Any):
         model._module.zero_grad(set_to_none=True)
 
 
-# What every request reads of a loaded model's module tree, read once per model
-# (a reload is a new module): its persistent objects (every module by path).
-# Walking the tree for each request cost most of a millisecond of a small
-# model's few. A block that swaps a tensor or a module holding one in changes
-# the tree: the stamps see it, and the model is reloaded or, its values intact,
-# read again (``forget_tree``). A model that ever took a PEFT adapter from a
-# request's env (which changes the tree) is walked every time.
-_TREES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+# A loaded model's persistent objects (every module by path, for the payload's
+# unpickler), read once per model (a reload is a new module): walking the tree
+# for each request cost most of a millisecond of a small model's few. A block
+# that swaps a tensor or a module holding one in changes the tree: the stamps
+# see it, and the model is reloaded or, its values intact, read again
+# (``forget_tree``). ``LAYERED``: the model took a PEFT adapter from a request's
+# env (which changes the tree), and is walked for every request from then on.
+_PERSISTENT: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+LAYERED = object()
 
 
 def forget_tree(model: Any) -> None:
     """The model's tree changed: read it again at the next request."""
-    _TREES.pop(model._module, None)
+    if _PERSISTENT.get(model._module) is not LAYERED:
+        _PERSISTENT.pop(model._module, None)
 
 
-def _tree(model: Any, what: str, read: Callable[[], Any]) -> Any:
-    kept = _TREES.setdefault(model._module, {})
-    if kept.get("layered"):
-        return read()
-    if what not in kept:
-        kept[what] = read()
-    return kept[what]
+def persistent_objects(model: Any, env: Optional[dict]) -> dict:
+    """The model's persistent objects under ``env`` (applied here), the caller's own copy."""
+    if (env or {}).get("peft"):
+        _PERSISTENT[model._module] = LAYERED
+    model._remoteable_set_env(env)
+    kept = _PERSISTENT.get(model._module)
+    if kept is LAYERED:
+        return model._remoteable_persistent_objects()
+    if kept is None:
+        kept = _PERSISTENT[model._module] = model._remoteable_persistent_objects()
+    return dict(kept)
 
 
 def _restore(target: dict, snapshot: dict) -> None:
@@ -115,10 +121,7 @@ def _restore(target: dict, snapshot: dict) -> None:
 
 
 def deserialize(model: Any, blob: bytes, compress: bool, env: dict) -> Any:
-    if (env or {}).get("peft"):
-        _TREES.setdefault(model._module, {})["layered"] = True
-    model._remoteable_set_env(env)
-    persistent = dict(_tree(model, "persistent", model._remoteable_persistent_objects))  # the unpickler's own copy
+    persistent = persistent_objects(model, env)
     try:
         return RequestModel.deserialize(blob, persistent, compress=compress)
     except UnknownPersistentIdError as error:

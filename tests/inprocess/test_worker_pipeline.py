@@ -242,11 +242,12 @@ def test_a_write_of_the_same_values_retakes_the_stamps_and_a_swap_the_sum_misses
     models.restore_if_changed(key)
     model = models.get(key)
     weight = model._module.transformer.h[0].mlp.c_fc.weight
-    execute._tree(model, "persistent", model._remoteable_persistent_objects)  # kept, as after a request
+    execute.persistent_objects(model, {})  # kept, as after a request
+    assert model._module in execute._PERSISTENT
     with torch.no_grad():
         weight.add_(0)
     assert models.check_after_trusted(key, idle=False) == ("a weight's version counter or storage changed", [])
-    assert model._module not in execute._TREES, "the tree may have changed: read again at the next request"
+    assert model._module not in execute._PERSISTENT, "the tree may have changed: read again at the next request"
     assert models.check_after_trusted(key, idle=False) == ("", []), "the stamps were retaken"
     words = weight.data.view(-1).view(torch.int64)  # through .data: no counter moves
     first, second = words[0].item(), words[1].item()
@@ -436,3 +437,20 @@ def test_a_key_at_its_running_bound_on_the_model_goes_back_in_line(worker, web, 
     delivered(worker)
     assert torch.equal(result(worker, redis, job_id)["out"], reference)
     assert not redis.exists(f"ndif:turns:{queue}:running:{job.owner}"), "its slot was not freed"
+
+
+def test_a_model_layered_by_a_requests_adapter_stays_walked_after_a_swap(worker, redis):
+    """A model that took a PEFT adapter from a request's env is walked for every
+    request; a swap the stamps saw drops kept objects, never that mark."""
+    from workers import execute
+
+    model = worker.models.get(client_model(REPO_ID).to_model_key())
+    execute._PERSISTENT[model._module] = execute.LAYERED  # as a request with env {"peft": ...} leaves it
+    try:
+        execute.forget_tree(model)
+        assert execute._PERSISTENT[model._module] is execute.LAYERED
+        objects = execute.persistent_objects(model, {})
+        assert objects["Module:model.transformer.h.0"] is model._module.transformer.h[0]
+        assert execute._PERSISTENT[model._module] is execute.LAYERED, "walked, not kept"
+    finally:
+        execute._PERSISTENT.pop(model._module, None)
