@@ -246,8 +246,13 @@ class WorkerState:
                 log.warning("worker metrics failed", exc_info=True)
         except RequestError as error:
             registry.remove_deployment(self.redis, self.name, model_key)
+            # Recorded for the controller (another worker, or the wish marked failed) and the operator's deploy.
+            registry.record_load_failure(self.redis, self.name, model_key, str(error))
             fail_waiting(self.redis, queue, str(error), settings.job_ttl_s)
+            registry.wake_controller(self.redis, "load failed")
+            log.warning("could not load %s: %s", repo, error)
             return
+        self.redis.hdel(registry.LOAD_FAILURES, registry.deployment_field(self.name, model_key))
         registry.set_deployment(
             self.redis, self.name, model_key, registry.RUNNING,
             size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,

@@ -10,6 +10,7 @@ layer only by ``jobs``: ``ndif-celery kill`` should start at once.
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import click
@@ -40,30 +41,33 @@ def connect():
 @click.option("-f", "--file", "path", default=None, type=click.Path(dir_okay=False),
               help="Deploy every entry of this deployments file (YAML or JSON) instead of MODEL.")
 @click.option("--sync", is_flag=True, help="With -f: also evict what an earlier file deployed and this one no longer lists.")
+@click.option("--dry-run", is_flag=True, help="With -f: print what would be loaded, changed and evicted; change nothing.")
+@click.option("--force", is_flag=True, help="With --sync: evict even a pinned model, or everything (an empty file).")
 @click.option("--pin", is_flag=True, help="Never evict it to make room for another model.")
 @click.option("--replicas", default=1, show_default=True, type=int, help="How many workers hold it.")
 @click.option("--dtype", default=None, help="Load the weights as this dtype (e.g. bfloat16).")
 @click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until every replica runs.")
 @click.option("--timeout", default=600.0, show_default=True, type=float)
-def deploy(model: Optional[str], path: Optional[str], sync: bool, pin: bool, replicas: int, dtype: Optional[str],
-           task: str, wait: bool, timeout: float) -> None:
+def deploy(model: Optional[str], path: Optional[str], sync: bool, dry_run: bool, force: bool, pin: bool,
+           replicas: int, dtype: Optional[str], task: str, wait: bool, timeout: float) -> None:
     """Deploy MODEL (a repo id or a full model key) and keep it deployed; or,
     with -f FILE, every entry of a deployments file (docs/farm.md)."""
     if (model is None) == (path is None):
         raise click.UsageError("give either MODEL or -f FILE")
-    if sync and path is None:
-        raise click.UsageError("--sync goes with -f FILE")
+    if (sync or dry_run or force) and path is None:
+        raise click.UsageError("--sync, --dry-run and --force go with -f FILE")
     if path is not None:
-        return _deploy_file(path, sync, wait, timeout)
+        return _deploy_file(path, sync, dry_run, force, wait, timeout)
     current, client, _ = connect()
     try:
         key = farm.model_key_for(model, task=task)
         # The operator may deploy any hub id, but not outside NDIF_MODELS, nor remote code outside NDIF_TRUST_REMOTE_CODE.
         model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
+        asked = time.time()
         farm.deploy(client, key, pin, replicas, dtype)
         if wait:
-            running = farm.wait_running(client, key, replicas, timeout)
+            running = farm.wait_running(client, key, replicas, timeout, since=asked)
             click.echo(f"{model}: running on {', '.join(sorted(d['worker'] for d in running))}")
         else:
             click.echo(f"{model}: deployment requested")
@@ -71,7 +75,7 @@ def deploy(model: Optional[str], path: Optional[str], sync: bool, pin: bool, rep
         raise click.ClickException(str(exc)) from None
 
 
-def _deploy_file(path: str, sync: bool, wait: bool, timeout: float) -> None:
+def _deploy_file(path: str, sync: bool, dry_run: bool, force: bool, wait: bool, timeout: float) -> None:
     from ndif_celery.farm import deployments
 
     current = settings()
@@ -82,10 +86,18 @@ def _deploy_file(path: str, sync: bool, wait: bool, timeout: float) -> None:
     for warning in deployments.warnings(entries, current.auth):
         click.echo(f"warning: {warning}", err=True)
     _, client, app = connect()
-    applied = deployments.apply(client, entries, sync=sync, celery_app=app)
+    if dry_run:
+        _print_plan(deployments.plan(client, entries, sync=sync), entries, sync, force)
+        return
+    asked = time.time()
+    try:
+        applied = deployments.apply(client, entries, sync=sync, celery_app=app, force=force)
+    except deployments.DeploymentsError as exc:
+        raise click.ClickException(str(exc)) from None
     for label, repos in (("added", applied.added), ("changed", applied.changed), ("unchanged", applied.unchanged)):
         for repo in repos:
-            click.echo(f"{repo}: {label}")
+            difference = applied.differences.get(repo)
+            click.echo(f"{repo}: {label}" + (f" ({difference})" if difference else ""))
     for repo, _, workers in applied.evicted:
         where = f" from {', '.join(sorted(workers))}" if workers else " (pinned by a schedule: when its window ends)"
         click.echo(f"{repo}: evicted, no longer listed{where}")
@@ -93,13 +105,32 @@ def _deploy_file(path: str, sync: bool, wait: bool, timeout: float) -> None:
         return
     try:
         for entry in entries:
-            running = farm.wait_running(client, entry.model_key, entry.replicas, timeout)
+            running = farm.wait_running(client, entry.model_key, entry.replicas, timeout, since=asked)
             click.echo(f"{entry.repo}: running on {', '.join(sorted(d['worker'] for d in running))}")
         for repo, model_key, workers in applied.evicted:
             if workers:
                 farm.wait_evicted(client, model_key, timeout)
     except farm.FarmError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _print_plan(plan, entries: list, sync: bool, force: bool) -> None:
+    """``deploy -f --dry-run``: each change the file would make, then nothing done."""
+    for repo in plan.added:
+        click.echo(f"{repo}: would add")
+    for repo in plan.changed:
+        click.echo(f"{repo}: would change ({plan.differences[repo]})")
+    for repo in plan.unchanged:
+        click.echo(f"{repo}: unchanged")
+    for repo, missing in plan.loads:
+        click.echo(f"{repo}: would load {missing} replica(s)")
+    for repo, _, workers in plan.evicted:
+        where = f" from {', '.join(workers)}" if workers else ""
+        click.echo(f"{repo}: would evict, no longer listed{where}")
+    refusal = plan.refusal(entries) if sync and not force else None
+    if refusal:
+        click.echo(f"refused without --force: {refusal}")
+    click.echo("dry run: nothing was changed")
 
 
 @click.command()
@@ -116,12 +147,15 @@ def scale(model: str, replicas: int, task: str, wait: bool, timeout: float) -> N
     try:
         key = farm.model_key_for(model, task=task)
         model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
+        asked = time.time()
         evicted = deployments.scale(client, app, key, replicas)
         if evicted:
             click.echo(f"{model}: evicting the replicas on {', '.join(sorted(evicted))}")
         if wait:
-            running = farm.wait_running(client, key, replicas, timeout)
+            farm.wait_running(client, key, replicas, timeout, since=asked)
             farm.wait_replicas_at_most(client, key, replicas, timeout)
+            # Read after the evictions: the workers that hold it now, not the ones just evicted.
+            running = [d for d in farm.holders(client, key) if d["state"] == "RUNNING"]
             click.echo(f"{model}: {replicas} replica(s), on {', '.join(sorted(d['worker'] for d in running))}")
         else:
             click.echo(f"{model}: {replicas} replica(s) requested")
@@ -194,4 +228,43 @@ def _job_line(row: dict) -> str:
             f"{row['model'][:32]:<32} {outcome:<18} {duration:>9}  {row['error'] or ''}")
 
 
-COMMANDS = [deploy, scale, evict, queue, kill, jobs_command]
+@click.command("deployments")
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def deployments_command(as_json: bool) -> None:
+    """What the farm was asked to keep beside what it runs: each wish's source,
+    target and running replicas, and why an unmet one is not kept."""
+    from ndif_celery.farm import wanted
+
+    _, client, _ = connect()
+    echo_rows(wanted.rows(client), as_json, _wanted_line, empty="nothing wanted, nothing running")
+
+
+def _wanted_line(row: dict) -> str:
+    source = row["source"] + (f" (over {row['over']})" if row["over"] else "")
+    target = "-" if row["target"] is None else str(row["target"])
+    running = ", ".join(row["running"]) or "-"
+    line = (f"{row['model'][:40]:<40} {source:<18} {'pinned' if row['pinned'] else '':<6} "
+            f"want {target:>2}  run {len(row['running']):>2}  {row['state']:<9} {running}")
+    return line + (f"\n    {row['reason']}" if row["reason"] else "")
+
+
+@click.command("export")
+@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
+              help="Write the file here (default: print it).")
+def export(output: Optional[str]) -> None:
+    """The farm's wanted deployments as a deployments file (``deploy -f`` takes it as it is)."""
+    from ndif_celery.farm import wanted
+
+    _, client, _ = connect()
+    text, skipped = wanted.export(client)
+    if output is None:
+        click.echo(text, nl=False)
+    else:
+        with open(output, "w") as handle:
+            handle.write(text)
+        click.echo(f"wrote {output}")
+    for line in skipped:
+        click.echo(f"left out: {line}", err=True)
+
+
+COMMANDS = [deploy, scale, evict, queue, kill, jobs_command, deployments_command, export]

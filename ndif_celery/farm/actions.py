@@ -39,22 +39,33 @@ def deploy(client: redis.Redis, model_key: str, pinned: bool, replicas: int, dty
     leaves it alone (``ndif_celery.farm.deployments``)."""
     if replicas < 1:
         raise FarmError("--replicas must be at least 1")
-    client.hset(registry.DESIRED, model_key,
-                json.dumps({"pinned": pinned, "replicas": replicas, "dtype": dtype, "source": "cli"}))
+    pipe = client.pipeline()
+    registry.forget_load_failures(client, pipe, [model_key])  # asked again: every worker may try it
+    pipe.hset(registry.DESIRED, model_key,
+              json.dumps({"pinned": pinned, "replicas": replicas, "dtype": dtype, "source": "cli"}))
+    pipe.execute()
     registry.wake_controller(client, "deploy")
 
 
-def wait_running(client: redis.Redis, model_key: str, replicas: int, timeout: float) -> list[dict]:
-    """Wait until ``replicas`` workers hold the model, RUNNING."""
+def wait_running(client: redis.Redis, model_key: str, replicas: int, timeout: float,
+                 since: float = 0.0) -> list[dict]:
+    """Wait until ``replicas`` workers hold the model, RUNNING; fail at once when the
+    controller marks the wish failed after ``since`` (every worker that could take
+    it failed to load it), naming the workers and their reasons."""
     deadline = time.monotonic() + timeout
+    repo = wire.repo_fields(model_key)["repo_id"]
     while True:
         running = [d for d in holders(client, model_key) if d["state"] == registry.RUNNING]
         if len(running) >= replicas:
             return running
+        why = registry.unmet(client).get(model_key)
+        if why and why.get("failed") and why.get("at", 0) >= since:
+            raise FarmError(f"{repo}: {why['reason']}")
         if time.monotonic() > deadline:
+            now = f": {why['reason']}" if why else ""
             raise FarmError(
-                f"{len(running)} of {replicas} replicas running after {timeout:.0f} s; "
-                "see `ndif-celery status` and the worker logs"
+                f"{repo}: {len(running)} of {replicas} replicas running after {timeout:.0f} s{now}; "
+                "see `ndif-celery deployments` and the worker logs"
             )
         time.sleep(0.2)
 
@@ -75,7 +86,10 @@ def holders(client: redis.Redis, model_key: str) -> list[dict]:
 
 def evict(client: redis.Redis, celery_app, model_key: str) -> list[str]:
     """Forget the wish and tell every worker holding the model to let it go."""
-    client.hdel(registry.DESIRED, model_key)
+    pipe = client.pipeline()
+    registry.forget_load_failures(client, pipe, [model_key])
+    pipe.hdel(registry.DESIRED, model_key)
+    pipe.execute()
     workers = [d["worker"] for d in holders(client, model_key)]
     for worker in workers:
         celery_app.send_task(EVICT_MODEL, kwargs={"model_key": model_key}, queue=worker_queue(worker))

@@ -27,6 +27,7 @@ tasks on that worker's own queue, one thing at a time with its jobs.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -76,6 +77,9 @@ class Controller(threading.Thread):
         self.notices = Notices(log)
         self.known_workers: set = set()  # (name, pid) of the live workers the last tick saw
         self.status_at = 0.0  # when this controller last rewrote the cached /status
+        self.failures: dict = {}  # model key -> {worker: failed load}, as this tick read them
+        self.unmet: dict = {}  # model key -> why this tick could not keep its wish (registry.UNMET)
+        self.unmet_written: dict = {}
 
     def run(self) -> None:
         pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
@@ -117,6 +121,7 @@ class Controller(threading.Thread):
         for model_key in schedules.reconcile(self.redis, now):  # pins on time, unpins on time
             self.release(farm, model_key)
         wishes = self.wishes = registry.desired(self.redis)
+        self.failures, self.unmet = registry.load_failures(self.redis), {}
         waiting_ids = set()
         for queue in queues.model_queues(self.redis):
             entries = queues.waiting(self.redis, queue)
@@ -140,6 +145,7 @@ class Controller(threading.Thread):
             if len(farm.holders(model_key)) < wish.get("replicas", 1):
                 self.place(farm, model_key, wish, evict=bool(wish.get("pinned")))
         self.retire_idle(farm, wishes, now)
+        self.write_unmet()
         if now - self.status_at >= STATUS_EVERY_S:
             registry.publish_status(self.redis)
             self.status_at = now
@@ -162,11 +168,28 @@ class Controller(threading.Thread):
             self.notices.warn("NDIF_DEPLOYMENTS", f"{error} (not applied)")
             return
         self.notices.cleared("NDIF_DEPLOYMENTS", "NDIF_DEPLOYMENTS applies again")
-        applied = deployments.apply(self.redis, entries)
+        applied = deployments.apply(self.redis, entries, source=deployments.BOOT)
         if applied.added or applied.changed:
             log.info("NDIF_DEPLOYMENTS applied (%s joined): added %s, changed %s",
                      ", ".join(sorted(name for name, _ in joined)), applied.added or "nothing",
                      applied.changed or "nothing")
+
+    def write_unmet(self) -> None:
+        """Why each wish is not kept, for ``ndif-celery deployments`` and the deploy
+        that waits on it: rewritten while any is unmet (an operator's deploy clears
+        its model's reason, and the next tick must say it again)."""
+        for model_key, entry in self.unmet.items():
+            known = self.unmet_written.get(model_key)
+            if known and known["reason"] == entry["reason"] and not entry["failed"]:
+                entry["at"] = known["at"]  # unmet since then
+        if not self.unmet and not self.unmet_written:
+            return
+        pipe = self.redis.pipeline()
+        pipe.delete(registry.UNMET)
+        if self.unmet:
+            pipe.hset(registry.UNMET, mapping={key: json.dumps(entry) for key, entry in self.unmet.items()})
+        pipe.execute()
+        self.unmet_written = self.unmet
 
     def refused(self, model_key: str, entries: list, wishes: dict, queue: str) -> bool:
         """The model policy again before a first deploy (``ndif_celery.policy.models``),
@@ -226,14 +249,22 @@ class Controller(threading.Thread):
         try:
             model_policy.ModelPolicy.from_settings(self.settings).loadable(model_key)  # before sizing reads any config
         except model_policy.PolicyError as error:
-            return self.cannot(fail_queue, f"Could not deploy: {error.detail}", model_key)
+            return self.cannot(fail_queue, f"Could not deploy: {error.detail}", model_key, failed=True)
+        # An operator's wish is not loaded again where it failed to load (a request's model is: each
+        # request tries again); when no other worker can take it, the wish has failed.
+        failed_on = self.failures.get(model_key, {}) if wish else {}
+        views = [view for view in farm.views(self.wishes) if view.name not in failed_on]
         try:
             weights = sizing.weight_bytes(model_key, dtype, self.redis)
             size = sizing.padded(weights, self.settings.padding_factor, self.settings.padding_bytes)
-            chosen = placement.place(model_key, size, farm.views(self.wishes), evict=evict)
+            chosen = placement.place(model_key, size, views, evict=evict)
         except sizing.SizingError as error:
-            return self.cannot(fail_queue, str(error), model_key)
+            return self.cannot(fail_queue, str(error), model_key, failed=True)
         except placement.NoRoom as error:
+            if failed_on:
+                why = "; ".join(f"on {worker}: {failure['reason']}" for worker, failure in sorted(failed_on.items()))
+                return self.cannot(fail_queue, f"Could not deploy {repo}: it failed to load {why}", model_key,
+                                   failed=True, at=max(failure["at"] for failure in failed_on.values()))
             return self.cannot(fail_queue, f"Could not deploy {repo}: {error}.", model_key)
         self.notices.cleared(model_key, f"{repo} can be placed again")
         log.info("placing %s (%d bytes) on %s, evicting %s", repo, size, chosen.worker, chosen.evict or "nothing")
@@ -251,10 +282,15 @@ class Controller(threading.Thread):
         )
         return True
 
-    def cannot(self, fail_queue: Optional[str], reason: str, model_key: str) -> bool:
-        """A model that cannot be placed: say why (once per change, ``notices``), and
-        fail ``fail_queue``'s jobs with the reason (a first deploy nothing can hold)."""
+    def cannot(self, fail_queue: Optional[str], reason: str, model_key: str, failed: bool = False,
+               at: Optional[float] = None) -> bool:
+        """A model that cannot be placed: say why (once per change, ``notices``; for a
+        wish, in ``registry.UNMET``), and fail ``fail_queue``'s jobs with the reason
+        (a first deploy nothing can hold). ``failed``: it will not place without an
+        operator (its loads failed, its policy or size refuse it)."""
         self.notices.warn(model_key, reason)
+        if model_key in self.wishes:
+            self.unmet[model_key] = {"reason": reason, "failed": failed, "at": at or time.time()}
         if fail_queue is not None:
             fail_waiting(self.redis, fail_queue, reason, self.settings.job_ttl_s)
         return False

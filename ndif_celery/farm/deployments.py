@@ -15,10 +15,12 @@ of entries, or ``{"deployments": [...]}``::
 
 Each entry becomes a wish in ``ndif:desired`` (``registry.DESIRED``), the same
 the controller keeps true for ``ndif-celery deploy``, marked ``source:
-"file"``. ``--sync`` evicts the wishes a file put there that the file no
-longer lists, and nothing else: models deployed by hand (``ndif-celery
-deploy MODEL``), loaded on a user's first request, or pinned by a schedule
-are not the file's to remove. Evicting "every unpinned model" instead would
+"file"`` (``"boot"`` for NDIF_DEPLOYMENTS). ``--sync`` evicts the wishes a file
+put there that the file no longer lists, and nothing else: models deployed by
+hand (``ndif-celery deploy MODEL``), by the boot list, loaded on a user's first
+request, or pinned by a schedule are not the file's to remove. A sync that
+would evict a pinned model, or everything (an empty file), needs ``force``;
+:func:`plan` is the dry run. Evicting "every unpinned model" instead would
 unload, at every sync, the models researchers are using right now on demand.
 
 ``users`` maps "who" onto what the key database knows of a key
@@ -265,57 +267,112 @@ def check_access(client: redis.Redis, identity, model_key: str, offer: Optional[
 # --- applying -----------------------------------------------------------------------
 
 
+BOOT = "boot"  # the source of NDIF_DEPLOYMENTS's wishes (SOURCE: a file's, ``deploy -f``)
+
+
 @dataclass
 class Applied:
-    """What an apply changed, for the CLI to print."""
+    """What an apply changes (or, as a plan, would change), for the CLI to print."""
 
     added: list = field(default_factory=list)
     changed: list = field(default_factory=list)
+    differences: dict = field(default_factory=dict)  # repo -> what changes: "replicas 1 -> 2, ..."
     unchanged: list = field(default_factory=list)
-    evicted: list = field(default_factory=list)  # (repo, model key, [workers]) of the wishes --sync removed
+    evicted: list = field(default_factory=list)  # (repo, model key, [workers]) of the wishes --sync removes
+    loads: list = field(default_factory=list)  # (repo, replicas to load): fewer hold it than it wants
+    writes: dict = field(default_factory=dict)  # model key -> the wish to write
+    pinned_evicted: list = field(default_factory=list)  # repos of pinned wishes --sync removes
+
+    def refusal(self, entries: list) -> Optional[str]:
+        """Why ``--sync`` needs ``--force``: it evicts a pinned model, or every wish while listing nothing."""
+        if self.pinned_evicted:
+            return f"--sync would evict pinned {', '.join(self.pinned_evicted)}"
+        if self.evicted and not entries:
+            return "--sync with an empty file would evict every model it deployed"
+        return None
 
 
-def apply(client: redis.Redis, entries: list[Entry], sync: bool = False, celery_app=None) -> Applied:
-    """Write each entry's wish (and, with ``sync``, evict the file-made wishes it
-    no longer lists: ``celery_app`` sends the evictions); wake the controller."""
+def plan(client: redis.Redis, entries: list[Entry], sync: bool = False, source: str = SOURCE) -> Applied:
+    """What :func:`apply` would write and evict; nothing is changed."""
     done = Applied()
     wishes = registry.desired(client)
+    running: dict[str, list] = {}
+    for held in registry.live_deployments(client):
+        running.setdefault(held["model_key"], []).append(held["worker"])
     listed = set()
-    pipe = client.pipeline()
     for entry in entries:
         listed.add(entry.model_key)
-        wanted = entry.wish()
+        wanted = {**entry.wish(), "source": source}
         old = wishes.get(entry.model_key)
+        missing = entry.replicas - len(running.get(entry.model_key, []))
+        if missing > 0:
+            done.loads.append((entry.repo, missing))
         if old is not None and old.get("schedule"):
             # Pinned by a schedule for now: the schedule restores this when its window ends.
             if old.get("before") != wanted:
-                pipe.hset(registry.DESIRED, entry.model_key,
-                          json.dumps({**old, "before": wanted, "users": wanted.get("users")}))
+                done.writes[entry.model_key] = {**old, "before": wanted, "users": wanted.get("users")}
                 done.changed.append(entry.repo)
+                done.differences[entry.repo] = _difference(old.get("before") or {}, wanted)
             else:
                 done.unchanged.append(entry.repo)
             continue
         if old == wanted:
             done.unchanged.append(entry.repo)
             continue
-        (done.changed if old is not None else done.added).append(entry.repo)
-        pipe.hset(registry.DESIRED, entry.model_key, json.dumps(wanted))
-    pipe.execute()
+        if old is None:
+            done.added.append(entry.repo)
+        else:
+            done.changed.append(entry.repo)
+            done.differences[entry.repo] = _difference(old, wanted)
+        done.writes[entry.model_key] = wanted
     if sync:
         for model_key, wish in wishes.items():
             if model_key in listed or not _from_file(wish):
                 continue
             repo = model_policy.parse(model_key).repo_id
-            if wish.get("schedule"):
-                # Pinned by a schedule now: let it go when the window ends, not before.
-                client.hset(registry.DESIRED, model_key, json.dumps({**wish, "before": None}))
-                done.evicted.append((repo, model_key, []))
-                continue
-            if celery_app is None:
-                raise ValueError("sync needs the celery app to send evictions")
-            done.evicted.append((repo, model_key, farm.evict(client, celery_app, model_key)))
+            done.evicted.append((repo, model_key, sorted(running.get(model_key, []))))
+            if wish.get("pinned") and not wish.get("schedule"):
+                done.pinned_evicted.append(repo)
+    return done
+
+
+def apply(client: redis.Redis, entries: list[Entry], sync: bool = False, celery_app=None, source: str = SOURCE,
+          force: bool = False) -> Applied:
+    """Write each entry's wish (and, with ``sync``, evict the file-made wishes it
+    no longer lists: ``celery_app`` sends the evictions); wake the controller.
+    A sync that would evict a pinned model, or everything, raises unless ``force``.
+    Every listed model's failed loads are forgotten: applying again retries them."""
+    done = plan(client, entries, sync, source)
+    refusal = done.refusal(entries) if sync and not force else None
+    if refusal:
+        raise DeploymentsError(f"{refusal}; nothing was changed. Give --force to do it.")
+    wishes = registry.desired(client)
+    pipe = client.pipeline()
+    registry.forget_load_failures(client, pipe, [entry.model_key for entry in entries])
+    for model_key, wish in done.writes.items():
+        pipe.hset(registry.DESIRED, model_key, json.dumps(wish))
+    pipe.execute()
+    evicted, done.evicted = done.evicted, []
+    for repo, model_key, _ in evicted:
+        wish = wishes[model_key]
+        if wish.get("schedule"):
+            # Pinned by a schedule now: let it go when the window ends, not before.
+            client.hset(registry.DESIRED, model_key, json.dumps({**wish, "before": None}))
+            done.evicted.append((repo, model_key, []))
+            continue
+        if celery_app is None:
+            raise ValueError("sync needs the celery app to send evictions")
+        done.evicted.append((repo, model_key, farm.evict(client, celery_app, model_key)))
     registry.wake_controller(client, "deployments")
     return done
+
+
+def _difference(old: dict, new: dict) -> str:
+    """What a wish's rewrite changes, as the plan prints it."""
+    names = {"replicas": "replicas", "pinned": "pin", "dtype": "dtype", "users": "users", "source": "source"}
+    parts = [f"{name} {old.get(key)!r} -> {new.get(key)!r}".replace("'", "")
+             for key, name in names.items() if old.get(key) != new.get(key)]
+    return ", ".join(parts) or "rewritten"
 
 
 def _from_file(wish: dict) -> bool:
@@ -342,7 +399,10 @@ def scale(client: redis.Redis, celery_app, model_key: str, replicas: int) -> lis
     wish["replicas"] = replicas
     if wish.get("schedule") and isinstance(wish.get("before"), dict):
         wish["before"] = {**wish["before"], "replicas": replicas}
-    client.hset(registry.DESIRED, model_key, json.dumps(wish))
+    pipe = client.pipeline()
+    registry.forget_load_failures(client, pipe, [model_key])
+    pipe.hset(registry.DESIRED, model_key, json.dumps(wish))
+    pipe.execute()
     holders = sorted(farm.holders(client, model_key), key=_last_activity)
     extra = holders[: max(0, len(holders) - replicas)]
     for holder in extra:

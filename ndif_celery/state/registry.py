@@ -12,7 +12,12 @@ so a killed worker disappears from ``/status`` without anyone cleaning up.
   whose results its delivery thread still sends; ``running_jobs`` reads all three; for operators only:
   never in the open ``/status``)
 - hash ``ndif:deployments``   "<worker>|<model_key>" -> JSON {model_key, worker, state, size_bytes, pinned, last_used, ...}
-- hash ``ndif:desired``       model_key -> JSON {pinned, replicas, dtype}: what operators deployed
+- hash ``ndif:desired``       model_key -> JSON {pinned, replicas, dtype, source}: what operators
+  deployed (``source``: ``cli``, ``file``, ``boot``; a schedule's pin adds ``schedule`` and ``before``)
+- hash ``ndif:load_failures`` "<worker>|<model_key>" -> JSON {worker, model_key, reason, at}: the last failed
+  load of a model on a worker, until it loads there or an operator deploys it again
+- hash ``ndif:unmet``         model_key -> JSON {reason, at, failed}: why the controller cannot keep a wish
+  now, rewritten by the leading controller (``failed``: every worker that could take it failed to load it)
 - hash ``ndif:sizes``         "<model_key>|<dtype>" -> estimated weight bytes
 - set  ``ndif:queues``        every model queue a request has named
 - hash ``ndif:queue_models``  queue -> model_key
@@ -48,6 +53,8 @@ STATUS = "ndif:status"
 STATUS_TTL_S = 5
 WAKE = "ndif:controller"
 ORPHANS = "ndif:orphans"
+LOAD_FAILURES = "ndif:load_failures"
+UNMET = "ndif:unmet"
 HEARTBEAT_S = 2.0
 STALE_S = 10.0
 
@@ -185,6 +192,38 @@ def live_deployments(client: redis.Redis, workers: Optional[dict] = None) -> lis
 
 def desired(client: redis.Redis) -> dict:
     return {k.decode(): json.loads(v) for k, v in client.hgetall(DESIRED).items()}
+
+
+def record_load_failure(client: redis.Redis, worker: str, model_key: str, reason: str) -> None:
+    """A load that failed on ``worker``: the controller tries another worker, never this one again
+    for an operator's wish, until the operator deploys it again (``forget_load_failures``)."""
+    client.hset(LOAD_FAILURES, deployment_field(worker, model_key),
+                json.dumps({"worker": worker, "model_key": model_key, "reason": reason[:2000], "at": time.time()}))
+
+
+def load_failures(client: redis.Redis) -> dict:
+    """model key -> {worker: {reason, at}} of the loads that failed."""
+    failures: dict = {}
+    for raw in client.hvals(LOAD_FAILURES):
+        entry = json.loads(raw)
+        failures.setdefault(entry["model_key"], {})[entry["worker"]] = entry
+    return failures
+
+
+def forget_load_failures(client: redis.Redis, pipe, model_keys) -> None:
+    """On ``pipe``: the failed loads and the unmet reasons of ``model_keys``, gone
+    (an operator asked for them again: the controller tries every worker anew)."""
+    model_keys = set(model_keys)
+    fields = [field for field in client.hkeys(LOAD_FAILURES) if field.decode().split("|", 1)[-1] in model_keys]
+    if fields:
+        pipe.hdel(LOAD_FAILURES, *fields)
+    if model_keys:
+        pipe.hdel(UNMET, *model_keys)
+
+
+def unmet(client: redis.Redis) -> dict:
+    """model key -> {reason, at, failed}: the wishes the controller cannot keep now, and why."""
+    return {k.decode(): json.loads(v) for k, v in client.hgetall(UNMET).items()}
 
 
 def wake_controller(client: redis.Redis, reason: str = "") -> None:

@@ -224,3 +224,124 @@ def test_up_refuses_a_bad_NDIF_DEPLOYMENTS_before_starting_anything(tmp_path):
     assert result.returncode == 1
     assert "Error: NDIF_DEPLOYMENTS: entry 1 (org/a): field `replicas` must be a whole number" in result.stderr
     assert not (tmp_path / "home" / "run").exists(), "nothing was started"
+
+
+# --- the plan (dry run), --force, the boot list's own source ---------------------------
+
+
+def _wishes(client) -> str:
+    return json.dumps(registry.desired(client), sort_keys=True)
+
+
+def test_a_dry_run_plans_every_change_and_makes_none(redis_client, app):
+    a, b = _key("org/a"), _key("org/b")
+    deployments.apply(redis_client, deployments.parse("- repo: org/a\n- repo: org/b\n"))
+    _worker_with(redis_client, "w0", a, b)
+    before = _wishes(redis_client)
+    plan = deployments.plan(redis_client, deployments.parse("- repo: org/a\n  replicas: 2\n- repo: org/c\n"),
+                            sync=True)
+    assert plan.added == ["org/c"] and plan.changed == ["org/a"]
+    assert plan.differences["org/a"] == "replicas 1 -> 2"
+    assert sorted(plan.loads) == [("org/a", 1), ("org/c", 1)]
+    assert plan.evicted == [("org/b", b, ["w0"])]
+    assert _wishes(redis_client) == before and _evictions(redis_client, "w0") == [], "nothing changed"
+
+
+def test_sync_refuses_to_evict_a_pinned_model_or_everything_without_force(redis_client, app):
+    a, b = _key("org/a"), _key("org/b")
+    deployments.apply(redis_client, deployments.parse("- repo: org/a\n  pin: true\n- repo: org/b\n"))
+    _worker_with(redis_client, "w0", a, b)
+    before = _wishes(redis_client)
+    with pytest.raises(DeploymentsError, match=r"--sync would evict pinned org/a; nothing was changed. Give --force"):
+        deployments.apply(redis_client, deployments.parse("- repo: org/b\n"), sync=True, celery_app=app)
+    with pytest.raises(DeploymentsError, match="--sync would evict pinned org/a"):
+        deployments.apply(redis_client, [], sync=True, celery_app=app)
+    assert _wishes(redis_client) == before and _evictions(redis_client, "w0") == [], "nothing changed"
+    deployments.apply(redis_client, deployments.parse("- repo: org/a\n- repo: org/b\n"))  # unpinned
+    with pytest.raises(DeploymentsError, match="an empty file would evict every model it deployed"):
+        deployments.apply(redis_client, [], sync=True, celery_app=app)
+    assert set(registry.desired(redis_client)) == {a, b}
+    forced = deployments.apply(redis_client, [], sync=True, celery_app=app, force=True)
+    assert sorted(forced.evicted) == [("org/a", a, ["w0"]), ("org/b", b, ["w0"])]
+    assert registry.desired(redis_client) == {} and sorted(_evictions(redis_client, "w0")) == sorted([a, b])
+
+
+def test_a_files_sync_leaves_the_boot_lists_wishes_alone(redis_client, app):
+    boot = _key("org/boot")
+    deployments.apply(redis_client, deployments.parse("- repo: org/boot\n"), source=deployments.BOOT)
+    deployments.apply(redis_client, deployments.parse("- repo: org/a\n"))
+    synced = deployments.apply(redis_client, deployments.parse("- repo: org/b\n"), sync=True, celery_app=app)
+    assert [repo for repo, _, _ in synced.evicted] == ["org/a"]
+    assert registry.desired(redis_client)[boot]["source"] == "boot"
+
+
+# --- wanted vs running, export -------------------------------------------------------
+
+
+def test_export_writes_a_file_that_deploy_f_takes_back_unchanged(redis_client, app):
+    from ndif_celery.farm import wanted
+
+    text = ("- repo: org/a\n  pin: true\n  replicas: 2\n  dtype: bfloat16\n  users: [ada@example.org, 'key:3']\n"
+            "- repo: org/b\n  revision: v1\n  task: token-classification\n")
+    deployments.apply(redis_client, deployments.parse(text))
+    farm.deploy(redis_client, _key("org/c"), pinned=False, replicas=3, dtype=None)
+    exported, skipped = wanted.export(redis_client)
+    assert skipped == []
+    entries = deployments.parse(exported)
+    assert [e.repo for e in entries] == ["org/a", "org/b", "org/c"]
+    before = {k: {**w, "source": None} for k, w in registry.desired(redis_client).items()}
+    again = deployments.apply(redis_client, entries, sync=True, celery_app=app)
+    assert again.added == [] and again.evicted == []
+    after = {k: {**w, "source": None} for k, w in registry.desired(redis_client).items()}
+    assert after == before, "the same wishes, now all the file's"
+    assert wanted.export(redis_client)[0] == exported
+
+
+def test_wanted_rows_say_source_target_running_and_why_not(redis_client, app):
+    from ndif_celery.farm import schedules, wanted
+
+    a, b, c, d = _key("org/a"), _key("org/b"), _key("org/c"), _key("org/d")
+    deployments.apply(redis_client, deployments.parse("- repo: org/a\n"))
+    deployments.apply(redis_client, deployments.parse("- repo: org/b\n  replicas: 2\n"), source=deployments.BOOT)
+    _worker_with(redis_client, "w0", a, b, c)  # org/c: loaded by a request, no wish
+    redis_client.hset(registry.UNMET, b, json.dumps({"reason": "no live worker can take another replica of it",
+                                                     "failed": False, "at": 5.0}))
+    schedules.add(redis_client, d, "org/d", time.time() + 3600, time.time() + 7200)
+    rows = {row["model"]: row for row in wanted.rows(redis_client)}
+    assert (rows["org/a"]["source"], rows["org/a"]["target"], rows["org/a"]["running"], rows["org/a"]["state"]) == \
+        ("file", 1, ["w0"], "met")
+    assert (rows["org/b"]["source"], rows["org/b"]["target"], rows["org/b"]["state"]) == ("boot", 2, "unmet")
+    assert rows["org/b"]["reason"] == "no live worker can take another replica of it"
+    assert (rows["org/c"]["source"], rows["org/c"]["target"], rows["org/c"]["state"]) == ("request", None, "met")
+    assert (rows["org/d"]["source"], rows["org/d"]["state"]) == ("schedule", "scheduled")
+
+
+# --- a wish whose load failed ------------------------------------------------------------
+
+
+def test_a_failed_load_is_not_retried_on_that_worker_and_fails_the_wish_with_its_reason(redis_client, app,
+                                                                                        embedded_settings):
+    from ndif_celery.farm.controller import Controller
+
+    key = _key("org/broken")
+    redis_client.hset(registry.SIZES, f"{key}|", 1000)  # sized: the hub is not asked
+    registry.register_worker(redis_client, {"name": "w0", "pid": 1, "memory_bytes": 1 << 30,
+                                            "last_seen": time.time()})
+    farm.deploy(redis_client, key, pinned=False, replicas=1, dtype=None)
+    registry.record_load_failure(redis_client, "w0", key, "Could not load model 'org/broken': bad weights")
+    controller = Controller("w0", redis_client, app, embedded_settings)
+    controller.tick()
+    why = registry.unmet(redis_client)[key]
+    assert why["failed"] and why["reason"] == \
+        "Could not deploy org/broken: it failed to load on w0: Could not load model 'org/broken': bad weights"
+    assert redis_client.llen(worker_queue("w0")) == 0, "not sent to w0 again"
+    with pytest.raises(farm.FarmError, match="org/broken: Could not deploy org/broken: it failed to load on w0"):
+        farm.wait_running(redis_client, key, 1, timeout=5)
+    # A second worker joins: the wish goes to it; the reason goes.
+    registry.register_worker(redis_client, {"name": "w1", "pid": 2, "memory_bytes": 1 << 30,
+                                            "last_seen": time.time()})
+    controller.tick()
+    assert redis_client.llen(worker_queue("w1")) == 1 and key not in registry.unmet(redis_client)
+    # Deployed again by hand: the failure is forgotten, w0 may try again.
+    farm.deploy(redis_client, key, pinned=False, replicas=1, dtype=None)
+    assert registry.load_failures(redis_client) == {}

@@ -100,7 +100,7 @@ def test_a_file_sync_during_the_window_lets_it_go_when_the_window_closes(redis_c
     deployments.apply(redis_client, deployments.parse("- repo: org/course\n"))
     schedules.add(redis_client, KEY, "org/course", NOW, NOW + 60, now=NOW)
     schedules.reconcile(redis_client, NOW)
-    synced = deployments.apply(redis_client, [], sync=True, celery_app=object())
+    synced = deployments.apply(redis_client, [], sync=True, celery_app=object(), force=True)
     assert synced.evicted == [("org/course", KEY, [])], "not evicted while pinned by the window"
     assert registry.desired(redis_client)[KEY]["pinned"] is True
     assert schedules.reconcile(redis_client, NOW + 60) == [KEY]
