@@ -7,7 +7,8 @@ requests may do: ``trusted`` (run in the worker's process), ``priority`` and
 ``NDIF_*`` defaults where set.
 
 The same metadata holds the job ledger (:class:`LedgerEntry`, one row per
-ended job), written in batches by the farm controller (``ndif_celery.accounts.ledger``).
+ended job), written in batches by the farm controller (``ndif_celery.accounts.ledger``),
+and the operators' audit log (:class:`AuditEntry`, ``ndif_celery.accounts.audit``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,23 @@ class LedgerEntry(Base):
     result_bytes: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
     # GPUs of the worker that ran it (0: a CPU worker), for GPU-seconds (``ndif_celery.accounts.usage``).
     devices: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+
+
+class AuditEntry(Base):
+    """One operator action taken from the dashboard: who, what, on what, and how it ended."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime.datetime] = mapped_column(DateTime(timezone=True), index=True, default=lambda: _now())
+    actor: Mapped[str] = mapped_column(String(64))  # key:<id> of the admin key
+    email: Mapped[Optional[str]] = mapped_column(String(320), nullable=True)
+    action: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(String(300))  # a repo, a job id, a schedule id
+    detail: Mapped[str] = mapped_column(Text, default="")  # the action's other fields, as sent (JSON)
+    outcome: Mapped[str] = mapped_column(String(16))  # done, refused or failed
+    message: Mapped[str] = mapped_column(String(1000), default="")
+    address: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)  # the client's IP
 
 
 def _now() -> datetime.datetime:
