@@ -20,10 +20,12 @@ rather than generated, so this file keeps one line of doc per variable.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
+from urllib.parse import urlsplit
 
 from .policy.client_versions import parse_minimum
 from .policy.jail_layers import parse_disable, parse_require
@@ -144,6 +146,34 @@ def _jail_require(name: str, raw: str) -> tuple:
 
 def _jail_disable(name: str, raw: str) -> tuple:
     return parse_disable(raw)
+
+
+def check_alert_webhook_url(url: str) -> None:
+    """Raise ValueError, naming ``NDIF_ALERT_WEBHOOK_URL`` and what is wrong, unless
+    ``url`` is empty (no webhook) or an http(s) URL with a host.
+
+    Not the variable's parser: a bad URL must stop ``ndif-celery up`` and fail
+    ``doctor``, not every command (``down`` must still work). The beat checks it
+    too before each delivery. The message never repeats the value: its path
+    and query often hold a token, and even a mistyped scheme may be one.
+    """
+    if not url:
+        return
+    name = "NDIF_ALERT_WEBHOOK_URL"
+    if re.search(r"[\s\x00-\x1f\x7f]", url):
+        raise ValueError(f"{name} holds a space or a control character; a URL has none (percent-encode them)")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{name} is not a URL (its host or port cannot be read)") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError(f"{name} must begin with http:// or https:// (the beat POSTs alerts over HTTP)")
+    host = parts.hostname or ""
+    if not host or not re.fullmatch(r"[\w.-]+|[0-9a-fA-F:.]+(%\w+)?", host):
+        raise ValueError(f"{name} names no host: expected http(s)://host[:port]/path")
+    if port == 0:
+        raise ValueError(f"{name}'s port must be from 1 to 65535")
 
 
 # --- defaults that depend on settings read before them ----------------------------

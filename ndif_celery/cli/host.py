@@ -61,6 +61,7 @@ def up(detach: bool, timeout: float) -> None:
     do that, until `ndif-celery down`.
     """
     current = settings()
+    _check_alert_webhook(current)
     _check_deployments(current)
     record = supervisor.read(current)
     if record.get("alive"):
@@ -108,17 +109,36 @@ def up(detach: bool, timeout: float) -> None:
     click.echo("stopped")
 
 
-def _check_deployments(current: config.Settings) -> None:
-    """A bad NDIF_DEPLOYMENTS fails ``up`` before anything starts, naming the entry and field
-    (the controller applies it once a worker is up: ``ndif_celery.farm.deployments``)."""
+def _check_alert_webhook(current: config.Settings) -> None:
+    """A malformed NDIF_ALERT_WEBHOOK_URL fails ``up``: the beat could send no alert to it
+    (``doctor`` reports the same check)."""
+    try:
+        config.check_alert_webhook_url(current.alert_webhook_url)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def deployments_warnings(current: config.Settings) -> list[str]:
+    """Check NDIF_DEPLOYMENTS as the controller will read it (``ndif_celery.farm.deployments``):
+    raises DeploymentsError naming the entry and field; returns the warnings. What ``up``
+    refuses and ``doctor`` reports."""
     from ndif_celery.farm import deployments
     from ndif_celery.policy import models as model_policy
 
+    entries = deployments.from_setting(current.deployments, model_policy.ModelPolicy.from_settings(current))
+    return deployments.warnings(entries, current.auth)
+
+
+def _check_deployments(current: config.Settings) -> None:
+    """A bad NDIF_DEPLOYMENTS fails ``up`` before anything starts, naming the entry and field
+    (the controller applies it once a worker is up)."""
+    from ndif_celery.farm import deployments
+
     try:
-        entries = deployments.from_setting(current.deployments, model_policy.ModelPolicy.from_settings(current))
+        found = deployments_warnings(current)
     except deployments.DeploymentsError as exc:
         raise click.ClickException(str(exc)) from None
-    for warning in deployments.warnings(entries, current.auth):
+    for warning in found:
         click.echo(f"warning: NDIF_DEPLOYMENTS: {warning}", err=True)
 
 

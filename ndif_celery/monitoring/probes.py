@@ -21,13 +21,26 @@ Results (``ndif:probes``: model key -> the last result) feed ``/metrics``
 (``ndif_probe_ok{model}``, ``ndif_probe_latency_seconds{model}``,
 ``ndif_probe_last_run_timestamp_seconds{model}``, counted in
 ``ndif_probe_runs_total{model,result}``), the dashboard and the ``NdifProbeFailing``
-alert in deploy/prometheus-rules.yml. When a model turns red, and again when
-it is green, the beat POSTs a JSON alert to ``NDIF_ALERT_WEBHOOK_URL`` (when
-set): once per change, not every round.
+alert in deploy/prometheus-rules.yml.
+
+Alerts (``NDIF_ALERT_WEBHOOK_URL``, when set): the webhook is told the current
+state of every model, not a stream of events. ``ndif:probes:delivered`` holds,
+per model key, that its ``firing`` alert was taken, and by which URL (a hash
+of it: Redis need not hold the token). A :class:`Courier` thread compares it
+with the results after every round: a red model the URL was not told of gets
+``firing``, a model it was told of that is green again (or no longer
+deployed) gets ``resolved``. So an alert a down receiver missed is sent once
+it is back, and once taken it is not sent again. A failed POST is retried
+with backoff (:data:`RETRY_FIRST_S` doubling to :data:`RETRY_MAX_S`) in that
+thread, so the probes never wait on the webhook. A changed URL has not been
+told anything, so it gets every red model; a beat that starts leading forgets
+what was delivered for the models red now and sends them again, since the
+last receiver may have lost them while no beat led.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -39,6 +52,7 @@ import time
 import urllib.error
 import urllib.request
 from typing import Callable, Optional
+from urllib.parse import urlsplit
 
 import redis
 
@@ -56,7 +70,13 @@ REFERENCES = "ndif:probes:references"
 OWNER = "ndif:probes:owner"  # the probe key's job owner (key:<id>), as the web saw it (intake.check_probe)
 TOLERANCE = 1e-3  # of the reference's largest |value|: co-batching and devices differ by ~1e-6
 STARTUP_S = 180.0  # the runner's first import of torch and nnsight, on a loaded host
-WEBHOOK_TIMEOUT_S = 5.0
+DELIVERED = "ndif:probes:delivered"  # model key -> {"url": hash, "entry": ...}: its firing alert was taken there
+WEBHOOK_TIMEOUT_S = 5.0  # one POST; only the courier's thread waits on it
+# After a failed delivery the courier waits RETRY_FIRST_S, then twice as long
+# after each further failure, up to RETRY_MAX_S: a receiver that restarts hears
+# within seconds, one down for hours is tried once a minute, not hammered.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 60.0
 ALERT = "NdifProbeFailing"
 
 
@@ -189,7 +209,7 @@ class Runner:
 
 
 class Prober(threading.Thread):
-    """One per beat process; the lease makes one of them probe."""
+    """One per beat process; the lease makes one of them probe (and its courier deliver)."""
 
     def __init__(self, settings: config.Settings, redis_client=None, runner=None,
                  post: Callable[[str, dict], None] = post_json, name: Optional[str] = None) -> None:
@@ -202,25 +222,41 @@ class Prober(threading.Thread):
         self.stopping = threading.Event()
         self.notices = Notices(log)
         self.lease_ms = int(max(10.0, 3 * settings.probe_interval_s + settings.probe_timeout_s) * 1000)
+        self.leading = False
+        self.courier = Courier(self)
 
     def run(self) -> None:
+        self.courier.start()
         while not self.stopping.is_set():
             started = time.monotonic()
             try:
                 if self.lead():
+                    self.courier.wake.set()  # after a (re)start it has the red models to send again
                     self.round()
             except Exception:  # noqa: BLE001 - the prober must outlive a bad round
                 log.exception("probe round failed")
             self.stopping.wait(max(0.0, self.settings.probe_interval_s - (time.monotonic() - started)))
+        self.courier.wake.set()
         self.runner.stop()
 
     def lead(self) -> bool:
-        if self.redis.set(LEADER, self.me, nx=True, px=self.lease_ms):
-            return True
-        if self.redis.get(LEADER) == self.me.encode():
+        """Take or renew the lease. On taking it, the models red now are sent again (:meth:`resend`)."""
+        leads = bool(self.redis.set(LEADER, self.me, nx=True, px=self.lease_ms))
+        if not leads and self.redis.get(LEADER) == self.me.encode():
             self.redis.pexpire(LEADER, self.lease_ms)
-            return True
-        return False
+            leads = True
+        if leads and not self.leading:
+            self.resend()
+        self.leading = leads
+        return leads
+
+    def resend(self) -> None:
+        """Forget that the webhook took the alerts of the models red now, so the courier sends
+        them again. Called when this beat starts leading: a beat restarted, or took over from
+        one that stopped, and the receiver may have lost what it was told meanwhile."""
+        red = [row["model_key"] for row in results(self.redis) if not row.get("ok")]
+        if red:
+            self.redis.hdel(DELIVERED, *red)
 
     def round(self) -> list[dict]:
         """Probe every target once; forget the results of models no longer served."""
@@ -240,8 +276,8 @@ class Prober(threading.Thread):
                 gone = json.loads(self.redis.hget(PROBES, field) or "{}")
                 self.redis.hdel(PROBES, field)
                 if gone and not gone.get("ok"):
-                    self.alert({**gone, "ok": True, "error": "", "at": time.time()}, "resolved",
-                               note="no longer deployed")
+                    log.warning("%s", alert_text(gone, "resolved", NOT_DEPLOYED))
+        self.courier.wake.set()
         return recorded
 
     def record(self, target: dict, result: dict) -> dict:
@@ -267,38 +303,152 @@ class Prober(threading.Thread):
         pipe.hset(PROBES, model_key, json.dumps(entry))
         pipe.hincrby(RUNS, f"{repo}|{'ok' if ok else 'failed'}", 1)
         pipe.execute()
+        # The log says each change; the webhook hears of it from the courier (deliver).
         if not ok and (previous is None or previous.get("ok")):
-            self.alert(entry, "firing")
+            log.warning("%s", alert_text(entry, "firing"))
         elif ok and previous is not None and not previous.get("ok"):
-            self.alert(entry, "resolved")
+            log.warning("%s", alert_text(entry, "resolved"))
+        self.courier.wake.set()
         return entry
 
-    def alert(self, entry: dict, status: str, note: str = "") -> None:
-        repo = entry.get("repo")
-        if status == "firing":
-            text = f"{ALERT}: the health probe of {repo} failed: {entry.get('error')}"
-            log.warning("%s", text)
-        else:
-            text = f"{ALERT} resolved: {repo} {note or 'answers its probe correctly again'}"
-            log.warning("%s", text)
+    def deliver(self) -> bool:
+        """POST to the webhook every alert it has not taken (:func:`pending`), marking each
+        taken. True when all were taken (or there is no webhook to send to); False at the
+        first that was not: the courier tries again after its backoff."""
         url = self.settings.alert_webhook_url
         if not url:
-            return
-        payload = {
-            "alert": ALERT, "status": status, "model": repo, "model_key": entry.get("model_key"),
-            "error": entry.get("error") or None, "latency_s": entry.get("latency_s"),
-            "worker": entry.get("worker"), "at": entry.get("at"), "farm": self.settings.api_url, "text": text,
-        }
+            return True
         try:
-            self.post(url, payload)
+            config.check_alert_webhook_url(url)
+        except ValueError as error:
+            self.notices.warn("webhook-url", f"no alert can be sent: {error}")
+            return True  # retrying cannot help; a restart with a good URL sends what is red
+        for entry, status, note in pending(self.redis, url):
+            try:
+                self.post(url, alert_payload(entry, status, note, self.settings.api_url))
+            except Exception as error:  # noqa: BLE001 - urllib's errors, http.client's, anything: retried
+                self.notices.warn("webhook", f"the alert webhook ({shown_url(url)}) did not take the {status} alert "
+                                             f"of {entry.get('repo')}: {_why(error, url)}; retrying with backoff "
+                                             f"(up to {RETRY_MAX_S:.0f} s apart)")
+                return False
+            if status == "firing":
+                told = {"url": url_hash(url), "at": time.time(),
+                        "entry": {k: entry.get(k) for k in ("model_key", "repo", "dtype")}}
+                self.redis.hset(DELIVERED, entry["model_key"], json.dumps(told))
+            else:
+                self.redis.hdel(DELIVERED, entry["model_key"])
             self.notices.cleared("webhook", "the alert webhook takes alerts again")
-        except (OSError, urllib.error.URLError, ValueError) as error:
-            self.notices.warn("webhook", f"the alert webhook ({_shown(url)}) did not take the alert: {error}")
+        return True
 
 
-def _shown(url: str) -> str:
+class Courier(threading.Thread):
+    """Delivers the prober's alerts in a thread of its own, so a webhook that is down
+    or slow never holds up the probes. Woken after every round; after a failed
+    delivery it waits :func:`retry_delay` and tries again, while its prober leads."""
+
+    def __init__(self, prober: Prober) -> None:
+        super().__init__(name="ndif-alert-courier", daemon=True)
+        self.prober = prober
+        self.wake = threading.Event()
+
+    def run(self) -> None:
+        failures = 0
+        stopping = self.prober.stopping
+        while not stopping.is_set():
+            if failures:
+                stopping.wait(retry_delay(failures))
+            else:
+                self.wake.wait(RETRY_MAX_S)
+                self.wake.clear()
+            if stopping.is_set() or not self.prober.leading:
+                failures = 0
+                continue
+            try:
+                taken = self.prober.deliver()
+            except Exception as error:  # noqa: BLE001 - Redis away, say: the courier must outlive it
+                log.error("alert delivery failed: %s", _why(error, self.prober.settings.alert_webhook_url))
+                taken = False
+            failures = 0 if taken else failures + 1
+
+
+def retry_delay(failures: int) -> float:
+    """Seconds to wait after ``failures`` failed deliveries in a row (1, 2, 4 ... at most RETRY_MAX_S)."""
+    return min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** max(0, failures - 1))
+
+
+def url_hash(url: str) -> str:
+    """Which URL took an alert, as Redis keeps it: a hash, since the URL often holds a token."""
+    return hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
+NOT_DEPLOYED = "no longer deployed"
+
+
+def pending(client: redis.Redis, url: str) -> list[tuple[dict, str, str]]:
+    """``(entry, status, note)`` of every alert the webhook at ``url`` has not taken: ``firing``
+    for a red model it was not told of, ``resolved`` for a model it was told of that is green
+    now or no longer probed. Marks left by another URL, of models not red now, are dropped:
+    that receiver is no longer ours, and this one never heard of them."""
+    token = url_hash(url)
+    current = {row["model_key"]: row for row in results(client)}
+    told = {field.decode(): json.loads(raw) for field, raw in client.hgetall(DELIVERED).items()}
+    out = []
+    for key, row in current.items():
+        if not row.get("ok") and told.get(key, {}).get("url") != token:
+            out.append((row, "firing", ""))
+    for key, mark in sorted(told.items()):
+        row = current.get(key)
+        if mark.get("url") != token:
+            if row is None or row.get("ok"):
+                client.hdel(DELIVERED, key)
+        elif row is None:
+            out.append(({**mark["entry"], "ok": True, "error": "", "at": time.time()}, "resolved", NOT_DEPLOYED))
+        elif row.get("ok"):
+            out.append((row, "resolved", ""))
+    return out
+
+
+def alert_text(entry: dict, status: str, note: str = "") -> str:
+    """One line for the log and for a chat webhook."""
+    if status == "firing":
+        return f"{ALERT}: the health probe of {entry.get('repo')} failed: {entry.get('error')}"
+    return f"{ALERT} resolved: {entry.get('repo')} {note or 'answers its probe correctly again'}"
+
+
+def alert_payload(entry: dict, status: str, note: str, farm: str) -> dict:
+    """The JSON the webhook gets (docs/monitoring.md shows one)."""
+    return {
+        "alert": ALERT, "status": status, "model": entry.get("repo"), "model_key": entry.get("model_key"),
+        "error": entry.get("error") or None, "latency_s": entry.get("latency_s"),
+        "worker": entry.get("worker"), "at": entry.get("at"), "farm": farm, "text": alert_text(entry, status, note),
+    }
+
+
+def _why(error: BaseException, url: str) -> str:
+    """What went wrong with a POST, without the URL's path, query or password: urllib
+    repeats the whole URL in some messages (an unknown scheme, a control character)."""
+    if isinstance(error, urllib.error.HTTPError):
+        return f"it answered {error.code}"
+    reason = error.reason if isinstance(error, urllib.error.URLError) else error
+    text = str(reason) or type(reason).__name__
+    if not url:
+        return text
+    try:
+        parts = urlsplit(url)
+        secrets = [url, parts.path, parts.query, parts.fragment, parts.password or "", parts.username or ""]
+    except ValueError:
+        return type(reason).__name__  # a URL urllib cannot even split: say nothing of its text
+    for secret in secrets:
+        if len(secret) > 1:
+            text = text.replace(secret, "...")
+    return text
+
+
+def shown_url(url: str) -> str:
     """The webhook's scheme and host only: its path often holds a token."""
-    from urllib.parse import urlsplit
-
-    parts = urlsplit(url)
-    return f"{parts.scheme}://{parts.hostname or ''}{':' + str(parts.port) if parts.port else ''}/..."
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "an unreadable URL"
+    return f"{parts.scheme}://{parts.hostname or ''}{':' + str(port) if port else ''}/..."

@@ -4,7 +4,8 @@ What a probe's answer must be (shape, finite, equal to its reference), and
 what the beat does with it against a real embedded Redis: the reference
 recorded by the first green probe, red and green recorded once per change,
 the webhook POSTed to a real HTTP receiver on loopback (firing, then
-resolved), the series in ``/metrics``. The answers come from a scripted
+resolved; retries and re-sends are tests/inprocess/test_alerts.py), the
+series in ``/metrics``. The answers come from a scripted
 runner here (the real one needs a farm to trace against); the real client
 process, a real farm and real corrupted weights are tests/e2e/farm/test_operations.py.
 """
@@ -92,12 +93,13 @@ def test_red_then_green_is_recorded_and_posted_once_per_change(redis_client, emb
     runner = Scripted()
     prober = _prober(embedded_settings, redis_client, receiver.url, runner)
     [first] = prober.round()
-    assert first["ok"] and receiver.received == []
+    assert prober.deliver() and first["ok"] and receiver.received == []
     assert json.loads(redis_client.hget(probes.REFERENCES, probes.reference_field(KEY, None)))["values"] == GOOD["values"]
 
     runner.next = dict(GOOD, values=[v * 3 for v in GOOD["values"]])  # the weights changed under it
     for _ in range(2):
         [red] = prober.round()
+        assert prober.deliver()
     assert not red["ok"] and red["failures"] == 2
     assert len(receiver.received) == 1, "one alert per change, not one per round"
     alert = receiver.received[0]
@@ -110,6 +112,7 @@ def test_red_then_green_is_recorded_and_posted_once_per_change(redis_client, emb
 
     runner.next = GOOD
     [green] = prober.round()
+    assert prober.deliver()
     assert green["ok"] and green["failures"] == 0
     assert [a["status"] for a in receiver.received] == ["firing", "resolved"]
     assert 'ndif_probe_ok{model="org/probed"} 1.0' in metrics.render(redis_client).decode()
@@ -121,8 +124,10 @@ def test_a_model_no_longer_served_is_forgotten_and_its_alert_resolved(redis_clie
     runner.next = {"ok": False, "error": "no answer within 5 s"}
     prober = _prober(embedded_settings, redis_client, receiver.url, runner)
     prober.round()
+    prober.deliver()
     registry.remove_deployment(redis_client, "w0", KEY)
     assert prober.round() == []
+    prober.deliver()
     assert probes.results(redis_client) == []
     assert [a["status"] for a in receiver.received] == ["firing", "resolved"]
     assert "no longer deployed" in receiver.received[1]["text"]
@@ -134,12 +139,14 @@ def test_a_webhook_that_refuses_is_logged_without_its_token(redis_client, embedd
         _serve(redis_client)
         runner = Scripted()
         runner.next = {"ok": False, "error": "boom"}
-        _prober(embedded_settings, redis_client, refusing.url, runner).round()
+        prober = _prober(embedded_settings, redis_client, refusing.url, runner)
+        prober.round()
+        assert not prober.deliver(), "not taken: the courier retries it"
         assert refusing.received and refusing.received[0]["status"] == "firing"
     finally:
         refusing.close()
     logged = [r.getMessage() for r in caplog.records if "webhook" in r.getMessage()]
-    assert logged and "did not take the alert" in logged[0] and "secret-token" not in logged[0]
+    assert logged and "did not take the firing alert" in logged[0] and "secret-token" not in logged[0]
 
 
 def test_reset_forgets_the_reference(redis_client, embedded_settings):
