@@ -8,5 +8,8 @@
 - ``hub``: one Redis pub/sub connection per process for all its websockets.
 - ``results``: downloads of results kept in the filesystem store.
 - ``dashboard``: ``/metrics`` and ``/dashboard``.
+- ``admin``: the dashboard's admin actions (deploy, evict, scale, kill, schedules), their form tokens and audit.
+- ``operators``: who the operator is (an admin key by HTTP Basic), the HTML refusal, the database handle.
+- ``charts``: the dashboard's SVG charts and the schedule's calendar, drawn on the server.
 - ``gunicorn_conf``: gunicorn's settings from the ``NDIF_*`` environment.
 """

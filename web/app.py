@@ -22,7 +22,7 @@ from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import check_shared
 
-from . import dashboard, results, routes, subscribe, uploads
+from . import admin, dashboard, results, routes, subscribe, uploads
 
 
 def refused(error: Refused):
@@ -55,6 +55,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.register_blueprint(routes.bp)
     app.register_blueprint(results.bp)
     app.register_blueprint(dashboard.bp)  # /metrics, /dashboard, and every request counted
+    app.register_blueprint(admin.bp)  # the dashboard's admin actions
     app.config.setdefault("SOCK_SERVER_OPTIONS", subscribe.SERVER_OPTIONS)
     subscribe.sock.init_app(app)
     app.before_request(subscribe.open_socket)

@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 from markupsafe import Markup
 
-WIDTH, HEIGHT = 640, 120
+WIDTH, HEIGHT = 640, 130
 PAD_LEFT, PAD_BOTTOM, PAD_TOP = 48, 18, 8
 OK_COLOUR, BAD_COLOUR, LINE_COLOUR, GRID_COLOUR = "#17702f", "#b3261e", "#1f5fbf", "#ddd"
 

@@ -27,21 +27,23 @@ import time
 import redis
 from flask import Blueprint, Response, current_app, render_template_string, request
 
-from ndif_celery.accounts import db, ledger, usage
+from ndif_celery import wire
+from ndif_celery.accounts import audit, ledger, usage
 from ndif_celery.accounts.auth import AuthError
-from ndif_celery.farm import schedules
-from ndif_celery.monitoring import metrics, probes
+from ndif_celery.farm import schedules, wanted
+from ndif_celery.monitoring import history, metrics, probes
 from ndif_celery.state import queues, registry
 
+from . import admin, charts, operators
 from .identity import identify
 
 bp = Blueprint("monitoring", __name__)
 log = logging.getLogger("ndif_celery.web")
 
 REFRESH_S = 5
+AUDIT_ROWS = 20
 RECENT_JOBS = 50
 USAGE_DAYS = 7
-REALM = 'Basic realm="ndif-celery dashboard", charset="UTF-8"'
 
 
 def _settings():
@@ -115,57 +117,13 @@ def _scraper_may_see_keys(settings) -> bool:
 # --- /dashboard ---------------------------------------------------------------------
 
 
-def _challenge(detail: str, status: int = 401) -> Response:
-    response = Response(_refusal_page(detail, status), status=status, mimetype="text/html")
-    if status == 401:
-        response.headers["WWW-Authenticate"] = REALM
-    return response
-
-
-def _refusal_page(detail: str, status: int) -> str:
-    return render_template_string(
-        "<!doctype html><title>{{ status }}</title><h1>{{ status }}</h1><p>{{ detail }}</p>",
-        status=status, detail=detail,
-    )
-
-
-def _admin_refusal():
-    """None if the caller may see the dashboard, else the answer to send.
-
-    The one place a refusal is not the app's JSON ``errors.Refused`` answer: a
-    person's browser reads this one, so it gets an HTML page and, for 401, the
-    ``WWW-Authenticate`` challenge that makes the browser ask for the key."""
-    if not _settings().auth:
-        return None
-    credentials = request.authorization
-    key = credentials.password if credentials is not None and credentials.type == "basic" else None
-    if not key:
-        return _challenge("The dashboard needs an admin API key: sign in with any user name and the key as password.")
-    try:
-        identity = identify(key)
-    except AuthError as error:
-        if error.status == 503:
-            return _challenge(error.detail, 503)
-        return _challenge(f"{error.detail} Sign in with any user name and an admin API key as password.")
-    if "admin" not in identity.tags:
-        return _challenge("This API key is not an admin key (ndif-celery keys create --admin).", 403)
-    return None
-
-
-def _ledger_engine():
-    engine = current_app.config.get("NDIF_LEDGER_ENGINE")
-    if engine is None:
-        engine = current_app.config["NDIF_LEDGER_ENGINE"] = db.engine_for(_settings().database_url)
-    return engine
-
-
 def recent_jobs(client: redis.Redis, limit: int = RECENT_JOBS) -> tuple[list[dict], str]:
     """The newest ended jobs (waiting in Redis first, then the database), and
     a note when the database could not be read."""
     rows = {row["job_id"]: row for row in ledger.waiting(client, limit)}
     note = ""
     try:
-        for row in ledger.recent(_ledger_engine(), limit=limit):
+        for row in ledger.recent(operators.ledger_engine(), limit=limit):
             rows.setdefault(row["job_id"], row)
     except Exception as error:  # noqa: BLE001 - the page still shows the rest
         current_app.config.pop("NDIF_LEDGER_ENGINE", None)
@@ -179,7 +137,7 @@ def usage_table() -> tuple[list[dict], str]:
     """Usage per key over the last USAGE_DAYS days (``ndif_celery.accounts.usage``), and a note when the database could not be read."""
     since = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=USAGE_DAYS)
     try:
-        report = usage.report(_ledger_engine(), since=since)
+        report = usage.report(operators.ledger_engine(), since=since)
     except Exception as error:  # noqa: BLE001 - the page still shows the rest
         current_app.config.pop("NDIF_LEDGER_ENGINE", None)
         return [], f"The ledger database cannot be read ({type(error).__name__})."
@@ -221,10 +179,14 @@ def _duration(seconds) -> str:
 
 def page_data(client: redis.Redis) -> dict:
     farm = registry.status_document(client, operator=True)
+    probed = {row.get("model_key"): row for row in probes.results(client)}
     deployments = []
     for entry in farm["deployments"].values():
         level = entry.get("deployment_level")
+        probe = probed.get(entry.get("model_key"))
         deployments.append({
+            # A model whose probe fails is not shown as plainly RUNNING: the probe says it answers wrong.
+            "probe": "-" if probe is None else ("ok" if probe.get("ok") else "FAILING"),
             "model": entry.get("repo_id"),
             "level": level,
             "state": entry.get("application_state") or ("-" if level == "COLD" else ""),
@@ -282,20 +244,84 @@ def page_data(client: redis.Redis) -> dict:
         outcome = field.decode().split("|", 1)[0]
         totals[outcome] = totals.get(outcome, 0) + int(count)
     return {
+        "wanted": wanted_rows(client), "history": model_history(client), "calendar": charts.calendar(
+            schedules.entries(client), time.time()),
         "deployments": deployments, "queues": waiting, "workers": workers, "jobs": recent, "ledger_note": note,
         "schedule": schedule, "probes": health, "usage": spent, "usage_note": usage_note, "usage_days": USAGE_DAYS,
         "totals": totals, "flower_url": _settings().flower_url,
         "now": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "refresh_s": REFRESH_S,
     }
+
+
+def wanted_rows(client: redis.Redis) -> list[dict]:
+    """``farm.wanted``'s rows, as the table shows them."""
+    return [{
+        **row, "over": f" (over {row['over']})" if row["over"] else "",
+        "target": "-" if row["target"] is None else row["target"],
+        "workers": ", ".join(row["running"] + [f"{w} (loading)" for w in row["loading"]]) or "-",
+        "css": {"met": "RUNNING", "loading": "DEPLOYING", "scheduled": ""}.get(row["state"], "ERROR"),
+    } for row in wanted.rows(client)]
+
+
+def model_history(client: redis.Redis) -> list[dict]:
+    """Per model: job latency (the ledger, probes left out) and probe results (the beat's
+    hourly counts), each over 24 h and 30 d, as SVG charts."""
+    now = time.time()
+    probe_owner = client.get(probes.OWNER)
+    models: dict[str, dict] = {}
+    note = ""
+    for name in history.PERIODS:
+        start, end, step = history.period(name, now)
+        try:
+            latency = history.job_latency(operators.ledger_engine(), start, end, step,
+                                          exclude_owner=probe_owner.decode() if probe_owner else None)
+        except Exception as error:  # noqa: BLE001 - the page still shows the rest
+            current_app.config.pop("NDIF_LEDGER_ENGINE", None)
+            latency, note = {}, f"The ledger database cannot be read ({type(error).__name__})."
+        for repo, rows in latency.items():
+            models.setdefault(repo, {"model": repo})[f"latency_{name}"] = charts.latency_chart(
+                [(at, p50) for at, _, _, p50 in rows], start, end, f"{repo}: job latency (p50), {name}")
+            models[repo][f"jobs_{name}"] = sum(jobs for _, jobs, _, _ in rows)
+        for model_key in history.probed_models(client):
+            repo = wire.repo_id(model_key)
+            rows = history.probe_buckets(client, model_key, start, end, step)
+            models.setdefault(repo, {"model": repo})[f"probes_{name}"] = charts.uptime_chart(
+                [(at, ok, failed) for at, ok, failed, _ in rows], start, end, step, f"{repo}: probes, {name}")
+            passed, failed = sum(r[1] for r in rows), sum(r[2] for r in rows)
+            models[repo][f"uptime_{name}"] = f"{100 * passed / (passed + failed):.1f} %" if passed + failed else "-"
+    out = [models[repo] for repo in sorted(models)]
+    if note:
+        out.insert(0, {"note": note})
+    return out
+
+
+def admin_view(client: redis.Redis, identity) -> dict:
+    """The admin forms' context: the caller's token, the action just done, the audit log."""
+    view = {"admin": identity is not None, "token": "", "said": None, "audit": [], "audit_note": ""}
+    if identity is None:
+        return view
+    view["token"] = admin.token_for(client, identity)
+    try:
+        said = request.args.get("said", "")
+        view["said"] = audit.get(operators.ledger_engine(), int(said)) if said.isdigit() else None
+        view["audit"] = audit.recent(operators.ledger_engine(), limit=AUDIT_ROWS)
+    except Exception as error:  # noqa: BLE001 - the page still shows the rest
+        current_app.config.pop("NDIF_LEDGER_ENGINE", None)
+        view["audit_note"] = f"The audit log cannot be read ({type(error).__name__})."
+    return view
 
 
 @bp.get("/dashboard")
 def dashboard():
-    refusal = _admin_refusal()
+    identity, refusal = operators.sign_in()
     if refusal is not None:
         return refusal
-    html = render_template_string(PAGE, **page_data(_redis()))
+    client = _redis()
+    view = admin_view(client, identity)
+    # A page with forms does not reload itself under the operator's typing unless asked (?refresh=5).
+    asked = request.args.get("refresh", "")
+    view["refresh_s"] = int(asked) if asked.isdigit() and 2 <= int(asked) <= 600 else (0 if view["admin"] else REFRESH_S)
+    html = render_template_string(PAGE, **{**page_data(client), **view})
     response = Response(html, mimetype="text/html")
     response.headers["Cache-Control"] = "no-store"
     return response
@@ -305,7 +331,7 @@ PAGE = """<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
-<meta http-equiv="refresh" content="{{ refresh_s }}">
+{% if refresh_s %}<meta http-equiv="refresh" content="{{ refresh_s }}">{% endif %}
 <title>ndif-celery dashboard</title>
 <style>
  body { font: 14px/1.4 system-ui, sans-serif; margin: 1.5em; color: #222; }
@@ -318,22 +344,44 @@ PAGE = """<!doctype html>
  .COLD { color: #555; } .note { background: #fff4d6; padding: .4em .6em; }
  .error { font-family: ui-monospace, monospace; font-size: 12px; max-width: 40em; overflow-wrap: anywhere; }
  nav a { margin-right: 1em; }
+ .charts td { padding: .2em .3em; } svg.chart { width: 100%; max-width: 640px; height: auto; }
+ table.calendar td { width: 14%; height: 4.2em; font-size: 12px; } table.calendar td.today { background: #eef5ff; }
+ table.calendar td.past { color: #999; } .window { display: block; background: #e3f1e6; margin: .1em 0; padding: 0 .2em; }
+ form.action { display: inline-block; border: 1px solid #ddd; padding: .5em .7em; margin: 0 .5em .5em 0; vertical-align: top; }
+ form.action h3 { font-size: 1em; margin: 0 0 .3em; } form.action input { width: 11em; }
+ form.inline { display: inline; } .said { padding: .4em .6em; } .said.done { background: #e3f1e6; }
+ .said.refused, .said.failed { background: #fbe3e1; }
 </style>
 </head>
 <body>
 <h1>ndif-celery</h1>
 <nav>{% if flower_url %}<a href="{{ flower_url }}" id="flower-link">Flower</a>{% endif %}<a href="metrics">/metrics</a><a href="status">/status</a>
-<span class="muted">{{ now }}, refreshed every {{ refresh_s }} s;
+<a href="#wanted">wanted</a><a href="#history">history</a><a href="#calendar">calendar</a>{% if admin %}<a href="#actions">actions</a><a href="#audit">audit log</a>{% endif %}
+<span class="muted">{{ now }}, {% if refresh_s %}refreshed every {{ refresh_s }} s{% else %}<a href="dashboard?refresh=5" id="auto-refresh">refresh every 5 s</a>{% endif %};
 jobs ended: {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0) }} with an error</span></nav>
+
+{% if admin and said %}<p class="said {{ said.outcome }}" id="said">{{ said.action }} {{ said.target }}: {{ said.outcome }}: {{ said.message }}</p>{% endif %}
+
+<h2>Wanted versus running</h2>
+<table id="wanted">
+<tr><th>model</th><th>source</th><th>pinned</th><th>want</th><th>running</th><th>state</th><th>workers</th><th>why not</th></tr>
+{% for w in wanted %}
+<tr><td>{{ w.model }}</td><td>{{ w.source }}{{ w.over }}</td><td>{{ "pinned" if w.pinned else "" }}</td>
+<td class="num">{{ w.target }}</td><td class="num">{{ w.running|length }}</td><td class="{{ w.css }}">{{ w.state }}</td>
+<td>{{ w.workers }}</td><td class="error">{{ w.reason or "" }}</td></tr>
+{% else %}<tr><td colspan="8" class="muted">nothing wanted, nothing running</td></tr>{% endfor %}
+</table>
 
 <h2>Deployments</h2>
 <table id="deployments">
-<tr><th>model</th><th>level</th><th>state</th><th>worker</th><th>pinned</th><th>size</th><th>load</th><th>last used</th></tr>
+<tr><th>model</th><th>level</th><th>state</th><th>probe</th><th>worker</th><th>pinned</th><th>size</th><th>load</th><th>last used</th></tr>
 {% for d in deployments %}
-<tr><td>{{ d.model }}</td><td class="{{ d.level }}">{{ d.level }}</td><td class="{{ d.state }}">{{ d.state }}</td>
+<tr><td>{{ d.model }}</td><td class="{{ d.level }}">{{ d.level }}</td>
+<td class="{{ 'ERROR' if d.probe == 'FAILING' else d.state }}">{{ d.state }}{% if d.probe == 'FAILING' %} (probe failing){% endif %}</td>
+<td class="{{ 'ERROR' if d.probe == 'FAILING' else ('COMPLETED' if d.probe == 'ok' else '') }}">{{ d.probe }}</td>
 <td>{{ d.worker }}</td><td>{{ d.pinned }}</td><td class="num">{{ d.size }}</td><td class="num">{{ d.load }}</td>
 <td>{{ d.last_used }}</td></tr>
-{% else %}<tr><td colspan="8" class="muted">no models deployed or cached</td></tr>{% endfor %}
+{% else %}<tr><td colspan="9" class="muted">no models deployed or cached</td></tr>{% endfor %}
 </table>
 
 <h2>Queues</h2>
@@ -363,6 +411,20 @@ jobs ended: {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0
 {% else %}<tr><td colspan="6" class="muted">no probe results (NDIF_PROBE_INTERVAL_S is 0, or nothing is deployed)</td></tr>{% endfor %}
 </table>
 
+<h2>History</h2>
+<table id="history" class="charts">
+<tr><th>model</th><th>period</th><th>job latency (p50 per bucket)</th><th>probes (passed, failed)</th></tr>
+{% for h in history %}
+{% if h.note %}<tr><td colspan="4" class="note">{{ h.note }}</td></tr>{% else %}
+{% for period in ("24h", "30d") %}
+<tr data-model="{{ h.model }}" data-period="{{ period }}"><td>{{ h.model }}</td>
+<td>{{ "24 h, hourly" if period == "24h" else "30 d, daily" }}<br><span class="muted">jobs: {{ h.get("jobs_" + period, 0) }};
+probes passed: {{ h.get("uptime_" + period, "-") }}</span></td>
+<td>{{ h.get("latency_" + period, "") }}</td><td>{{ h.get("probes_" + period, "") }}</td></tr>
+{% endfor %}{% endif %}
+{% else %}<tr><td colspan="4" class="muted">no jobs or probes yet</td></tr>{% endfor %}
+</table>
+
 <h2>Scheduled pins</h2>
 <table id="schedule">
 <tr><th>id</th><th>model</th><th>from (UTC)</th><th>to (UTC)</th><th>replicas</th><th>state</th></tr>
@@ -370,6 +432,13 @@ jobs ended: {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0
 <tr><td>{{ w.id }}</td><td>{{ w.model }}</td><td>{{ w.start }}</td><td>{{ w.end }}</td><td class="num">{{ w.replicas }}</td>
 <td class="{{ 'RUNNING' if w.state == 'active' else '' }}">{{ w.state }}</td></tr>
 {% else %}<tr><td colspan="6" class="muted">no scheduled pins</td></tr>{% endfor %}
+</table>
+<table id="calendar" class="calendar">
+<tr><th>Mon</th><th>Tue</th><th>Wed</th><th>Thu</th><th>Fri</th><th>Sat</th><th>Sun</th></tr>
+{% for week in calendar %}<tr>{% for day in week %}
+<td class="{{ 'today' if day.today else '' }} {{ 'past' if day.past else '' }}" data-date="{{ day.date }}"><b>{{ day.day }}</b>
+{% for w in day.windows %}<span class="window" title="{{ w.id }}">{{ w.hours }} {{ w.model }}</span>{% endfor %}</td>
+{% endfor %}</tr>{% endfor %}
 </table>
 
 <h2>Usage, last {{ usage_days }} days</h2>
@@ -394,6 +463,40 @@ jobs ended: {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0
 <td class="num">{{ j.duration }}</td><td>{{ j.worker }}</td><td class="error">{{ j.error }}</td></tr>
 {% else %}<tr><td colspan="8" class="muted">no jobs yet</td></tr>{% endfor %}
 </table>
+
+<h2 id="actions">Admin actions</h2>
+{% if admin %}
+{% set csrf %}<input type="hidden" name="csrf" value="{{ token }}">{% endset %}
+<form class="action" id="deploy" method="post" action="dashboard/actions/deploy"><h3>Deploy</h3>{{ csrf }}
+<label>model <input name="model" required></label><br><label>replicas <input name="replicas" value="1"></label><br>
+<label>dtype <input name="dtype" placeholder="the checkpoint's"></label><br><label><input type="checkbox" name="pin" value="1" style="width:auto"> pin</label>
+<button type="submit">deploy</button></form>
+<form class="action" id="scale" method="post" action="dashboard/actions/scale"><h3>Scale</h3>{{ csrf }}
+<label>model <input name="model" required></label><br><label>replicas <input name="replicas" value="1"></label>
+<button type="submit">scale</button></form>
+<form class="action" id="evict" method="post" action="dashboard/actions/evict"><h3>Evict</h3>{{ csrf }}
+<label>model <input name="model" required></label> <button type="submit">evict</button></form>
+<form class="action" id="kill" method="post" action="dashboard/actions/kill"><h3>Kill a job</h3>{{ csrf }}
+<label>job id <input name="job_id" required></label> <button type="submit">kill</button></form>
+<form class="action" id="schedule-add" method="post" action="dashboard/actions/schedule-add"><h3>Schedule a pin</h3>{{ csrf }}
+<label>model <input name="model" required></label><br><label>from <input name="start" value="now"></label><br>
+<label>to <input name="end" placeholder="+2h or 2026-12-24T09:00"></label><br><label>replicas <input name="replicas" value="1"></label>
+<button type="submit">schedule</button></form>
+<form class="action" id="schedule-remove" method="post" action="dashboard/actions/schedule-remove"><h3>Remove a window</h3>{{ csrf }}
+<label>id <input name="id" required></label> <button type="submit">remove</button></form>
+
+<h2>Audit log</h2>
+{% if audit_note %}<p class="note">{{ audit_note }}</p>{% endif %}
+<table id="audit">
+<tr><th>when (UTC)</th><th>who</th><th>action</th><th>on</th><th>outcome</th><th>message</th></tr>
+{% for a in audit %}
+<tr><td>{{ a.at[:19].replace("T", " ") }}</td><td>{{ a.email or a.actor }}</td><td>{{ a.action }}</td><td>{{ a.target }}</td>
+<td class="{{ 'COMPLETED' if a.outcome == 'done' else 'ERROR' }}">{{ a.outcome }}</td><td class="error">{{ a.message }}</td></tr>
+{% else %}<tr><td colspan="6" class="muted">no admin actions yet</td></tr>{% endfor %}
+</table>
+{% else %}
+<p class="muted" id="read-only">Read-only: admin actions need NDIF_AUTH=1 and an API key tagged admin.</p>
+{% endif %}
 </body>
 </html>
 """

@@ -8,7 +8,7 @@
 - :mod:`ndif_celery.cli.farm`: the farm, from any host that reaches its broker
   (``deploy``, ``scale``, ``evict``, ``queue``, ``kill``, ``jobs``,
   ``deployments``, ``export``);
-- :mod:`ndif_celery.cli.ops`: operations over time (``schedule``, ``usage``, ``probes``);
+- :mod:`ndif_celery.cli.ops`: operations over time (``schedule``, ``usage``, ``probes``, ``audit``);
 - :mod:`ndif_celery.cli.keys`: ``keys create|list|revoke``;
 - :mod:`ndif_celery.cli.common`: the settings and listing helpers they share, nothing heavy.
 
@@ -29,7 +29,7 @@ import click
 
 # Command name -> the module that defines it; any other name is host's.
 _ELSEWHERE = {"deploy": "farm", "scale": "farm", "evict": "farm", "queue": "farm", "kill": "farm",
-              "jobs": "farm", "deployments": "farm", "export": "farm", "schedule": "ops", "usage": "ops", "probes": "ops",
+              "jobs": "farm", "deployments": "farm", "export": "farm", "schedule": "ops", "usage": "ops", "probes": "ops", "audit": "ops",
               "keys": "keys", "version": "checks", "doctor": "checks"}
 
 

@@ -134,4 +134,32 @@ def _probe_line(row: dict) -> str:
     return f"{row['repo'][:40]:<40} {schedules.iso(row['at'])}  {latency:>9}  {state}"
 
 
-COMMANDS = [schedule, usage, probes]
+@click.command("audit")
+@click.option("--since", default=None, help="Only actions since: 30m, 1h, 2d, 1w or an ISO date/time.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
+def audit_command(since: Optional[str], limit: int, as_json: bool) -> None:
+    """The dashboard's admin actions, newest first: who, what, and how each ended."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from ndif_celery.accounts import audit, db, ledger
+
+    current = settings()
+    try:
+        since_at = ledger.parse_since(since) if since else None
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        rows = audit.recent(db.engine_for(current.database_url), limit=limit, since=since_at)
+    except SQLAlchemyError as exc:
+        raise click.ClickException(f"cannot read the database (NDIF_DATABASE_URL): {type(exc).__name__}") from None
+    echo_rows(rows, as_json, _audit_line, empty="no admin actions recorded")
+
+
+def _audit_line(row: dict) -> str:
+    who = row["email"] or row["actor"]
+    return (f"{row['at'][:19]}  {who[:28]:<28} {row['action']:<16} {row['target'][:40]:<40} "
+            f"{row['outcome']:<8} {row['message']}")
+
+
+COMMANDS = [schedule, usage, probes, audit_command]

@@ -61,6 +61,8 @@ from ndif_celery.notices import Notices
 from ndif_celery.policy import models as model_policy
 from ndif_celery.state import jobs, registry
 
+from . import history
+
 log = logging.getLogger("ndif_celery.probes")
 
 LEADER = "ndif:probes:leader"
@@ -303,6 +305,7 @@ class Prober(threading.Thread):
         pipe.hset(PROBES, model_key, json.dumps(entry))
         pipe.hincrby(RUNS, f"{repo}|{'ok' if ok else 'failed'}", 1)
         pipe.execute()
+        history.record_probe(self.redis, model_key, ok, entry["latency_s"], entry["at"])  # the dashboard's charts
         # The log says each change; the webhook hears of it from the courier (deliver).
         if not ok and (previous is None or previous.get("ok")):
             log.warning("%s", alert_text(entry, "firing"))

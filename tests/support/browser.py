@@ -173,6 +173,40 @@ class Chromium:
             ".map(r => Array.from(r.cells).map(c => c.innerText.trim()))"
         )
 
+    def fill(self, form: str, **fields: Any) -> None:
+        """Type into the form ``form`` (a selector): text by ``name``, True/False for a checkbox."""
+        for name, value in fields.items():
+            found = self.evaluate(
+                f"(f => {{ const e = f && f.elements[{json.dumps(name)}]; if (!e) return false;"
+                f" if (e.type === 'checkbox') e.checked = {json.dumps(bool(value))};"
+                f" else e.value = {json.dumps('' if value is None else str(value))}; return true; }})"
+                f"(document.querySelector({json.dumps(form)}))")
+            if not found:
+                raise BrowserError(f"no field {name!r} in {form!r}")
+
+    def submit(self, form: str, timeout_s: float = 30.0) -> None:
+        """Press the submit button of ``form`` as a person would, and wait for the answer's page."""
+        self.evaluate("window.__before_submit = true")
+        clicked = self.evaluate(
+            f"(f => {{ if (!f) return false; const b = f.querySelector('[type=submit]');"
+            f" if (b) b.click(); else f.requestSubmit(); return true; }})(document.querySelector({json.dumps(form)}))")
+        if not clicked:
+            raise BrowserError(f"nothing on the page matches {form!r}")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.evaluate("window.__before_submit === undefined && document.readyState === 'complete'"):
+                    return
+            except BrowserError:
+                pass  # between two documents
+            if time.monotonic() > deadline:
+                raise BrowserError(f"submitting {form!r}: no new page within {timeout_s:.0f} s")
+            time.sleep(0.05)
+
+    def status(self) -> Optional[int]:
+        """The HTTP status of the page now shown (its navigation entry)."""
+        return self.evaluate("(performance.getEntriesByType('navigation')[0] || {}).responseStatus")
+
     def screenshot(self, path: Path) -> Path:
         data = self.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"]
         path = Path(path)

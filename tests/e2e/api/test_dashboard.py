@@ -72,7 +72,7 @@ def test_the_dashboard_shows_the_farm_and_recent_jobs(chromium, on_fs_stack, mod
     assert chromium.evaluate("document.title") == "ndif-celery dashboard"
 
     deployment = _row_with(chromium.rows("#deployments"), REPO_ID)
-    assert deployment[1:4] == ["HOT", "RUNNING", worker], deployment
+    assert deployment[1:5] == ["HOT", "RUNNING", "-", worker], deployment  # no probes on this farm: "-"
 
     queue = _row_with(chromium.rows("#queues"), REPO_ID)
     assert queue[1] == "0" and queue[2].endswith(" s"), queue
