@@ -221,8 +221,10 @@ def test_scale_adds_and_removes_replicas(ops):
     _cli(stack, "scale", A, "2")
     assert {e["worker"] for e in _running(stack, A, replicas=2)} == {W0, W1}
     out = _cli(stack, "scale", A, "1").stdout
-    assert "evicting the replicas on" in out
-    assert len(_running(stack, A)) == 1
+    evicted = out.split("evicting the replicas on ")[1].splitlines()[0]
+    [kept] = _running(stack, A)
+    assert evicted in (W0, W1) and kept["worker"] != evicted
+    assert f"{A}: 1 replica(s), on {kept['worker']}" in out, "the confirmation names the worker that keeps it"
 
 
 # --- scheduled pins -----------------------------------------------------------------------
