@@ -1,4 +1,4 @@
-"""The ``ndif-celery`` command: one click group, its commands in five modules.
+"""The ``ndif-celery`` command: one click group, its commands in six modules.
 
 - :mod:`ndif_celery.cli.host`: this host's stack and services (``up``,
   ``down``, ``status``, ``logs``, and ``web``, ``worker``, ``beat``,
@@ -10,6 +10,7 @@
   ``deployments``, ``export``);
 - :mod:`ndif_celery.cli.ops`: operations over time (``schedule``, ``usage``, ``probes``, ``audit``);
 - :mod:`ndif_celery.cli.keys`: ``keys create|list|revoke``;
+- :mod:`ndif_celery.cli.runtimes`: ``runtime add|list|remove``, this host's other nnsight versions;
 - :mod:`ndif_celery.cli.common`: the settings and listing helpers they share, nothing heavy.
 
 ``python -m ndif_celery.cli`` is the same command (the tests and the stack
@@ -29,8 +30,9 @@ import click
 
 # Command name -> the module that defines it; any other name is host's.
 _ELSEWHERE = {"deploy": "farm", "scale": "farm", "evict": "farm", "queue": "farm", "kill": "farm",
-              "jobs": "farm", "deployments": "farm", "export": "farm", "schedule": "ops", "usage": "ops", "probes": "ops", "audit": "ops",
-              "keys": "keys", "version": "checks", "doctor": "checks"}
+              "jobs": "farm", "deployments": "farm", "export": "farm",
+              "schedule": "ops", "usage": "ops", "probes": "ops", "audit": "ops",
+              "keys": "keys", "runtime": "runtimes", "version": "checks", "doctor": "checks"}
 
 
 def _commands(module: str) -> list:
@@ -42,7 +44,7 @@ class _LazyGroup(click.Group):
     """A click group that imports one command's module when it is invoked."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
-        for module in ("host", "checks", "farm", "ops", "keys"):
+        for module in ("host", "checks", "farm", "ops", "keys", "runtimes"):
             self._load(module)
         return super().list_commands(ctx)
 

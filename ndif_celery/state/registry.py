@@ -267,6 +267,8 @@ def status_document(client: redis.Redis, operator: bool = False) -> dict:
             "application_state": entry["state"],
             "worker": entry["worker"],
             "pinned": bool(wishes.get(key, {}).get("pinned")),
+            # nnsight 0.5-0.7's status() reads it (and fails without it); 0.8 ignores it.
+            "dedicated": True,
             "size_bytes": entry.get("size_bytes"),
             "dtype": entry.get("dtype"),
             "loaded_at": entry.get("loaded_at"),
