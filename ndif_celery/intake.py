@@ -9,8 +9,11 @@ refused for the first, as on NDIF (a bad envelope before an old client):
              -> limits -> turn -> park (QUEUED, the Celery message at its turn) -> controller
 
 Before any of this the web has checked what the headers tell (the key, the
-body's size, the key's rate and concurrency, room to read the body:
-``web/uploads.py``), so a request refused there is never read.
+client's nnsight against the versions the farm runs, :func:`check_runtime`;
+the body's size, the key's rate and concurrency, room to read the body:
+``web/uploads.py``), so a request refused there is never read. The runtime
+comes before the envelope because another client version sends another
+body: a 0.7 client gets the sentence about versions, not one about form fields.
 
 Every refusal raises ``errors.Refused`` (or a subclass) before anything is
 written, so a refused request leaves nothing in Redis (tests/inprocess/test_intake.py).
@@ -92,6 +95,14 @@ def accept(
     if job.model_key not in offer.serving:
         registry.wake_controller_once(client, queue)
     return job
+
+
+def check_runtime(client: redis.Redis, headers: Mapping[str, str]) -> None:
+    """Before the body is read: the client's nnsight is one this farm runs
+    (``policy.client_versions``); the live workers are read only for a version
+    other than the farm's own."""
+    versions.check_runtime(headers.get(versions.NNSIGHT_HEADER), versions.MAIN,
+                           lambda: versions.served(registry.live_workers(client), versions.MAIN))
 
 
 def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.Identity,

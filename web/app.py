@@ -22,7 +22,7 @@ from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import check_shared
 
-from . import admin, dashboard, results, routes, subscribe, uploads
+from . import admin, dashboard, results, routes, sio, subscribe, uploads
 
 
 def refused(error: Refused):
@@ -62,6 +62,8 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.teardown_request(subscribe.close_socket)
 
     app.register_error_handler(Refused, refused)
+    # nnsight 0.6/0.7 clients open a Socket.IO socket before they POST: accepted, so they read the refusal.
+    app.wsgi_app = sio.wrap(app.wsgi_app, settings.web_worker_class)
 
     @app.errorhandler(413)
     def too_large(error):

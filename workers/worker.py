@@ -307,6 +307,7 @@ class WorkerState:
         """Import the heavy stack, register, start the heartbeat and the controller."""
         settings = self.settings
         self.check_store()
+        import nnsight
         import nnsight.modeling.transformers  # noqa: F401 - now, not during the first job
 
         if settings.torch_threads:
@@ -317,6 +318,7 @@ class WorkerState:
             memory_bytes=memory.budget_bytes(settings),
             cached=memory.cached_repos(settings),
             started_at=time.time(),
+            nnsight=nnsight.__version__,  # the client version it serves (policy.client_versions)
         )
         self.info["metrics_port"] = metrics.start(
             settings.worker_metrics_host, settings.worker_metrics_port, lambda: len(self.models.keys())

@@ -33,6 +33,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Optional
 
+from ndif_celery.policy import client_versions
+
 FOLDER = "runtimes"
 RECORD = "runtime.json"
 #: What the farm holds the runtime to: the same tensors, from the same wheels.
@@ -68,7 +70,7 @@ class Runtime:
 
 def main_version() -> str:
     """The farm's own nnsight: the runtime every worker has without an add."""
-    return metadata.version("nnsight")
+    return client_versions.MAIN
 
 
 def check_version(version: str) -> str:

@@ -1,4 +1,4 @@
-"""The client version gate: ``NDIF_MIN_NNSIGHT_VERSION`` and ``NDIF_MIN_PYTHON_VERSION``.
+"""The client version gates: the runtimes served, ``NDIF_MIN_NNSIGHT_VERSION`` and ``NDIF_MIN_PYTHON_VERSION``.
 
 The nnsight client stamps every ``POST /request`` with the headers
 ``nnsight-version`` (its installed version, or ``""`` when nnsight runs from a
@@ -14,13 +14,16 @@ Torch-free: the web imports this.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from importlib import metadata
+from typing import Callable, Optional
 
 from packaging.version import InvalidVersion, Version
 
 from ndif_celery.errors import Refused
 
 NNSIGHT_HEADER = "nnsight-version"
+#: The farm's own nnsight, the one this package is installed with: every worker runs it but a runtime's.
+MAIN = metadata.version("nnsight")
 PYTHON_HEADER = "python-version"
 
 _MAJOR_MINOR = re.compile(r"^\s*(\d+)\.(\d+)")
@@ -90,6 +93,39 @@ def check_python(client_version: Optional[str], minimum: str) -> None:
         raise VersionRefused(
             f"Client python version {major_minor} is below the minimum supported {minimum}. Please update python."
         )
+
+
+def served(workers: dict, main: str) -> set:
+    """The nnsight versions the farm runs: its own, and each live worker's
+    (``nnsight`` in its registry entry: a worker of another runtime)."""
+    return {main} | {info["nnsight"] for info in workers.values() if info.get("nnsight")}
+
+
+def check_runtime(client_version: Optional[str], main: str, served_now: Callable[[], set]) -> None:
+    """A request runs only under its client's own nnsight: the farm's (``main``),
+    or a version a live worker serves (``served_now``, read only for another
+    version). A client from a source tree sends ``""``: taken as the farm's.
+    The refusal names the client's version and the versions served, in the
+    ``detail`` every client shows."""
+    if not client_version or client_version == main:
+        return
+    versions = served_now()
+    if client_version in versions:
+        return
+    listed = ", ".join(sorted(versions, key=_order))
+    raise VersionRefused(
+        f"This farm does not serve nnsight {client_version}: a request runs only under the client's own "
+        f"nnsight version, and this farm serves nnsight {listed}. Install one of those "
+        f"(`pip install nnsight=={sorted(versions, key=_order)[-1]}`), or ask the farm's operator to add "
+        f"{client_version} (`ndif-celery runtime add {client_version}`)."
+    )
+
+
+def _order(version: str):
+    try:
+        return (0, Version(version))
+    except InvalidVersion:
+        return (1, Version("0"))
 
 
 def check_client(headers, min_nnsight: str, min_python: str) -> None:

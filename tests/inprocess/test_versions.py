@@ -8,11 +8,13 @@ from __future__ import annotations
 import io
 import json
 import sys
+import time
 
 import pytest
 
 from ndif_celery import config
 from ndif_celery.policy import client_versions as versions
+from ndif_celery.state import registry
 from tests.support.servers import free_port
 
 NOT_PROVIDED = (
@@ -154,7 +156,9 @@ def test_web_refuses_before_touching_anything(tmp_path):
                                              "Please `pip install --upgrade nnsight`."}
     response = _submit(client, {"python-version": sys.version})
     assert response.status_code == 400 and response.get_json()["detail"] == NOT_PROVIDED
-    response = _submit(client, {"nnsight-version": "0.9.0", "python-version": PY39})
+    # The farm's own nnsight (another version meets the runtime gate first, which may read Redis).
+    response = _submit(_web(tmp_path, NDIF_MIN_PYTHON_VERSION="3.10"),
+                       {"nnsight-version": versions.MAIN, "python-version": PY39})
     assert response.status_code == 400
     assert response.get_json()["detail"] == "Client python version 3.9 is below the minimum supported 3.10. Please update python."
 
@@ -167,3 +171,35 @@ def test_web_without_minimums_lets_any_client_through(tmp_path):
 
 
 # -- the real client against real stacks --
+
+
+# -- the runtimes served --
+
+
+def test_another_version_is_refused_naming_it_and_the_versions_served():
+    said = refusal(versions.check_runtime, "0.7.0", "0.8.1", lambda: {"0.8.1", "0.6.3"})
+    assert said == ("This farm does not serve nnsight 0.7.0: a request runs only under the client's own nnsight "
+                    "version, and this farm serves nnsight 0.6.3, 0.8.1. Install one of those "
+                    "(`pip install nnsight==0.8.1`), or ask the farm's operator to add 0.7.0 "
+                    "(`ndif-celery runtime add 0.7.0`).")
+    asked = []
+    versions.check_runtime("0.8.1", "0.8.1", lambda: asked.append(1) or set())
+    versions.check_runtime("", "0.8.1", lambda: asked.append(1) or set())
+    assert asked == [], "the farm's own version (or a source tree's empty one) reads nothing"
+    versions.check_runtime("0.6.3", "0.8.1", lambda: {"0.8.1", "0.6.3"})
+
+
+def test_the_versions_served_are_the_farms_and_each_live_workers(redis_client, embedded_settings):
+    from web.app import create_app
+
+    web = create_app(embedded_settings).test_client()
+    headers = {"nnsight-version": "0.7.0", "python-version": sys.version}
+    response = _submit(web, headers)
+    assert response.status_code == 400
+    assert response.get_json()["detail"].startswith(
+        f"This farm does not serve nnsight 0.7.0: a request runs only under the client's own nnsight version, "
+        f"and this farm serves nnsight {versions.MAIN}.")
+    registry.register_worker(redis_client, {"name": "w7", "pid": 1, "nnsight": "0.7.0", "last_seen": time.time()})
+    assert versions.served(registry.live_workers(redis_client), versions.MAIN) == {versions.MAIN, "0.7.0"}
+    response = _submit(web, headers)
+    assert response.status_code != 400 or "does not serve" not in response.get_json()["detail"], response.get_json()

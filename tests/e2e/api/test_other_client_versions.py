@@ -1,0 +1,68 @@
+"""Real nnsight clients of other versions (0.6.3 and 0.7.0, each in its own
+environment made from the package index) against a farm that serves only its
+own nnsight: each is refused with a sentence naming its version and the
+versions served, shown by that client, blocking (after its Socket.IO socket
+was accepted) and not; and ``nnsight.status()`` works from each."""
+
+from __future__ import annotations
+
+import pytest
+
+from ndif_celery.policy import client_versions
+from tests.support import client_envs
+from tests.support.tiny_model import PROMPT, REPO_ID
+
+OLD = ("0.6.3", "0.7.0")
+
+TRACE = """
+import json, sys
+import nnsight
+from nnsight import CONFIG, LanguageModel
+from nnsight.modeling import huggingface
+CONFIG.API.HOST = sys.argv[1]
+# These clients ask the hub for the repo's canonical id; the hub is out of reach here, and the id is the repo's.
+huggingface.ID_CACHE[sys.argv[2]] = sys.argv[2]
+model = LanguageModel(sys.argv[2])
+try:
+    with model.trace(sys.argv[3], remote=True, blocking=sys.argv[4] == "blocking"):
+        out = model.transformer.h[0].output.save()
+    print(json.dumps({"version": nnsight.__version__, "ran": True}))
+except BaseException as error:
+    print(json.dumps({"version": nnsight.__version__, "error": type(error).__name__, "said": str(error)}))
+"""
+
+STATUS = """
+import json, sys
+import nnsight
+from nnsight import CONFIG
+CONFIG.API.HOST = sys.argv[1]
+print(json.dumps({"version": nnsight.__version__, "status": nnsight.status()}, default=str))
+"""
+
+
+@pytest.fixture(scope="module", params=OLD)
+def client(request, tmp_path_factory):
+    return request.param, client_envs.make(tmp_path_factory.mktemp("clients"), request.param)
+
+
+@pytest.mark.parametrize("mode", ["blocking", "non-blocking"])
+def test_a_client_version_the_farm_does_not_serve_reads_why(client, fs_stack, mode):
+    version, python = client
+    said = client_envs.run(python, TRACE, fs_stack.url, REPO_ID, PROMPT, mode)
+    assert said["version"] == version and "ran" not in said, said
+    assert said["error"] == "ConnectionError", said
+    assert said["said"] == (
+        f"This farm does not serve nnsight {version}: a request runs only under the client's own nnsight version, "
+        f"and this farm serves nnsight {client_versions.MAIN}. Install one of those "
+        f"(`pip install nnsight=={client_versions.MAIN}`), or ask the farm's operator to add {version} "
+        f"(`ndif-celery runtime add {version}`).")
+
+
+def test_nnsight_status_works_from_the_older_client(client, on_fs_stack, model):
+    with model.trace(PROMPT, remote=True):  # the farm's own client: the model is deployed
+        model.transformer.h[0].output.save()
+    version, python = client
+    said = client_envs.run(python, STATUS, on_fs_stack.url)
+    assert said["version"] == version
+    [entry] = [entry for name, entry in said["status"].items() if REPO_ID in name]
+    assert "RUNNING" in str(entry), said
