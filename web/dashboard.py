@@ -117,13 +117,14 @@ def _scraper_may_see_keys(settings) -> bool:
 # --- /dashboard ---------------------------------------------------------------------
 
 
-def recent_jobs(client: redis.Redis, limit: int = RECENT_JOBS) -> tuple[list[dict], str]:
+def recent_jobs(client: redis.Redis, limit: int = RECENT_JOBS, probes: bool = False) -> tuple[list[dict], str]:
     """The newest ended jobs (waiting in Redis first, then the database), and
-    a note when the database could not be read."""
-    rows = {row["job_id"]: row for row in ledger.waiting(client, limit)}
+    a note when the database could not be read. The health probes' jobs only
+    with ``probes`` (``?probes=1``): a probe every few seconds buries the users'."""
+    rows = {row["job_id"]: row for row in ledger.waiting(client, limit, probes=probes)}
     note = ""
     try:
-        for row in ledger.recent(operators.ledger_engine(), limit=limit):
+        for row in ledger.recent(operators.ledger_engine(), limit=limit, probes=probes):
             rows.setdefault(row["job_id"], row)
     except Exception as error:  # noqa: BLE001 - the page still shows the rest
         current_app.config.pop("NDIF_LEDGER_ENGINE", None)
@@ -226,7 +227,8 @@ def page_data(client: redis.Redis) -> dict:
         "error": row.get("error") or "",
     } for row in probes.results(client)]
     spent, usage_note = usage_table()
-    jobs, note = recent_jobs(client)
+    with_probes = request.args.get("probes") == "1"
+    jobs, note = recent_jobs(client, probes=with_probes)
     recent = [{
         "finished": _clock(row.get("finished_at")),
         "job_id": row["job_id"],
@@ -247,6 +249,7 @@ def page_data(client: redis.Redis) -> dict:
         "wanted": wanted_rows(client), "history": model_history(client), "calendar": charts.calendar(
             schedules.entries(client), time.time()),
         "deployments": deployments, "queues": waiting, "workers": workers, "jobs": recent, "ledger_note": note,
+        "with_probes": with_probes,
         "schedule": schedule, "probes": health, "usage": spent, "usage_note": usage_note, "usage_days": USAGE_DAYS,
         "totals": totals, "flower_url": _settings().flower_url,
         "now": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
@@ -453,6 +456,8 @@ probes passed: {{ h.get("uptime_" + period, "-") }}</span></td>
 </table>
 
 <h2>Recent jobs</h2>
+<p class="muted" id="jobs-probes">{% if with_probes %}With the health probes' jobs (<a href="dashboard">leave them out</a>).
+{% else %}The health probes' jobs are left out (<a href="dashboard?probes=1">show them</a>).{% endif %}</p>
 {% if ledger_note %}<p class="note">{{ ledger_note }}</p>{% endif %}
 <table id="jobs">
 <tr><th>finished (UTC)</th><th>job</th><th>user</th><th>model</th><th>status</th><th>duration</th><th>worker</th><th>error</th></tr>

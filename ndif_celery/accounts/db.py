@@ -84,6 +84,9 @@ class LedgerEntry(Base):
     result_bytes: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
     # GPUs of the worker that ran it (0: a CPU worker), for GPU-seconds (``ndif_celery.accounts.usage``).
     devices: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    # A health probe's job (its owner was the probe key's, ``NDIF_PROBE_API_KEY``): left out of
+    # ``jobs``, ``usage`` and the dashboard unless asked for. NULL: written before the column was.
+    probe: Mapped[Optional[bool]] = mapped_column(Boolean, nullable=True)
 
 
 class AuditEntry(Base):
@@ -123,7 +126,7 @@ def engine_for(url: str) -> Engine:
 
 
 # Columns added to a table after it first shipped: create_all makes missing tables, not columns.
-_ADDED_COLUMNS = {"job_ledger": {"devices": "INTEGER"}}
+_ADDED_COLUMNS = {"job_ledger": {"devices": "INTEGER", "probe": "BOOLEAN"}}
 
 
 def _add_columns(engine: Engine) -> None:

@@ -12,13 +12,23 @@ is offered. While the database is unreachable the summaries stay in Redis
 ``ndif-celery jobs`` and the dashboard read the table (:func:`recent`); both
 also see summaries still waiting in Redis.
 
+Health probes (``ndif_celery.monitoring.probes``) run a real job every few
+seconds per model, and would bury the users' jobs. A row is marked ``probe``
+when it is written: its owner is the probe key's, as the web recorded it in
+Redis (:data:`PROBE_OWNER`). ``jobs``, ``usage`` and the dashboard leave
+those rows out unless asked (``--probes``). Rows written before the column
+existed are marked once, by the controller's drainer, when it first knows
+the probe's owner (:func:`mark_probes`).
+
 Error kinds (``error_kind``, also the ``kind`` label of ``ndif_jobs_total``):
 ``user`` (the user's code or request failed), ``timeout`` (execution
 deadline), ``cancelled`` (``ndif-celery kill``), ``store`` (the result store
 was unavailable), ``server`` (a fault of ours), ``deploy`` (the model could not
-be placed or loaded), ``worker_lost`` (its worker died twice).
+be placed or loaded), ``worker_lost`` (its worker died twice), and ``error``:
+an ERROR sent without a kind. No path of the farm's does that; a count
+above 0 names one to fix.
 
-About 400 lines in one file on purpose: the summary a job leaves, its way
+About 480 lines in one file on purpose: the summary a job leaves, its way
 into the table and its way back out (``jobs``, the dashboard) share one row
 shape, and a change to a column touches all three.
 """
@@ -39,6 +49,10 @@ from ndif_celery import wire
 from . import usage
 
 PENDING = "ndif:ledger"
+# The probe key's job owner (key:<id>), written by the web for every probe it
+# takes. The same key as ``ndif_celery.monitoring.probes.OWNER``, named here
+# because the ledger sits below monitoring (tools/import_graph.py).
+PROBE_OWNER = "ndif:probes:owner"
 LOCK = "ndif:ledger:lock"
 MAX_PENDING = 100_000
 BATCH = 500
@@ -126,7 +140,15 @@ def _row(entry: dict, emails: dict) -> dict:
         "payload_bytes": entry.get("payload_bytes"),
         "result_bytes": entry.get("result_bytes"),
         "devices": entry.get("devices") if isinstance(entry.get("devices"), int) else None,
+        "probe": bool(entry.get("probe")),
     }
+
+
+def probe_owner(client: redis.Redis) -> Optional[str]:
+    """The health probe's job owner (``key:<id>``), or None when no probe was
+    taken with auth on in the last day (with auth off everyone is anonymous)."""
+    raw = client.get(PROBE_OWNER)
+    return raw.decode() if raw else None
 
 
 def _devices(client: redis.Redis, entries: list[dict]) -> None:
@@ -244,6 +266,9 @@ def drain(client: redis.Redis, engine, batch: int = BATCH, wait_s: float = 0.0, 
                     entries.append(entry)
             if entries:
                 _devices(client, entries)
+                owner = probe_owner(client)
+                for entry in entries:
+                    entry["probe"] = owner is not None and entry.get("owner") == owner
                 _insert_or_skip(engine, entries)
             pipe = client.pipeline()
             usage.count(pipe, entries)  # the per-key series of /metrics, once per job written
@@ -274,6 +299,7 @@ class Drainer:
         self.down_since: Optional[float] = None
         self.failures = 0
         self.next_try = 0.0
+        self.probes_marked = False
 
     def __call__(self, client: redis.Redis) -> int:
         from sqlalchemy.exc import SQLAlchemyError
@@ -287,6 +313,10 @@ class Drainer:
             if self.engine is None:
                 self.engine = db.engine_for(self.database_url)
             written = drain(client, self.engine)
+            owner = None if self.probes_marked else probe_owner(client)
+            if owner:
+                mark_probes(self.engine, owner)
+                self.probes_marked = True
         except (SQLAlchemyError, OSError) as error:
             self.failures += 1
             self.next_try = now + min(MAX_BACKOFF_S, 0.5 * 2 ** self.failures)
@@ -305,6 +335,21 @@ class Drainer:
         # farm's controller (which shares its process with a job) stays light.
         self.next_try = now + EVERY_S
         return written
+
+
+def mark_probes(engine, owner: str) -> int:
+    """Mark the rows written before the ``probe`` column existed (NULL there):
+    a probe's when ``owner`` (the probe key's) ran it. Once per drainer: later
+    rows are marked as they are written. Returns how many rows were marked."""
+    from sqlalchemy import update
+    from sqlalchemy.orm import Session
+
+    from .db import LedgerEntry
+
+    with Session(engine) as session, session.begin():
+        result = session.execute(update(LedgerEntry).where(LedgerEntry.probe.is_(None))
+                                 .values(probe=LedgerEntry.owner == owner))
+        return result.rowcount or 0
 
 
 def prune(engine, retention_days: float, now: Optional[datetime.datetime] = None) -> int:
@@ -371,6 +416,7 @@ def as_dict(row) -> dict:
         "finished_at": _iso(row.finished_at), "duration_s": _seconds(row.received_at, row.finished_at),
         **{key: getattr(row, key) for key in _TIMINGS},
         "payload_bytes": row.payload_bytes, "result_bytes": row.result_bytes, "devices": row.devices,
+        "probe": bool(row.probe),
     }
 
 
@@ -379,9 +425,9 @@ def _matches_user(user: Optional[str], email: Optional[str], owner: str) -> bool
 
 
 def recent(engine, user: Optional[str] = None, since: Optional[datetime.datetime] = None,
-           limit: int = 50) -> list[dict]:
+           limit: int = 50, probes: bool = False) -> list[dict]:
     """The newest ended jobs, newest first: of one user (an email, ``key:<id>``
-    or ``anonymous``), since a time."""
+    or ``anonymous``), since a time; the health probes' only with ``probes``."""
     from sqlalchemy import or_, select
     from sqlalchemy.orm import Session
 
@@ -393,23 +439,29 @@ def recent(engine, user: Optional[str] = None, since: Optional[datetime.datetime
     if since is not None:
         # In UTC, as written (SQLite keeps no offset and compares the text).
         query = query.where(LedgerEntry.finished_at >= since.astimezone(datetime.timezone.utc))
+    if not probes:
+        query = query.where(LedgerEntry.probe.is_not(True))  # NULL (not marked yet) is shown
     with Session(engine) as session:
         return [as_dict(row) for row in session.scalars(query)]
 
 
-def waiting(client: redis.Redis, limit: int = 50) -> list[dict]:
+def waiting(client: redis.Redis, limit: int = 50, probes: bool = False) -> list[dict]:
     """The newest summaries not yet in the database, as rows (``pending``: true),
-    newest first."""
+    newest first; the health probes' only with ``probes``."""
     rows = []
+    owner = probe_owner(client)
     for raw in reversed(client.lrange(PENDING, -limit, -1) if limit else []):
         entry = _parse(raw)
         if entry is None:
+            continue
+        entry["probe"] = owner is not None and entry.get("owner") == owner
+        if entry["probe"] and not probes:
             continue
         row = _row(entry, {})
         rows.append({
             **{key: row[key] for key in ("job_id", "owner", "email", "model", "model_key", "outcome", "error_kind",
                                          "error", "worker", "isolated", "attempt", *_TIMINGS, "payload_bytes",
-                                         "result_bytes")},
+                                         "result_bytes", "probe")},
             "received_at": _iso(row["received_at"]), "started_at": _iso(row["started_at"]),
             "finished_at": _iso(row["finished_at"]),
             "duration_s": _seconds(entry.get("received_at"), entry.get("finished_at")),

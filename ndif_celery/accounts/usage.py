@@ -15,6 +15,10 @@ rest summed as ``other``, so the series stay bounded however many keys the
 farm has. A key that moves into the top N leaves ``other``, whose counters
 then drop: read them per key, not as rates of ``other``.
 
+The health probes' jobs (rows marked ``probe``, see ``ledger``) are left out
+of the report unless asked for: they would outnumber the users'. The
+counters of ``/metrics`` keep them, under the probe key's label.
+
 - hash ``ndif:usage``  "<owner>|<field>" -> total, fields :data:`FIELDS`
 """
 
@@ -69,9 +73,10 @@ def series(client: redis.Redis, top_n: int) -> dict:
 
 
 def report(engine, since: Optional[datetime.datetime] = None, owner: Optional[str] = None,
-           email: Optional[str] = None) -> dict:
+           email: Optional[str] = None, probes: bool = False) -> dict:
     """``{"since", "keys": [...], "models": [...], "total": {...}}`` from the ledger:
-    rows per key (owner and email) and per model, largest GPU-seconds first."""
+    rows per key (owner and email) and per model, largest GPU-seconds first;
+    the health probes' jobs only with ``probes``."""
     from sqlalchemy import case, func, select
     from sqlalchemy.orm import Session
 
@@ -93,6 +98,8 @@ def report(engine, since: Optional[datetime.datetime] = None, owner: Optional[st
         where.append(LedgerEntry.owner == owner)
     if email is not None:
         where.append(func.lower(LedgerEntry.email) == email.lower())
+    if not probes:
+        where.append(LedgerEntry.probe.is_not(True))
 
     def rows(*groups) -> list[dict]:
         query = select(*groups, *measures).where(*where).group_by(*groups)

@@ -211,13 +211,15 @@ def kill(job_id: str) -> None:
 @click.option("--user", default=None, help="Only this user's jobs: an email, key:<id> or anonymous.")
 @click.option("--since", default=None, help="Only jobs that ended since: 30m, 1h, 2d, 1w or an ISO date/time.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--probes", is_flag=True, help="Also the health probes' jobs (NDIF_PROBE_API_KEY's), left out by default.")
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON.")
-def jobs_command(user: Optional[str], since: Optional[str], limit: int, as_json: bool) -> None:
-    """Ended jobs from the ledger (NDIF_DATABASE_URL), newest first."""
+def jobs_command(user: Optional[str], since: Optional[str], limit: int, probes: bool, as_json: bool) -> None:
+    """Ended jobs from the ledger (NDIF_DATABASE_URL), newest first; the health
+    probes' own jobs only with --probes (a probe every few seconds would bury the users')."""
     from ndif_celery.accounts import ledger
 
     rows = from_ledger(settings(), since, lambda engine, since_at: ledger.recent(
-        engine, user=user, since=since_at, limit=limit), unseen="not shown")
+        engine, user=user, since=since_at, limit=limit, probes=probes), unseen="not shown")
     echo_rows(rows, as_json, _job_line, empty="no jobs")
 
 

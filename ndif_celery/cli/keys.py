@@ -1,7 +1,8 @@
 """``ndif-celery keys``: API keys (users, tags, per-key limits) in
 ``NDIF_DATABASE_URL``, through :mod:`ndif_celery.accounts.db`. A key is printed once,
-when it is made; afterwards only its prefix is ever shown. Registered on the
-group in :mod:`ndif_celery.cli`.
+when it is made; afterwards only its id (``key:<id>``, the owner the ledger,
+``usage --key`` and deployments' ``users`` name) and its prefix are ever
+shown. Registered on the group in :mod:`ndif_celery.cli`.
 """
 
 from __future__ import annotations
@@ -45,13 +46,13 @@ def keys_create(email: str, trusted: bool, priority: bool, admin: bool, rate_lim
 @keys.command("list")
 @click.option("--json", "as_json", is_flag=True)
 def keys_list(as_json: bool) -> None:
-    """Every key by prefix, owner, tags and state (never the key itself)."""
+    """Every key by id (key:<id>), prefix, owner, tags and state (never the key itself)."""
     echo_rows(db.list_keys(_engine()), as_json, _key_line)
 
 
 def _key_line(row: dict) -> str:
     state = "revoked" if row["revoked"] else "active"
-    return f"{row['prefix']}  {row['email']:<32} {','.join(row['tags']) or '-':<18} {state}"
+    return f"{'key:' + str(row['id']):<10} {row['prefix']}  {row['email']:<32} {','.join(row['tags']) or '-':<18} {state}"
 
 
 @keys.command("revoke")

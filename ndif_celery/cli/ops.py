@@ -74,9 +74,11 @@ def schedule_remove(schedule_id: str) -> None:
 @click.option("--since", default=None, help="Only jobs that ended since: 30m, 1h, 2d, 1w or an ISO date/time.")
 @click.option("--key", "key", default=None, help="Only this key: its id (as in `keys list`), key:<id> or anonymous.")
 @click.option("--email", default=None, help="Only the keys of this email.")
+@click.option("--probes", is_flag=True, help="Also the health probes' jobs (NDIF_PROBE_API_KEY's), left out by default.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def usage(since: Optional[str], key: Optional[str], email: Optional[str], as_json: bool) -> None:
-    """Jobs, errors, GPU-seconds and bytes per key and per model, from the job ledger."""
+def usage(since: Optional[str], key: Optional[str], email: Optional[str], probes: bool, as_json: bool) -> None:
+    """Jobs, errors, GPU-seconds and bytes per key and per model, from the job
+    ledger; the health probes' own jobs only with --probes."""
     import json
 
     from ndif_celery.accounts import usage as usage_report
@@ -88,7 +90,7 @@ def usage(since: Optional[str], key: Optional[str], email: Optional[str], as_jso
         if not (owner == "anonymous" or (owner.startswith("key:") and owner[4:].isdigit())):
             raise click.ClickException(f"--key must be a key id, key:<id> or anonymous, got {key[:40]!r}")
     report = from_ledger(current, since, lambda engine, since_at: usage_report.report(
-        engine, since=since_at, owner=owner, email=email), unseen="not counted")
+        engine, since=since_at, owner=owner, email=email, probes=probes), unseen="not counted")
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return

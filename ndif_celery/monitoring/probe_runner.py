@@ -17,6 +17,13 @@ deviation over the whole vocabulary, for the beat to compare with the
 reference it keeps. A trace with no answer within its timeout is reported and
 this process exits (its stuck thread with it); the beat starts another.
 
+The client prints as a user's would: a status line per job (QUEUED, RUNNING,
+COMPLETED), a download bar. Copied into the beat's log, that is a few lines
+every probe of every model, forever, and it buries what the beat has to say.
+So everything this process prints goes to an unnamed file, emptied before
+each probe (:class:`Output`); only a failed probe writes to the beat's log:
+one line, with the last :data:`TAIL_LINES` lines the client printed.
+
 Only ``ndif_celery.monitoring.probes`` starts it, by module name: nothing imports it, so
 the import graph's layers (tools/import_graph.py) are kept.
 """
@@ -25,12 +32,44 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 
 PROMPT = "The health probe of an ndif-celery farm asks"
 VALUES = 32
+TAIL_LINES = 5  # of the client's output, in the beat's log when a probe fails
+TAIL_BYTES = 16384  # read back at most this much of it
+LINE_CHARS = 300
+_ESCAPES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # the status display's colours and line clearing
+
+
+class Output:
+    """Where this process's stdout and stderr go: an unnamed file (fds 1 and 2
+    point at it), emptied before each probe, so it holds one probe's output."""
+
+    def __init__(self) -> None:
+        self.file = tempfile.TemporaryFile("a+b")  # append: writes follow a truncate
+        os.dup2(self.file.fileno(), 1)
+        os.dup2(self.file.fileno(), 2)
+
+    def clear(self) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.ftruncate(self.file.fileno(), 0)
+
+    def tail(self, lines: int = TAIL_LINES) -> list[str]:
+        """The last ``lines`` non-blank lines printed since :meth:`clear`, escapes
+        removed, each cut to :data:`LINE_CHARS` (the display rewrites a line with ``\\r``)."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        size = os.fstat(self.file.fileno()).st_size
+        start = max(0, size - TAIL_BYTES)
+        text = os.pread(self.file.fileno(), size - start, start).decode("utf-8", "replace")
+        kept = [_ESCAPES.sub("", part).strip() for part in re.split(r"[\r\n]", text)]
+        return [line[:LINE_CHARS] for line in kept if line][-lines:]
 
 
 def _model(cache: dict, model_key: str):
@@ -75,6 +114,7 @@ def probe(cache: dict, model_key: str) -> dict:
 
 
 _PROTOCOL = None
+_LOG = None
 
 
 def _emit(result: dict) -> None:
@@ -82,13 +122,35 @@ def _emit(result: dict) -> None:
     _PROTOCOL.flush()
 
 
+def _report_failure(result: dict, output: Output) -> None:
+    """One line in the beat's log for a failed probe: its error and the client's last lines."""
+    tail = " | ".join(output.tail())
+    _LOG.write(f"probe_runner: the probe of {result.get('model_key')} failed: {result.get('error')}"
+               f"{'; the client printed last: ' + tail if tail else ''}\n")
+    _LOG.flush()
+
+
 def main() -> None:
-    global _PROTOCOL
-    # The protocol keeps the real stdout; anything the client prints (its job
-    # status lines) goes to stderr, the beat's log, and cannot break a line.
+    global _PROTOCOL, _LOG
+    # The protocol keeps the real stdout and the beat's log the real stderr;
+    # whatever the client prints goes to Output and cannot break a line.
     _PROTOCOL = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
+    _LOG = os.fdopen(os.dup(2), "w")
+    output = Output()
     sys.stdout = sys.stderr
+    try:
+        serve(output)
+    except Exception:  # an import that fails, say: the beat's log says why, then the process ends
+        import traceback
+
+        _LOG.write(f"probe_runner: stopped: {traceback.format_exc()[-4000:]}"
+                   f"probe_runner: the client printed last: {' | '.join(output.tail())}\n")
+        _LOG.flush()
+        raise
+
+
+def serve(output: Output) -> None:
+    """Answer the beat's requests, one probe at a time, until stdin closes."""
     import nnsight
 
     nnsight.CONFIG.API.HOST = os.environ["NDIF_PROBE_HOST"]
@@ -108,15 +170,20 @@ def main() -> None:
                 result.update(model_key=model_key, ok=False,
                               error=f"{type(error).__name__}: {text[-1][:300] if text else ''}")
 
+        output.clear()
         started = time.monotonic()
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
         thread.join(timeout_s)
         if thread.is_alive():
-            _emit({"model_key": model_key, "ok": False, "latency_s": round(time.monotonic() - started, 3),
-                   "error": f"no answer within {timeout_s:.0f} s (NDIF_PROBE_TIMEOUT_S)"})
+            late = {"model_key": model_key, "ok": False, "latency_s": round(time.monotonic() - started, 3),
+                    "error": f"no answer within {timeout_s:.0f} s (NDIF_PROBE_TIMEOUT_S)"}
+            _report_failure(late, output)
+            _emit(late)
             os._exit(3)
         result.setdefault("latency_s", round(time.monotonic() - started, 3))
+        if not result.get("ok"):
+            _report_failure(result, output)
         _emit(result)
 
 

@@ -1,6 +1,7 @@
 """The ``ndif-celery`` CLI's pieces that need no stack: the embedded
 redis-server binary starts, a missing one is named with both places it is
-looked for, and the Procfile's lines run real CLI commands. The CLI against
+looked for, the Procfile's lines run real CLI commands, and ``keys list``
+shows each key's id. The CLI against
 real stacks is tests/e2e/host/test_cli.py.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +74,31 @@ def test_procfile_runs_cli_commands():
         words = command.split()
         assert words[:2] == ["ndif-celery", name], command
         assert cli.main.get_command(None, name) is not None  # the group imports its modules lazily
+
+
+# -- keys list shows the id that the rest of the farm names a key by --
+
+
+def test_keys_list_shows_each_keys_id_and_prefix(tmp_path):
+    """``key:<id>`` is what deployments' ``users``, ``jobs --user`` and ``usage --key``
+    take, so the list an operator reads it from shows it (and never the key)."""
+    import json
+
+    from ndif_celery.accounts import db
+
+    url = f"sqlite:///{tmp_path / 'keys.db'}"
+    engine = db.engine_for(url)
+    made = {email: db.create_key(engine, email, tags) for email, tags in
+            (("ada@example.org", ()), ("ops@example.org", ("admin", "trusted")))}
+    db.revoke_key(engine, made["ada@example.org"])
+    env = dict(os.environ, NDIF_HOME=str(tmp_path / "home"), NDIF_DATABASE_URL=url)
+    ndif = [sys.executable, "-m", "ndif_celery.cli", "keys", "list"]
+    listed = subprocess.run(ndif, capture_output=True, text=True, cwd=ROOT, env=env, timeout=60, check=True)
+    rows = json.loads(subprocess.run([*ndif, "--json"], capture_output=True, text=True, cwd=ROOT, env=env,
+                                     timeout=60, check=True).stdout)
+    lines = listed.stdout.splitlines()
+    assert len(lines) == len(rows) == 2
+    for line, row in zip(lines, rows):
+        assert line.split()[:3] == [f"key:{row['id']}", row["prefix"], row["email"]], line
+        assert made[row["email"]] not in listed.stdout
+    assert lines[0].split()[-1] == "revoked" and lines[1].split()[-2:] == ["admin,trusted", "active"]

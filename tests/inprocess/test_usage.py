@@ -2,7 +2,8 @@
 drained from a real embedded Redis into a real SQLite ledger, each with the
 GPUs of the worker that ran it; the per-key and per-model report; the
 bounded per-key series in ``/metrics``; an older ledger database gaining the
-``devices`` column. Usage of jobs a real farm ran is tests/e2e/farm/test_operations.py.
+``devices`` and ``probe`` columns; the health probes' jobs kept apart. Usage
+of jobs a real farm ran is tests/e2e/farm/test_operations.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from ndif_celery.accounts import db, ledger, usage
-from ndif_celery.monitoring import metrics
+from ndif_celery.monitoring import metrics, probes
 from ndif_celery.state import registry
 
 
@@ -92,3 +93,63 @@ def test_an_older_ledger_database_gains_the_devices_column(tmp_path):
         columns = [row[1] for row in upgraded.execute("PRAGMA table_info(job_ledger)")]
     assert "devices" in columns
     assert usage.report(engine)["total"]["jobs"] == 0
+
+
+def _ids(rows) -> list[str]:
+    return sorted(row["job_id"] for row in rows)
+
+
+def test_the_probes_jobs_are_marked_and_left_out_unless_asked(redis_client, engine):
+    """The web records the probe key's owner (``probes.OWNER``); the drain marks that
+    owner's rows ``probe``, and the readers leave them out unless asked."""
+    assert ledger.PROBE_OWNER == probes.OWNER
+    redis_client.set(probes.OWNER, "key:9")
+    registry.register_worker(redis_client, {"name": "gpu", "pid": 1, "gpus": ["0"]})
+    pipe = redis_client.pipeline()
+    for entry in (_summary("user1", "key:1", "gpu", 1000.0), _summary("probe1", "key:9", "gpu", 10.0),
+                  _summary("probe2", "key:9", "gpu", 10.0)):
+        ledger.push(pipe, entry)
+    pipe.execute()
+    # Still waiting in Redis (the dashboard's first rows).
+    assert _ids(ledger.waiting(redis_client)) == ["user1"]
+    assert _ids(ledger.waiting(redis_client, probes=True)) == ["probe1", "probe2", "user1"]
+
+    assert ledger.drain(redis_client, engine) == 3
+    assert _ids(ledger.recent(engine)) == ["user1"]
+    both = ledger.recent(engine, probes=True)
+    assert {row["job_id"]: row["probe"] for row in both} == {"user1": False, "probe1": True, "probe2": True}
+    assert ledger.recent(engine, user="key:9") == [], "asked by owner, still only with probes"
+    report = usage.report(engine)
+    assert report["total"]["jobs"] == 1 and [row["owner"] for row in report["keys"]] == ["key:1"]
+    assert usage.report(engine, probes=True)["total"]["jobs"] == 3
+    # /metrics counts every key's jobs, the probe's too.
+    assert usage.series(redis_client, top_n=5)["key:9"]["jobs"] == 2
+
+
+def test_an_older_ledger_database_gains_the_probe_column_and_its_probe_rows_are_marked(redis_client, tmp_path):
+    """A database written before the ``probe`` column: its rows are NULL there and shown,
+    until the controller's drainer, knowing the probe's owner, marks them once."""
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as old:
+        old.execute("CREATE TABLE job_ledger (job_id VARCHAR(64) PRIMARY KEY, owner VARCHAR(64), "
+                    "email VARCHAR(320), model VARCHAR(300), model_key TEXT, outcome VARCHAR(16), "
+                    "error_kind VARCHAR(32), error VARCHAR(500), worker VARCHAR(200), isolated BOOLEAN, "
+                    "attempt INTEGER, received_at DATETIME, started_at DATETIME, finished_at DATETIME, "
+                    "queue_ms FLOAT, deserialize_ms FLOAT, run_ms FLOAT, upload_ms FLOAT, "
+                    "payload_bytes BIGINT, result_bytes BIGINT, devices INTEGER)")
+        for job_id, owner in (("olduser", "key:1"), ("oldprobe", "key:9")):
+            old.execute("INSERT INTO job_ledger (job_id, owner, model, model_key, outcome, attempt, finished_at) "
+                        "VALUES (?, ?, 'org/a', 'k', 'COMPLETED', 1, '2026-01-01 00:00:00.000000')", (job_id, owner))
+    url = f"sqlite:///{path}"
+    engine = db.engine_for(url)
+    assert _ids(ledger.recent(engine)) == ["oldprobe", "olduser"], "not marked yet: shown"
+
+    redis_client.set(probes.OWNER, "key:9")
+    pipe = redis_client.pipeline()
+    ledger.push(pipe, _summary("new", "key:1", "gpu", 5.0))
+    pipe.execute()
+    drainer = ledger.Drainer(url)
+    assert drainer(redis_client) == 1
+    assert _ids(ledger.recent(engine)) == ["new", "olduser"]
+    assert _ids(ledger.recent(engine, probes=True)) == ["new", "oldprobe", "olduser"]
+    assert usage.report(engine)["total"]["jobs"] == 2

@@ -51,3 +51,22 @@ def test_prometheus_config_and_grafana_dashboard_parse():
     for panel in dashboard["panels"]:
         assert panel["type"] and panel["title"] and panel["gridPos"]["w"] > 0, panel
         assert panel["targets"] and all(t["expr"] and t["refId"] for t in panel["targets"]), panel
+
+
+# --- error kinds: the code and docs/monitoring.md name the same ----------------------------------
+
+
+def test_every_error_kind_is_the_docs_and_the_ledgers():
+    """The ``kind`` label of ``ndif_jobs_total`` takes exactly the kinds docs/monitoring.md
+    lists, ``error`` (an ERROR sent without a kind) included, and the ledger's fallback is one."""
+    from ndif_celery import wire
+    from ndif_celery.accounts import ledger
+    from ndif_celery.monitoring import metrics
+    from ndif_celery.state import jobs
+
+    text = (DEPLOY.parent / "docs" / "monitoring.md").read_text()
+    paragraph = text.split("\nError kinds: ", 1)[1].split("\n\n", 1)[0]
+    documented = set(re.findall(r"`([a-z_]+)`", paragraph))  # not `NDIF_...` nor `ndif-celery kill`
+    assert documented == set(metrics.ERROR_KINDS), (documented, metrics.ERROR_KINDS)
+    job = jobs.Job(id="j" * 32, model_key="m")
+    assert ledger.summary(job, wire.ERROR, "no kind given", {})["error_kind"] in metrics.ERROR_KINDS

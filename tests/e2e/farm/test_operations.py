@@ -325,7 +325,14 @@ def test_usage_totals_match_the_jobs_the_test_ran(ops):
     bob = json.loads(_cli(stack, "usage", "--key", str(ops.ids["bob"]), "--json").stdout)["total"]
     assert (bob["jobs"], bob["errors"]) == (2, 1), "bob's trace on ops/b and his error; the 403 is not a job"
     text = _cli(stack, "usage", "--since", "1h").stdout
-    assert "ada@ops.test" in text and "probe@ops.test" in text, "the probes' own jobs are their key's usage"
+    assert "ada@ops.test" in text and "bob@ops.test" in text
+    assert "probe@ops.test" not in text, "the probes' own jobs are kept apart"
+    owners = {row["owner"] for row in json.loads(_cli(stack, "usage", "--json").stdout)["keys"]}
+    assert owners == {f"key:{ops.ids['ada']}", f"key:{ops.ids['bob']}"}, owners
+    with_probes = json.loads(_cli(stack, "usage", "--probes", "--json").stdout)["keys"]
+    [probe] = [row for row in with_probes if row["owner"] == f"key:{ops.ids['probe']}"]
+    assert probe["email"] == "probe@ops.test" and probe["jobs"] > len(ada), "asked for, they are there"
+    assert "probe@ops.test" in _cli(stack, "usage", "--since", "1h", "--probes").stdout
 
     # Per-key series to a scraper with the metrics token, or an admin key; not to anyone.
     jobs = _until(lambda: _metric(stack, "ndif_usage_jobs_total", METRICS_TOKEN,
@@ -340,3 +347,51 @@ def test_usage_totals_match_the_jobs_the_test_ran(ops):
         assert "ndif_jobs_total" in text, "the farm's totals are for everyone"
     page = _dashboard(ops).split('id="usage"')[1].split("</table>")[0]
     assert "ada@ops.test" in page and f"key:{ops.ids['ada']}" in page
+
+
+# --- the health probes' jobs kept apart ----------------------------------------------------------
+
+
+def _jobs(stack: Stack, *args: str) -> list[dict]:
+    return json.loads(_cli(stack, "jobs", "--since", "1h", "--limit", "100000", "--json", *args).stdout)
+
+
+def test_the_probes_jobs_are_left_out_of_jobs_and_the_dashboard_unless_asked(ops):
+    """A probe every two seconds per model: by now they outnumber the users' jobs many
+    times. ``jobs`` and the dashboard show the users' (all of them) and no probe's;
+    ``--probes`` and ``?probes=1`` show the probes' too."""
+    stack = ops.stack
+    probe, ada, bob = (f"key:{ops.ids[name]}" for name in ("probe", "ada", "bob"))
+    shown = _jobs(stack)
+    assert sorted(row["owner"] for row in shown) == sorted([ada] * 4 + [bob] * 2), [
+        (row["owner"], row["model"]) for row in shown]
+    assert not any(row["probe"] for row in shown)
+    everything = _jobs(stack, "--probes")
+    probes = [row for row in everything if row["owner"] == probe]
+    assert len(probes) > len(shown) and all(row["probe"] for row in probes)
+    assert {row["job_id"] for row in shown} < {row["job_id"] for row in everything}
+
+    text = _cli(stack, "jobs").stdout
+    assert "ada@ops.test" in text and "bob@ops.test" in text and "probe@ops.test" not in text
+    assert "probe@ops.test" in _cli(stack, "jobs", "--probes").stdout
+
+    table = _dashboard(ops).split('id="jobs"')[1].split("</table>")[0]
+    assert "ada@ops.test" in table and "bob@ops.test" in table and "probe@ops.test" not in table
+    for row in shown:
+        assert row["job_id"] in table
+    response = httpx.get(stack.url + "/dashboard?probes=1", auth=("ops", ops.keys["probe"]), timeout=20)
+    assert "probe@ops.test" in response.text.split('id="jobs"')[1].split("</table>")[0]
+
+
+def test_the_beats_log_holds_no_line_of_the_probe_client(ops):
+    """The nnsight client in the probe's child prints a status line per job (its id,
+    QUEUED, RUNNING, COMPLETED, rewritten with a spinner while it waits). None of it
+    reaches the beat's log; a probe that failed there leaves one summary line."""
+    probe_ids = {row["job_id"] for row in _jobs(ops.stack, "--probes") if row["probe"]}
+    assert len(probe_ids) >= 10
+    log = (ops.stack.logs_dir / "beat.log").read_text(errors="replace")
+    assert "beat" in log.lower(), "the beat's log, with the beat's own lines"
+    mentions = [line for line in log.splitlines() if any(job_id in line for job_id in probe_ids)]
+    summaries = [line for line in mentions if line.startswith("probe_runner: the probe of ") and " failed: " in line]
+    assert mentions == summaries, mentions[:5]
+    assert len(summaries) < len(probe_ids) / 2
