@@ -270,14 +270,12 @@ def model_history(client: redis.Redis) -> list[dict]:
     """Per model: job latency (the ledger, probes left out) and probe results (the beat's
     hourly counts), each over 24 h and 30 d, as SVG charts."""
     now = time.time()
-    probe_owner = client.get(probes.OWNER)
     models: dict[str, dict] = {}
     note = ""
     for name in history.PERIODS:
         start, end, step = history.period(name, now)
         try:
-            latency = history.job_latency(operators.ledger_engine(), start, end, step,
-                                          exclude_owner=probe_owner.decode() if probe_owner else None)
+            latency = history.job_latency(operators.ledger_engine(), start, end, step)
         except Exception as error:  # noqa: BLE001 - the page still shows the rest
             current_app.config.pop("NDIF_LEDGER_ENGINE", None)
             latency, note = {}, f"The ledger database cannot be read ({type(error).__name__})."

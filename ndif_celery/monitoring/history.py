@@ -68,10 +68,10 @@ def probed_models(client: redis.Redis) -> list[str]:
     return sorted(key.decode()[len(HISTORY):] for key in client.scan_iter(match=HISTORY + "*", count=500))
 
 
-def job_latency(engine, start: float, end: float, step: float, exclude_owner: Optional[str] = None) -> dict:
+def job_latency(engine, start: float, end: float, step: float) -> dict:
     """model repo -> ``(bucket start, jobs, errors, p50 ms or None)`` per step, from the ledger:
-    each job's time from the web receiving it to its end. ``exclude_owner``: leave out
-    that key's jobs (the health probe's, which have their own chart)."""
+    each job's time from the web receiving it to its end. The health probes' jobs
+    (marked ``probe``) are left out: they have their own chart."""
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
@@ -82,8 +82,7 @@ def job_latency(engine, start: float, end: float, step: float, exclude_owner: Op
     query = (select(LedgerEntry.model, LedgerEntry.received_at, LedgerEntry.finished_at, LedgerEntry.outcome)
              .where(LedgerEntry.finished_at >= since, LedgerEntry.finished_at < until)
              .order_by(LedgerEntry.finished_at.desc()).limit(MAX_ROWS))
-    if exclude_owner:
-        query = query.where(LedgerEntry.owner != exclude_owner)
+    query = query.where(LedgerEntry.probe.is_not(True))
     buckets: dict[str, dict[int, list]] = {}
     with Session(engine) as session:
         for model, received, finished, outcome in session.execute(query):
