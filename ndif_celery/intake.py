@@ -97,11 +97,15 @@ def accept(
     return job
 
 
-def check_runtime(client: redis.Redis, headers: Mapping[str, str]) -> None:
+def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mapping[str, str]) -> None:
     """Before the body is read: the client's nnsight is one this farm runs
     (``policy.client_versions``); the live workers are read only for a version
-    other than the farm's own."""
-    versions.check_runtime(headers.get(versions.NNSIGHT_HEADER), versions.MAIN,
+    other than the farm's own. A client below NDIF_MIN_NNSIGHT_VERSION reads
+    NDIF's own sentence for it, as it did before runtimes were gated."""
+    reported = headers.get(versions.NNSIGHT_HEADER)
+    if reported:
+        versions.check_nnsight(reported, settings.min_nnsight_version)
+    versions.check_runtime(reported, versions.MAIN,
                            lambda: versions.served(registry.live_workers(client), versions.MAIN))
 
 

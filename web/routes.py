@@ -47,7 +47,7 @@ def submit():
     arrived = jobs.now()
     identity = identify()
     # The key, the client's nnsight, its limits and the body's size are checked before the body is read.
-    intake.check_runtime(_redis(), request.headers)
+    intake.check_runtime(_redis(), _settings(), request.headers)
     with uploads.reading(_redis(), _settings(), identity):
         data = request.form.get("data")
         blob_file = request.files.get("blob")

@@ -91,6 +91,11 @@ def test_the_dashboard_shows_the_farm_and_recent_jobs(chromium, on_fs_stack, mod
 
     assert chromium.evaluate("document.getElementById('flower-link').href").rstrip("/") == stack.flower_url
     assert chromium.evaluate("document.querySelector('meta[http-equiv=refresh]').content") == "5"
+    # Auth off: nobody is an operator, so the page offers no action.
+    assert "admin actions need NDIF_AUTH=1" in chromium.text("#read-only")
+    assert chromium.evaluate("document.querySelectorAll('form').length") == 0
+    assert httpx.post(stack.url + "/dashboard/actions/evict", data={"model": REPO_ID}, timeout=10).status_code == 403
+    _row_with(chromium.rows("#wanted"), REPO_ID)
 
     # It refreshes by itself: a job that ends after the page loaded shows up.
     later_id = _ok_job(stack.url, model)

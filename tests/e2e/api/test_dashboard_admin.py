@@ -128,11 +128,24 @@ class _Attacker(http.server.BaseHTTPRequestHandler):
         pass
 
 
+ACTIONS = {"deploy": {"model": A}, "scale": {"model": A, "replicas": "2"}, "evict": {"model": A},
+           "kill": {"job_id": "0" * 32}, "schedule-add": {"model": B, "start": "now", "end": "+1h"},
+           "schedule-remove": {"id": "abc"}}
+
+
 def test_without_an_admin_key_or_from_another_site_no_action_is_done(farm):
+    for action, fields in ACTIONS.items():
+        url = f"{farm.stack.url}/dashboard/actions/{action}"
+        assert httpx.post(url, data=fields, timeout=10).status_code == 401, action
+        refused = httpx.post(url, data=fields, headers=_basic(farm.keys["ada"]), timeout=10)
+        assert refused.status_code == 403 and "not an admin key" in refused.text, action
+    # A person with a key that is not an admin's sees no page at all, so no form.
+    farm.browser.set_headers(_basic(farm.keys["ada"]))
+    farm.browser.open(farm.stack.url + "/dashboard")
+    assert farm.browser.status() == 403 and "not an admin key" in farm.browser.text()
+    assert farm.browser.evaluate("document.querySelectorAll('form').length") == 0
+    farm.browser.screenshot(SHOTS / "not-an-admin-key.png")
     url = farm.stack.url + "/dashboard/actions/deploy"
-    assert httpx.post(url, data={"model": A}, timeout=10).status_code == 401
-    refused = httpx.post(url, data={"model": A}, headers=_basic(farm.keys["ada"]), timeout=10)
-    assert refused.status_code == 403 and "not an admin key" in refused.text
     forged = httpx.post(url, data={"model": A, "csrf": "0" * 64}, headers=_basic(farm.keys["ops"]), timeout=10)
     assert forged.status_code == 403 and "form token is missing or wrong" in forged.text
 
@@ -152,6 +165,7 @@ def test_without_an_admin_key_or_from_another_site_no_action_is_done(farm):
         server.shutdown()
     hot = [e for e in farm.stack.farm()["deployments"].values() if e["deployment_level"] == "HOT"]
     assert hot == [] and _wanted(farm, A) is None, hot
+    assert "no scheduled pins" in _page(farm).text("#schedule")
     # Only the admin's refused attempts are in the log: the other key and no key never reach it.
     rows = _page(farm).rows("#audit")[1:]
     assert [(row[1], row[2], row[4]) for row in rows] == [("ops@dash.test", "deploy", "refused")] * 2, rows

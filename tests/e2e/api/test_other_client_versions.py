@@ -64,5 +64,5 @@ def test_nnsight_status_works_from_the_older_client(client, on_fs_stack, model):
     version, python = client
     said = client_envs.run(python, STATUS, on_fs_stack.url)
     assert said["version"] == version
-    [entry] = [entry for name, entry in said["status"].items() if REPO_ID in name]
-    assert "RUNNING" in str(entry), said
+    entry = said["status"][REPO_ID]  # these clients key it by repo id
+    assert "RUNNING" in str(entry["state"]) and entry["repo_id"] == REPO_ID, said
