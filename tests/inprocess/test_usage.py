@@ -17,6 +17,14 @@ from ndif_celery.accounts import db, ledger, usage
 from ndif_celery.monitoring import metrics, probes
 from ndif_celery.state import registry
 
+#: The ledger's table as the first release made it: the columns added since are each test's to add.
+OLD_LEDGER = ("CREATE TABLE job_ledger (job_id VARCHAR(64) PRIMARY KEY, owner VARCHAR(64), "
+              "email VARCHAR(320), model VARCHAR(300), model_key TEXT, outcome VARCHAR(16), "
+              "error_kind VARCHAR(32), error VARCHAR(500), worker VARCHAR(200), isolated BOOLEAN, "
+              "attempt INTEGER, received_at DATETIME, started_at DATETIME, finished_at DATETIME, "
+              "queue_ms FLOAT, deserialize_ms FLOAT, run_ms FLOAT, upload_ms FLOAT, "
+              "payload_bytes BIGINT, result_bytes BIGINT")
+
 
 def _summary(job_id: str, owner: str, worker: str, run_ms: float, outcome: str = "COMPLETED",
              model: str = "org/a", payload: int = 100, result: int = 1000) -> dict:
@@ -81,12 +89,7 @@ def test_the_series_keep_the_top_keys_and_sum_the_rest_as_other(redis_client, en
 def test_an_older_ledger_database_gains_the_devices_column(tmp_path):
     path = tmp_path / "old.db"
     with sqlite3.connect(path) as old:
-        old.execute("CREATE TABLE job_ledger (job_id VARCHAR(64) PRIMARY KEY, owner VARCHAR(64), "
-                    "email VARCHAR(320), model VARCHAR(300), model_key TEXT, outcome VARCHAR(16), "
-                    "error_kind VARCHAR(32), error VARCHAR(500), worker VARCHAR(200), isolated BOOLEAN, "
-                    "attempt INTEGER, received_at DATETIME, started_at DATETIME, finished_at DATETIME, "
-                    "queue_ms FLOAT, deserialize_ms FLOAT, run_ms FLOAT, upload_ms FLOAT, "
-                    "payload_bytes BIGINT, result_bytes BIGINT)")
+        old.execute(OLD_LEDGER + ")")
     engine = db.engine_for(f"sqlite:///{path}")
     db.engine_for(f"sqlite:///{path}")  # a second process finds it there
     with sqlite3.connect(path) as upgraded:
@@ -131,12 +134,7 @@ def test_an_older_ledger_database_gains_the_probe_column_and_its_probe_rows_are_
     until the controller's drainer, knowing the probe's owner, marks them once."""
     path = tmp_path / "old.db"
     with sqlite3.connect(path) as old:
-        old.execute("CREATE TABLE job_ledger (job_id VARCHAR(64) PRIMARY KEY, owner VARCHAR(64), "
-                    "email VARCHAR(320), model VARCHAR(300), model_key TEXT, outcome VARCHAR(16), "
-                    "error_kind VARCHAR(32), error VARCHAR(500), worker VARCHAR(200), isolated BOOLEAN, "
-                    "attempt INTEGER, received_at DATETIME, started_at DATETIME, finished_at DATETIME, "
-                    "queue_ms FLOAT, deserialize_ms FLOAT, run_ms FLOAT, upload_ms FLOAT, "
-                    "payload_bytes BIGINT, result_bytes BIGINT, devices INTEGER)")
+        old.execute(OLD_LEDGER + ", devices INTEGER)")
         for job_id, owner in (("olduser", "key:1"), ("oldprobe", "key:9")):
             old.execute("INSERT INTO job_ledger (job_id, owner, model, model_key, outcome, attempt, finished_at) "
                         "VALUES (?, ?, 'org/a', 'k', 'COMPLETED', 1, '2026-01-01 00:00:00.000000')", (job_id, owner))

@@ -183,6 +183,14 @@ class Stack:
             return {}
         return {service: int(entry["pid"]) for service, entry in state.items()}
 
+    def until(self, check, what: str, timeout_s: float = 90.0, interval_s: float = 0.25):
+        """``check()`` once it is truthy; past ``timeout_s`` an AssertionError
+        naming ``what``, with the last lines of every service's log."""
+        from tests.support.waiting import wait_until
+
+        return wait_until(check, timeout_s, what, report=lambda: self.logs(30), interval_s=interval_s,
+                          error=AssertionError)
+
     def logs(self, lines: int = 60) -> str:
         """The last lines of every service's log, one block per service."""
         blocks = []

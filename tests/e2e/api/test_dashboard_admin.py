@@ -18,7 +18,6 @@ import http.server
 import json
 import os
 import threading
-import time
 import types
 
 import httpx
@@ -91,14 +90,7 @@ def _row(rows: list[list[str]], first: str) -> list[str]:
 
 
 def _until(check, what: str, farm, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{farm.stack.logs(30)}")
-        time.sleep(0.5)
+    return farm.stack.until(check, what, timeout_s, interval_s=0.5)
 
 
 def _wanted(farm, repo: str):

@@ -50,14 +50,7 @@ def farm(tmp_path_factory, hf_home):
 
 
 def _until(check, what: str, stack: Stack, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{stack.logs(30)}")
-        time.sleep(0.25)
+    return stack.until(check, what, timeout_s)
 
 
 def _probe(client) -> dict:

@@ -16,7 +16,6 @@ joins one, so GPU-seconds are each job's run time times 2 or 1.
 from __future__ import annotations
 
 import json
-import time
 import types
 
 import httpx
@@ -81,14 +80,7 @@ def ops(tmp_path_factory, hf_home):
 
 
 def _until(check, what: str, stack: Stack, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{stack.logs(30)}")
-        time.sleep(0.25)
+    return stack.until(check, what, timeout_s)
 
 
 def _held(stack: Stack) -> dict[str, dict]:

@@ -57,14 +57,7 @@ def _rows(stack: Stack) -> dict:
 
 
 def _until(check, what: str, stack: Stack, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout_s:.0f} s\n{stack.logs(30)}")
-        time.sleep(0.25)
+    return stack.until(check, what, timeout_s)
 
 
 def test_a_deploy_that_cannot_load_returns_at_once_with_the_worker_and_the_reason(stack):
