@@ -2,12 +2,14 @@
 environment made from the package index) against a farm that serves only its
 own nnsight: each is refused with a sentence naming its version and the
 versions served, shown by that client, blocking (after its Socket.IO socket
-was accepted) and not; and ``nnsight.status()`` works from each."""
+was accepted) and not; ``nnsight.status()`` works from each; and each reads
+the status frames the farm writes for it without torch (``socketio_wire``)."""
 
 from __future__ import annotations
 
 import pytest
 
+from ndif_celery import socketio_wire, wire
 from ndif_celery.policy import client_versions
 from tests.support import client_envs
 from tests.support.tiny_model import PROMPT, REPO_ID
@@ -40,6 +42,14 @@ print(json.dumps({"version": nnsight.__version__, "status": nnsight.status()}, d
 """
 
 
+FRAMES = """
+import json, sys
+from nnsight.schema.response import ResponseModel
+read = [ResponseModel.unpickle(bytes.fromhex(frame)) for frame in sys.argv[1:]]
+print(json.dumps({"read": [[r.id, r.status.name, r.description, r.data, r.session_id] for r in read]}))
+"""
+
+
 @pytest.fixture(scope="module", params=OLD)
 def client(request, tmp_path_factory):
     return request.param, client_envs.make(tmp_path_factory.mktemp("clients"), request.param)
@@ -66,3 +76,16 @@ def test_nnsight_status_works_from_the_older_client(client, on_fs_stack, model):
     assert said["version"] == version
     entry = said["status"][REPO_ID]  # these clients key it by repo id
     assert "RUNNING" in str(entry["state"]) and entry["repo_id"] == REPO_ID, said
+
+
+def test_the_older_client_reads_the_status_frames_the_farm_writes_without_torch(client):
+    version, python = client
+    frames = [socketio_wire.frame("j1", wire.RECEIVED, wire.RECEIVED_DESCRIPTION, session_id="s1"),
+              socketio_wire.frame("j1", wire.DEPLOYING, "Loading org/a onto gpu0."),
+              socketio_wire.frame("j1", wire.RUNNING, "Your job has started running."),
+              socketio_wire.frame("j1", wire.COMPLETED, "Done.", data=["http://farm/result/j1", 1234])]
+    said = client_envs.run(python, FRAMES, *[frame.hex() for frame in frames])["read"]
+    assert said == [["j1", "RECEIVED", wire.RECEIVED_DESCRIPTION, None, "s1"],
+                    ["j1", "QUEUED", "Loading org/a onto gpu0.", None, None],
+                    ["j1", "RUNNING", "Your job has started running.", None, None],
+                    ["j1", "COMPLETED", "Done.", ["http://farm/result/j1", 1234], None]], (version, said)

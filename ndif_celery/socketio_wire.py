@@ -1,0 +1,84 @@
+"""The wire of the nnsight 0.6 and 0.7 clients, as far as the web writes and reads it.
+
+Those clients wait on a Socket.IO socket (``web/sio.py``) and read every status
+as ``torch.save`` bytes of a plain dict, parsed into their ``ResponseModel``,
+whose status enum has no DEPLOYING and no PROVISIONING: an unknown status
+crashes the client. They POST a raw body and say what it is in headers. This
+module writes those frames without torch (the web never imports it) and reads
+those headers; the farm's own clients' wire is ``ndif_celery.wire``.
+
+A ``torch.save`` file is a zip archive: ``<name>/data.pkl`` (the pickle),
+``<name>/byteorder`` and ``<name>/version``. A dict of strings needs no tensor
+storage, so the pickle is the plain one and ``torch.load`` reads it as torch
+would have written it.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from . import wire
+
+#: The statuses a 0.6/0.7 client's enum holds (its ``ResponseModel.JobStatus``).
+KNOWN = ("RECEIVED", "QUEUED", "DISPATCHED", "RUNNING", "COMPLETED", "LOG", "STREAM", "ERROR")
+#: Ours they do not know, as the status they do, the description kept.
+SAID_AS = {wire.DEPLOYING: wire.QUEUED, "PROVISIONING": wire.QUEUED}
+ARCHIVE = "archive"
+PICKLE_PROTOCOL = 2  # what torch.save writes by default
+
+MODEL_KEY, COMPRESS, SESSION = "nnsight-model-key", "nnsight-compress", "ndif-session_id"
+
+
+def status(name: str) -> str:
+    """One of :data:`KNOWN` for any status of ours."""
+    name = SAID_AS.get(name, name)
+    if name not in KNOWN:
+        raise ValueError(f"no 0.6/0.7 status for {name!r}")
+    return name
+
+
+def frame(job_id: str, status_name: str, description: str = "", data: Any = None,
+          session_id: Optional[str] = None) -> bytes:
+    """A status as those clients unpickle it: ``torch.save`` bytes of their
+    ``ResponseModel`` fields (``data`` only plain Python: a URL, ``(url, size)``)."""
+    fields: dict = {"id": job_id, "status": status(status_name), "description": description}
+    if data is not None:
+        fields["data"] = data
+    if session_id is not None:
+        fields["session_id"] = session_id
+    return torch_save_bytes(fields)
+
+
+def torch_save_bytes(value: Any) -> bytes:
+    """``value`` (no tensors in it) in ``torch.save``'s file format, written without torch."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr(f"{ARCHIVE}/data.pkl", pickle.dumps(value, protocol=PICKLE_PROTOCOL))
+        archive.writestr(f"{ARCHIVE}/byteorder", "little")
+        archive.writestr(f"{ARCHIVE}/version", "3\n")
+    return out.getvalue()
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What a 0.6/0.7 ``POST /request`` says in its headers."""
+
+    model_key: str
+    compress: bool
+    session_id: str
+
+
+def envelope(headers: Mapping[str, str]) -> Envelope:
+    """The headers' envelope; a missing model key is named, as the farm's own envelope errors are."""
+    model_key = (headers.get(MODEL_KEY) or "").strip()
+    if not model_key:
+        raise ValueError(f"Missing header {MODEL_KEY!r} (the model to run the request on).")
+    compress = (headers.get(COMPRESS) or "False").strip()
+    if compress not in ("True", "False"):
+        raise ValueError(f"Header {COMPRESS!r} must be True or False, got {compress[:20]!r}.")
+    return Envelope(model_key=model_key, compress=compress == "True",
+                    session_id=(headers.get(SESSION) or "").strip())
