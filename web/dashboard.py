@@ -359,7 +359,7 @@ PAGE = """<!doctype html>
 <nav>{% if flower_url %}<a href="{{ flower_url }}" id="flower-link">Flower</a>{% endif %}<a href="metrics">/metrics</a><a href="status">/status</a>
 <a href="#wanted">wanted</a><a href="#history">history</a><a href="#calendar">calendar</a>{% if admin %}<a href="#actions">actions</a><a href="#audit">audit log</a>{% endif %}
 <span class="muted">{{ now }}, {% if refresh_s %}refreshed every {{ refresh_s }} s{% else %}<a href="dashboard?refresh=5" id="auto-refresh">refresh every 5 s</a>{% endif %};
-jobs ended: {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0) }} with an error</span></nav>
+jobs ended (health probes included): {{ totals.get("COMPLETED", 0) }} completed, {{ totals.get("ERROR", 0) }} with an error</span></nav>
 
 {% if admin and said %}<p class="said {{ said.outcome }}" id="said">{{ said.action }} {{ said.target }}: {{ said.outcome }}: {{ said.message }}</p>{% endif %}
 
