@@ -47,7 +47,7 @@ FORBIDDEN = {
 LAYERS = {
     "ndif_celery": (
         ("errors", "exit_codes", "output_bounds", "notices"),  # leaves
-        ("wire", "messages", "policy"),  # the protocol and pure rules
+        ("wire", "socketio_wire", "messages", "policy"),  # the protocols and pure rules
         ("config", "celery_app"),  # settings and the broker app
         ("state",),  # what every process reads and writes in Redis
         ("store",),  # result bytes

@@ -286,7 +286,7 @@ class Applied:
     def refusal(self, entries: list) -> Optional[str]:
         """Why ``--sync`` needs ``--force``: it evicts a pinned model, or every wish while listing nothing."""
         if self.pinned_evicted:
-            return f"--sync would evict pinned {', '.join(self.pinned_evicted)}"
+            return f"--sync would evict pinned {', '.join(sorted(self.pinned_evicted))}"
         if self.evicted and not entries:
             return "--sync with an empty file would evict every model it deployed"
         return None
