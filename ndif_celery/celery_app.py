@@ -120,10 +120,11 @@ def worker_queue(name: str) -> str:
     return f"ndif.worker.{name}"
 
 
-def default_worker_name(gpus: str = "") -> str:
-    """Named by host and GPUs, so a farm's Flower reads like its hardware."""
+def default_worker_name(gpus: str = "", nnsight: str = "") -> str:
+    """Named by host and GPUs (and a runtime's nnsight), so a farm's Flower reads like its hardware."""
     devices = "gpu" + "-".join(g.strip() for g in gpus.split(",") if g.strip()) if gpus.strip() else "cpu"
-    return f"{devices}@{socket.gethostname()}"
+    runtime = f"-nnsight{nnsight}" if nnsight else ""
+    return f"{devices}{runtime}@{socket.gethostname()}"
 
 
 def worker_argv(settings: config.Settings, name: Optional[str] = None) -> list[str]:
@@ -133,7 +134,7 @@ def worker_argv(settings: config.Settings, name: Optional[str] = None) -> list[s
     process (so it stays resident between jobs) while the main thread keeps
     answering control commands and sending heartbeats during a long job.
     """
-    name = name or settings.worker_name or default_worker_name(settings.worker_gpus)
+    name = name or settings.worker_name or default_worker_name(settings.worker_gpus, settings.worker_nnsight)
     return [
         "worker",
         "--pool=threads",

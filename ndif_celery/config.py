@@ -309,6 +309,8 @@ VARIABLES: tuple = (
     Var("NDIF_WORKER_GPUS", "worker_gpus", "", _text, "GPUs of the worker `ndif-celery up` starts (unset: all visible)"),
     Var("NDIF_WORKER_NAME", "worker_name", "", _text, "name of the worker `ndif-celery up` starts; unique per farm",
         shown="`gpu<ids>@<host>`, or `cpu@<host>`"),
+    Var("NDIF_WORKER_NNSIGHT", "worker_nnsight", "", _stripped,
+        "the nnsight runtime a worker runs (`ndif-celery runtime add`; docs/versions.md)", shown="the farm's own"),
     # 0 = torch's default (every core); see docs/performance.md.
     Var("NDIF_TORCH_THREADS", "torch_threads", 0, _int, "intra-op threads of a worker's torch (0: measured per model at load)"),
     # Co-batching trusted requests of one model into one forward (workers.cobatch; docs/cobatching.md).

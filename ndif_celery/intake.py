@@ -31,7 +31,7 @@ import redis
 import zstandard
 from celery import Celery
 
-from . import config, messages, statuses, wire
+from . import config, messages, socketio_wire, statuses, wire
 from .accounts import auth, limits
 from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for
 from .errors import Refused
@@ -51,11 +51,15 @@ def accept(
     blob: Optional[bytes],
     headers: Mapping[str, str],
     arrived: Optional[float] = None,
+    runtime: str = "",
 ) -> jobs.Job:
     """Check ``data`` (the envelope form field) and ``blob`` (the payload part,
     None when absent) for ``identity``; park, enqueue and return the job.
-    ``arrived``: when the request reached the web (the job's timeline)."""
-    envelope = wire.parse_envelope(data)
+    ``arrived``: when the request reached the web (the job's timeline).
+    ``runtime``: the nnsight runtime that serves the client (:func:`check_runtime`);
+    a 0.6/0.7 client's envelope is in its headers (``socketio_wire``)."""
+    protocol = check_protocol(headers, runtime)
+    envelope = socketio_wire.envelope(headers) if protocol else wire.parse_envelope(data)
     # After the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION.
     versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
     # What the checks read, on one round trip: the farm's offer, the session's owner.
@@ -65,9 +69,12 @@ def accept(
     reads.get(jobs.session_owner_key(envelope.session_id or "-"))
     answers = reads.execute()
     offer = registry.decode_offer(answers, repo)
-    admit_model(client, settings, identity, envelope, offer)
+    admit_model(client, settings, identity, envelope, offer, runtime)
     check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
-    check_session(identity, envelope.session_id, answers[-1])
+    owner = answers[-1]
+    if protocol and envelope.session_id and owner == b"":  # a Socket.IO socket no key has claimed yet
+        owner = jobs.claim_session(client, envelope.session_id, identity.owner)
+    check_session(identity, envelope.session_id, owner)
     blob = check_payload(blob, envelope.compress, settings)
     job = jobs.Job(
         id=uuid.uuid4().hex,
@@ -80,6 +87,7 @@ def accept(
         trusted=identity.trusted,
         priority="priority" in identity.tags,
         owner=identity.owner,
+        protocol=protocol,
     )
     queue = queue_for(job.model_key)
     depths = limits.check_and_count(client, identity, queue, settings)  # of the queue's lists, in serving order
@@ -97,26 +105,42 @@ def accept(
     return job
 
 
-def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mapping[str, str]) -> None:
+def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mapping[str, str]) -> str:
     """Before the body is read: the client's nnsight is one this farm runs
     (``policy.client_versions``); the live workers are read only for a version
     other than the farm's own. A client below NDIF_MIN_NNSIGHT_VERSION reads
-    NDIF's own sentence for it, as it did before runtimes were gated."""
+    NDIF's own sentence for it, as it did before runtimes were gated.
+    Returns the runtime that serves it: its version, or "" for the farm's own."""
     reported = headers.get(versions.NNSIGHT_HEADER)
     if reported:
         versions.check_nnsight(reported, settings.min_nnsight_version)
     versions.check_runtime(reported, versions.MAIN,
                            lambda: versions.served(registry.live_workers(client), versions.MAIN))
+    return "" if not reported or reported == versions.MAIN else reported
+
+
+def check_protocol(headers: Mapping[str, str], runtime: str) -> str:
+    """The protocol the request came in (``jobs.Job.protocol``), which must be
+    its client version's: a 0.6/0.7 client's headers envelope, or the form."""
+    spoken = socketio_wire.PROTOCOL if socketio_wire.speaks(headers) else ""
+    expected = versions.protocol_of(runtime or versions.MAIN)
+    if spoken != expected:
+        version = runtime or versions.MAIN
+        said = ("its envelope in the nnsight-model-key and nnsight-compress headers" if expected
+                else "a multipart form with the fields 'data' and 'blob'")
+        raise Refused(f"An nnsight {version} client sends {said}; this request does not. "
+                      "Is the nnsight-version header the client's own?", 400)
+    return spoken
 
 
 def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
-                envelope: wire.Envelope, offer: registry.Offer) -> None:
+                envelope: wire.Envelope, offer: registry.Offer, runtime: str = "") -> None:
     """The key and env as nnsight sends them, made canonical in ``envelope``
-    (the deployment serving the same weights, if one does); what this key may
-    load (``policy.models``)."""
+    (the deployment serving the same weights, if one does, under the same
+    ``runtime``); what this key may load (``policy.models``)."""
     envelope.model_key, envelope.env = model_policy.ModelPolicy.from_settings(settings).admit(
         envelope.model_key, envelope.env, identity.trusted, offer.keys,
-        lambda repo_id: offer.refs_of(client, repo_id))
+        lambda repo_id: offer.refs_of(client, repo_id), runtime=runtime)
     # A deployment that lists its users (``deploy -f``: ``users``) serves only them.
     deployments.check_access(client, identity, envelope.model_key, offer)
 
@@ -140,8 +164,8 @@ def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.I
 
 
 def check_session(identity: auth.Identity, session_id: str, owner: Optional[bytes]) -> None:
-    """Only the key that opened a /subscribe socket (``owner``, as recorded then)
-    may submit jobs that report to it."""
+    """Only the key that opened a /subscribe socket (``owner``, as recorded then),
+    or that claimed a Socket.IO socket first, may submit jobs that report to it."""
     if session_id and owner != identity.owner.encode():
         raise Refused("session_id was not opened by this API key (open /subscribe with the same key).", 403)
 

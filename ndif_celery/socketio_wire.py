@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import zipfile
-from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from . import wire
@@ -31,6 +31,10 @@ ARCHIVE = "archive"
 PICKLE_PROTOCOL = 2  # what torch.save writes by default
 
 MODEL_KEY, COMPRESS, SESSION = "nnsight-model-key", "nnsight-compress", "ndif-session_id"
+#: A Socket.IO session id as engine.io makes them (URL-safe base64 of random bytes).
+SID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: The protocol name a job of these clients carries (``jobs.Job.protocol``).
+PROTOCOL = "socketio"
 
 
 def status(name: str) -> str:
@@ -63,22 +67,22 @@ def torch_save_bytes(value: Any) -> bytes:
     return out.getvalue()
 
 
-@dataclass(frozen=True)
-class Envelope:
-    """What a 0.6/0.7 ``POST /request`` says in its headers."""
-
-    model_key: str
-    compress: bool
-    session_id: str
+def speaks(headers: Mapping[str, str]) -> bool:
+    """Whether a ``POST /request`` is in this wire's form: the model key in a header."""
+    return bool(headers.get(MODEL_KEY))
 
 
-def envelope(headers: Mapping[str, str]) -> Envelope:
-    """The headers' envelope; a missing model key is named, as the farm's own envelope errors are."""
+def envelope(headers: Mapping[str, str]) -> wire.Envelope:
+    """The headers' envelope, as the farm's own clients' form field gives it;
+    what is wrong is named, as there (``wire.WireError``, 422)."""
     model_key = (headers.get(MODEL_KEY) or "").strip()
     if not model_key:
-        raise ValueError(f"Missing header {MODEL_KEY!r} (the model to run the request on).")
+        raise wire.WireError(f"Missing header {MODEL_KEY!r} (the model to run the request on).")
+    wire.check_model_key(model_key)
     compress = (headers.get(COMPRESS) or "False").strip()
     if compress not in ("True", "False"):
-        raise ValueError(f"Header {COMPRESS!r} must be True or False, got {compress[:20]!r}.")
-    return Envelope(model_key=model_key, compress=compress == "True",
-                    session_id=(headers.get(SESSION) or "").strip())
+        raise wire.WireError(f"Header {COMPRESS!r} must be True or False, got {compress[:20]!r}.")
+    session_id = (headers.get(SESSION) or "").strip()
+    if session_id and not SID.fullmatch(session_id):
+        raise wire.WireError(f"Header {SESSION!r} must be the id of this farm's Socket.IO socket, or empty.")
+    return wire.Envelope(model_key=model_key, session_id=session_id, compress=compress == "True")

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import redis
 
 from . import output_bounds as bounds
-from . import wire
+from . import socketio_wire, wire
 from .accounts import ledger, limits
 from .monitoring import metrics
 from .state import jobs
@@ -77,6 +77,8 @@ class StatusChannel:
         what it prints and what its errors say, and a status is published,
         stored for ``NDIF_JOB_TTL_S`` and copied into the ledger."""
         description = bounds.truncate(description or "", bounds.DESCRIPTION_BYTES)
+        if self.job.protocol:  # a 0.6/0.7 client crashes on a status its enum lacks (DEPLOYING)
+            status = socketio_wire.status(status)
         message = wire.response_json(self.job.id, status, description, data, meta)
         own = pipe is None
         pipe = self.redis.pipeline(transaction=False) if own else pipe

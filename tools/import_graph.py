@@ -59,6 +59,7 @@ LAYERS = {
         ("cli",),  # the command line
     ),
     "workers": (
+        ("adapters",),  # what differs per nnsight version
         ("execute", "results", "cuda", "metrics"),  # leaves shared by the worker and the child
         ("isolation",),  # untrusted jobs' processes and the jail
         ("models",),  # resident models

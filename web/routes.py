@@ -15,7 +15,7 @@ import json
 import redis
 from flask import Blueprint, Response, current_app, jsonify, request
 
-from ndif_celery import intake, messages, wire
+from ndif_celery import intake, messages, socketio_wire, wire
 from ndif_celery.accounts import auth
 from ndif_celery.errors import Refused
 from ndif_celery.farm import actions
@@ -47,13 +47,16 @@ def submit():
     arrived = jobs.now()
     identity = identify()
     # The key, the client's nnsight, its limits and the body's size are checked before the body is read.
-    intake.check_runtime(_redis(), _settings(), request.headers)
+    runtime = intake.check_runtime(_redis(), _settings(), request.headers)
     with uploads.reading(_redis(), _settings(), identity):
-        data = request.form.get("data")
-        blob_file = request.files.get("blob")
-        blob = None if blob_file is None else blob_file.read()
+        if socketio_wire.speaks(request.headers):  # a 0.6/0.7 client: the payload is the body
+            data, blob = None, request.get_data(cache=False)
+        else:
+            data = request.form.get("data")
+            blob_file = request.files.get("blob")
+            blob = None if blob_file is None else blob_file.read()
     job = intake.accept(_redis(), current_app.config["NDIF_CELERY"], _settings(), identity, data, blob,
-                        request.headers, arrived)
+                        request.headers, arrived, runtime=runtime)
     return Response(wire.response_json(job.id, wire.RECEIVED, wire.RECEIVED_DESCRIPTION), mimetype="application/json")
 
 

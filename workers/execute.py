@@ -2,7 +2,8 @@
 
 Split into prepare (deserialize under this model), run (execute the block,
 collect the saves) and the hygiene around both, so the same steps can later
-run in an isolated child or over several jobs at once.
+run in an isolated child or over several jobs at once. What differs between
+the nnsight versions a worker can run is its adapter's (``workers.adapters``).
 """
 
 from __future__ import annotations
@@ -18,13 +19,10 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
-from nnsight.intervention.serialization import UnknownPersistentIdError
-from nnsight.schema.request import RequestModel
-from nnsight.tracing import globals as nnsight_globals
-from nnsight.tracing.tracer import _saves, dec, inc
-from nnsight.tracing.util import clean_traceback
 
 from ndif_celery import output_bounds as bounds
+
+from .adapters import current as adapter
 
 
 class RequestError(Exception):
@@ -72,14 +70,15 @@ def request_scope(model: Any):
     left on the shared weights by a backward are dropped as well.
     """
     saved_linecache = dict(linecache.cache)
-    saved_sources = dict(nnsight_globals.SOURCES)
-    saved_blocks = dict(nnsight_globals.BLOCKS)
+    caches = adapter().caches()
+    saved_caches = [dict(cache) for cache in caches]
     try:
         yield
     finally:
         _restore(linecache.cache, saved_linecache)
-        _restore(nnsight_globals.SOURCES, saved_sources)
-        _restore(nnsight_globals.BLOCKS, saved_blocks)
+        for cache, saved in zip(caches, saved_caches):
+            _restore(cache, saved)
+        adapter().after_run()
         model.interleaver.cancel()  # unwind anything a failed or cancelled run left parked
         # The live tree, not a kept list: a parameter a block swapped in keeps no grad into the next job.
         model._module.zero_grad(set_to_none=True)
@@ -106,7 +105,7 @@ def persistent_objects(model: Any, env: Optional[dict]) -> dict:
     """The model's persistent objects under ``env`` (applied here), the caller's own copy."""
     if (env or {}).get("peft"):
         _PERSISTENT[model._module] = LAYERED
-    model._remoteable_set_env(env)
+    adapter().set_env(model, env)
     kept = _PERSISTENT.get(model._module)
     if kept is LAYERED:
         return model._remoteable_persistent_objects()
@@ -123,30 +122,25 @@ def _restore(target: dict, snapshot: dict) -> None:
 def deserialize(model: Any, blob: bytes, compress: bool, env: dict) -> Any:
     persistent = persistent_objects(model, env)
     try:
-        return RequestModel.deserialize(blob, persistent, compress=compress)
-    except UnknownPersistentIdError as error:
-        raise RequestError(
-            "The model architecture on this server doesn't match the one your code was traced "
-            f"against ({error}). Compare versions with `from nnsight import ndif; print(ndif.compare())`."
-        ) from None
+        return adapter().deserialize(model, blob, compress, persistent)
     except Exception as error:  # noqa: BLE001 - any unreadable payload is the same user error
+        missing = adapter().unknown_module(error)
+        if missing is not None:
+            raise RequestError(
+                "The model architecture on this server doesn't match the one your code was traced "
+                f"against ({missing}). Compare versions with `from nnsight import ndif; print(ndif.compare())`."
+            ) from None
         raise payload_error(error) from None
 
 
-def run(tracer: Any, log: Callable[[str], None]) -> dict:
+def run(prepared: Any, log: Callable[[str], None]) -> dict:
     """Execute the block; return the values it saved, by variable name."""
     stream = LogStream(log)
-    inc()
-    try:
-        with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
-            try:
-                tracer.execute(tracer.info.code)
-            finally:
-                stream.flush_partial()
-        saves = _saves()
-        return {name: value for name, value in tracer.info.frame.f_locals.items() if id(value) in saves}
-    finally:
-        dec()
+    with contextlib.redirect_stdout(stream), contextlib.redirect_stderr(stream):
+        try:
+            return adapter().run(prepared)
+        finally:
+            stream.flush_partial()
 
 
 def format_user_error(error: BaseException) -> str:
@@ -158,7 +152,7 @@ def format_user_error(error: BaseException) -> str:
     """
     if isinstance(error, RequestError):
         return str(error)
-    tb = clean_traceback(error.__traceback__)
+    tb = adapter().clean_traceback(error.__traceback__)
     frames = traceback.extract_tb(tb)
     users = [frame for frame in frames if not frame.filename.startswith(_LIBRARY_DIRS)]
     lines = ["Traceback (most recent call last):\n"]

@@ -35,6 +35,7 @@ from ndif_celery.celery_app import queue_for
 from ndif_celery.exit_codes import EX_CONFIG
 from ndif_celery.farm.controller import Controller, fail_waiting
 from ndif_celery.host.environment import local_env
+from ndif_celery.policy import client_versions
 from ndif_celery.state import expiry as cleanup
 from ndif_celery.state import jobs, queues, registry
 from ndif_celery.store import FilesystemStore, open_store
@@ -323,7 +324,8 @@ class WorkerState:
         self.info["metrics_port"] = metrics.start(
             settings.worker_metrics_host, settings.worker_metrics_port, lambda: len(self.models.keys())
         )
-        self.redis.set(registry.ENV, json.dumps(local_env()))
+        runtime = "" if nnsight.__version__ == client_versions.MAIN else nnsight.__version__
+        self.redis.set(registry.env_key(runtime), json.dumps(local_env()))
         for repo in self.info["cached"]:  # which revisions name the same weights, before any is loaded
             registry.record_refs(self.redis, repo, memory.cached_refs(repo))
         # A process of this name that died (restarted by a supervisor before
@@ -331,8 +333,9 @@ class WorkerState:
         registry.take_over(self.redis, self.name, os.getpid())
         self.heartbeat()
         threading.Thread(target=self._beat, name="ndif-heartbeat", daemon=True).start()
-        self.controller = Controller(self.name, self.redis, self.app, settings)
-        self.controller.start()
+        if not runtime:  # a runtime's worker sizes no model of another nnsight: the farm's own workers lead
+            self.controller = Controller(self.name, self.redis, self.app, settings)
+            self.controller.start()
         registry.wake_controller(self.redis, "worker ready")
         log.info("worker %s ready (%d bytes for models)", self.name, self.info["memory_bytes"])
 

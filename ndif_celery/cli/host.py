@@ -311,12 +311,16 @@ def _exec(service: str, worker_name: Optional[str] = None) -> None:
 @click.option("--gpus", default=None, help="GPUs this worker owns, e.g. 0,1 (sets CUDA_VISIBLE_DEVICES).")
 @click.option("--memory", type=float, default=None,
               help="Memory budget for models in GiB (default: the GPUs' memory, or half the RAM).")
-def worker(name: Optional[str], gpus: Optional[str], memory: Optional[float]) -> None:
+@click.option("--nnsight", "nnsight_version", default=None, metavar="VERSION",
+              help="Serve the clients of this nnsight version, with its runtime (`ndif-celery runtime add`).")
+def worker(name: Optional[str], gpus: Optional[str], memory: Optional[float], nnsight_version: Optional[str]) -> None:
     """Run one worker in the foreground (one per GPU or GPU group of a farm)."""
     if gpus is not None:
         os.environ["NDIF_WORKER_GPUS"] = gpus
     if memory is not None:
         os.environ["NDIF_WORKER_MEMORY_GIB"] = str(memory)
+    if nnsight_version is not None:
+        os.environ["NDIF_WORKER_NNSIGHT"] = nnsight_version
     _exec("worker", name)
 
 

@@ -40,6 +40,7 @@ from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
 from ndif_celery.farm import deployments, schedules
 from ndif_celery.monitoring import probes
 from ndif_celery.notices import Notices
+from ndif_celery.policy import client_versions
 from ndif_celery.policy import models as model_policy
 from ndif_celery.state import queues, registry
 
@@ -257,7 +258,8 @@ class Controller(threading.Thread):
         try:
             weights = sizing.weight_bytes(model_key, dtype, self.redis)
             size = sizing.padded(weights, self.settings.padding_factor, self.settings.padding_bytes)
-            chosen = placement.place(model_key, size, views, evict=evict)
+            chosen = placement.place(model_key, size, views, evict=evict,
+                                     nnsight=model_policy.parse(model_key).nnsight)
         except sizing.SizingError as error:
             return self.cannot(fail_queue, str(error), model_key, failed=True)
         except placement.NoRoom as error:
@@ -370,5 +372,7 @@ class Farm:
                 )
                 for key, entry in self.by_worker.get(name, {}).items()
             ]
-            views.append(placement.WorkerView(name, info.get("memory_bytes", 0), holdings))
+            runtime = info.get("nnsight") or client_versions.MAIN
+            views.append(placement.WorkerView(name, info.get("memory_bytes", 0), holdings,
+                                              "" if runtime == client_versions.MAIN else runtime))
         return views

@@ -11,7 +11,8 @@ easy to read and to test:
   those the least recently used ones, wins;
 - pinned models are never evicted, nor models still loading;
 - some placements (extra replicas, restoring an unpinned deployment) may only
-  use free room, so two models never take turns evicting each other.
+  use free room, so two models never take turns evicting each other;
+- a runtime's deployment (another nnsight) goes only to that runtime's workers.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class WorkerView:
     name: str
     memory_bytes: int
     holdings: list[Holding] = field(default_factory=list)
+    nnsight: str = ""  # the runtime it runs ("" the farm's own nnsight): it loads only that runtime's models
 
     @property
     def used_bytes(self) -> int:
@@ -59,8 +61,12 @@ class NoRoom(Exception):
     """No worker can take the model; the message says why, for the user."""
 
 
-def place(model_key: str, size_bytes: int, workers: Iterable[WorkerView], evict: bool = True) -> Placement:
-    """The best worker for the model; with ``evict=False`` only free room counts."""
+def place(model_key: str, size_bytes: int, workers: Iterable[WorkerView], evict: bool = True,
+          nnsight: str = "") -> Placement:
+    """The best worker of runtime ``nnsight`` for the model; with ``evict=False`` only free room counts."""
+    workers = [w for w in workers if w.nnsight == nnsight]
+    if not workers and nnsight:
+        raise NoRoom(f"no live worker runs nnsight {nnsight} (start one: ndif-celery worker --nnsight {nnsight})")
     workers = [w for w in workers if not w.holds(model_key)]
     if not workers:
         raise NoRoom("no live worker can take another replica of it")

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ndif_celery import wire
+from ndif_celery.policy import models as model_policy
 from ndif_celery.state import registry
 
 
@@ -28,7 +29,12 @@ def padded(size_bytes: int, factor: float, extra: int) -> int:
 
 
 def weight_bytes(model_key: str, dtype: Optional[str], redis_client=None) -> int:
-    """Bytes of the weights as they will be held (``dtype``, or the checkpoint's)."""
+    """Bytes of the weights as they will be held (``dtype``, or the checkpoint's).
+    A runtime's deployment holds the same weights as the farm's own key."""
+    try:
+        model_key = model_policy.parse(model_key).main_key
+    except model_policy.PolicyError:
+        pass  # sized as given: the loader refuses it anyway
     cache_field = f"{model_key}|{dtype or ''}"
     if redis_client is not None:
         cached = redis_client.hget(registry.SIZES, cache_field)

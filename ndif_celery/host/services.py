@@ -18,6 +18,7 @@ from typing import Optional
 from ndif_celery import config
 from ndif_celery.celery_app import worker_argv
 
+from . import runtimes
 from .embedded_redis import RedisServerNotFound, redis_argv, redis_dir
 
 # The directory that holds the ndif_celery, web and workers packages. Children
@@ -56,7 +57,7 @@ def command(settings: config.Settings, service: str, worker_name: Optional[str] 
     if service == "web":
         return [sys.executable, "-m", "gunicorn", "-c", "python:web.gunicorn_conf", "web.app:create_app()"]
     if service == "worker":
-        return [sys.executable, "-m", "celery", "-A", CELERY_APP, *worker_argv(settings, worker_name)]
+        return [str(worker_python(settings)), "-m", "celery", "-A", CELERY_APP, *worker_argv(settings, worker_name)]
     if service == "beat":
         # Its schedule file under NDIF_HOME; one beat per farm (a second is
         # safe: the watchdog it runs leads by a lease). Its app is
@@ -73,6 +74,18 @@ def command(settings: config.Settings, service: str, worker_name: Optional[str] 
             f"--port={settings.flower_port}", f"--address={settings.flower_host}",
         ]
     raise StackError(f"unknown service {service!r}; the services are {', '.join(SERVICES)}")
+
+
+def worker_python(settings: config.Settings):
+    """The worker's interpreter: the CLI's, or its runtime's (``NDIF_WORKER_NNSIGHT``,
+    added on this host with ``ndif-celery runtime add``)."""
+    version = settings.worker_nnsight
+    if not version or version == runtimes.main_version():
+        return sys.executable
+    try:
+        return runtimes.find(settings.home, version).interpreter
+    except runtimes.RuntimeFailure as error:
+        raise StackError(f"cannot start a worker for nnsight {version}: {error}") from None
 
 
 def child_env(settings: config.Settings, base: Optional[dict] = None) -> dict:

@@ -19,11 +19,23 @@ from typing import Callable, Optional
 
 from packaging.version import InvalidVersion, Version
 
+from ndif_celery import socketio_wire
 from ndif_celery.errors import Refused
 
 NNSIGHT_HEADER = "nnsight-version"
-#: The farm's own nnsight, the one this package is installed with: every worker runs it but a runtime's.
-MAIN = metadata.version("nnsight")
+
+
+def _main() -> str:
+    """The nnsight this package pins (a runtime's worker imports another one)."""
+    for requirement in metadata.requires("ndif-celery") or ():
+        name, _, pinned = requirement.partition("==")
+        if name.strip() == "nnsight" and pinned:
+            return pinned.split(";")[0].strip()
+    return metadata.version("nnsight")
+
+
+#: The farm's own nnsight: every worker runs it but a runtime's.
+MAIN = _main()
 PYTHON_HEADER = "python-version"
 
 _MAJOR_MINOR = re.compile(r"^\s*(\d+)\.(\d+)")
@@ -119,6 +131,19 @@ def check_runtime(client_version: Optional[str], main: str, served_now: Callable
         f"(`pip install nnsight=={sorted(versions, key=_order)[-1]}`), or ask the farm's operator to add "
         f"{client_version} (`ndif-celery runtime add {client_version}`)."
     )
+
+
+#: The first version whose clients speak the farm's own protocol (``WS /subscribe``,
+#: a multipart ``POST /request``); older ones speak Socket.IO (``socketio_wire``).
+OWN_PROTOCOL_SINCE = Version("0.8.0")
+
+
+def protocol_of(version: str) -> str:
+    """The protocol an nnsight ``version``'s client speaks ("" the farm's own, or "socketio")."""
+    try:
+        return "" if Version(version) >= OWN_PROTOCOL_SINCE else socketio_wire.PROTOCOL
+    except InvalidVersion:
+        return ""
 
 
 def _order(version: str):

@@ -29,6 +29,7 @@ import fnmatch
 import json
 import os
 import re
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
@@ -38,9 +39,17 @@ from ndif_celery.wire import WireError, check_model_key
 # and VisionLanguageModel key themselves as TransformersModel (_remoteable_class).
 TRANSFORMERS_MODEL = "nnsight.modeling.transformers.TransformersModel"
 MODEL_CLASSES = (TRANSFORMERS_MODEL,)
+# The class the 0.6 and 0.7 clients key a language model by, with no task
+# (``{"repo_id", "revision"}``): the farm's canonical key of the same model is
+# a TransformersModel with the task LanguageModel loads.
+LANGUAGE_MODEL = "nnsight.modeling.language.LanguageModel"
+LANGUAGE_MODEL_TASK = "text-generation"
 
 # The suffix fields the client sends, in the order it sends them.
 KEY_FIELDS = ("repo_id", "revision", "trust_remote_code", "task")
+# The field the farm adds (never a client): the nnsight runtime that serves
+# the deployment, absent for the farm's own (``ModelKey.nnsight``).
+RUNTIME_FIELD = "nnsight"
 ENV_FIELDS = ("attn_implementation", "peft")
 
 # The hub's rules for a repo id: `name` or `owner/name`, each part of letters,
@@ -53,6 +62,7 @@ MAX_REPO_ID_CHARS = 96
 # `//`, `@{`, leading `-` or `/`, trailing `/`, `.` or `.lock`).
 _REVISION = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._/-]*$")
 MAX_REVISION_CHARS = 128
+_RUNTIME = re.compile(r"\d+\.\d+\.\d+(?:[A-Za-z0-9.+-]{0,20})")
 
 # transformers' pipeline tasks (transformers.pipelines.SUPPORTED_TASKS and
 # TASK_ALIASES in 5.x; tests/unit/test_model_policy.py checks this list still covers
@@ -100,17 +110,27 @@ class ModelKey:
     revision: Optional[str]
     task: str
     trust_remote_code: bool = False
+    nnsight: str = ""  # the runtime's nnsight version; "" for the farm's own
 
     @property
     def key(self) -> str:
         """The canonical key: byte for byte what nnsight 0.8.1's ``to_model_key``
         builds for this model (revision None for the default branch, a task
-        by its canonical name), so the client's own key is usually canonical already."""
+        by its canonical name), so the client's own key is usually canonical
+        already. A runtime's deployment of the same model adds its version
+        last: another deployment, on another queue, loaded by its own workers."""
         suffix: dict = {"repo_id": self.repo_id, "revision": self.revision}
         if self.trust_remote_code:
             suffix["trust_remote_code"] = True
         suffix["task"] = self.task
+        if self.nnsight:
+            suffix[RUNTIME_FIELD] = self.nnsight
         return f"{self.cls}:{json.dumps(suffix)}"
+
+    @property
+    def main_key(self) -> str:
+        """The same model as the farm's own nnsight keys it (sizing, hub refs)."""
+        return dataclasses.replace(self, nnsight="").key
 
 
 def parse(model_key: str) -> ModelKey:
@@ -136,7 +156,7 @@ def parse(model_key: str) -> ModelKey:
     if not isinstance(data, dict):
         raise PolicyError("The model_key's checkpoint part must be a JSON object, not "
                           f"{type(data).__name__}.")
-    extra = sorted(set(data) - set(KEY_FIELDS))
+    extra = sorted(set(data) - set(KEY_FIELDS) - {RUNTIME_FIELD})
     if extra:
         raise PolicyError(f"Field {extra[0]!r} is not allowed in a model_key: it would reach the model loader. "
                           f"A model_key holds only {', '.join(KEY_FIELDS)} (as nnsight builds it).")
@@ -154,7 +174,32 @@ def parse(model_key: str) -> ModelKey:
     if "task" not in data:
         raise PolicyError("The model_key has no 'task' (nnsight's TransformersModel always sends one).")
     task = TASK_ALIASES.get(check_task(data["task"]), data["task"])
-    return ModelKey(cls=cls, repo_id=repo_id, revision=revision, task=task, trust_remote_code=trust)
+    runtime = data.get(RUNTIME_FIELD, "")
+    if runtime and not (isinstance(runtime, str) and _RUNTIME.fullmatch(runtime)):
+        raise PolicyError(f"The model_key's {RUNTIME_FIELD!r} must be an nnsight version such as 0.7.0.")
+    return ModelKey(cls=cls, repo_id=repo_id, revision=revision, task=task, trust_remote_code=trust,
+                    nnsight=runtime)
+
+
+def parse_client_key(model_key: str, runtime: str = "") -> ModelKey:
+    """A key as a client sent it, for the runtime that serves its nnsight
+    (``runtime``; "" for the farm's own). The 0.6/0.7 clients key a language
+    model as ``LanguageModel:{"repo_id", "revision"}``: read as the
+    TransformersModel of its task. A client never names a runtime itself."""
+    cls, _, suffix = model_key.partition(":")
+    if runtime and cls == LANGUAGE_MODEL:
+        try:
+            data = json.loads(suffix)
+        except json.JSONDecodeError:
+            data = None
+        if isinstance(data, dict) and "task" not in data:
+            data["task"] = LANGUAGE_MODEL_TASK
+            model_key = f"{TRANSFORMERS_MODEL}:{json.dumps(data)}"
+    key = parse(model_key)
+    if key.nnsight:
+        raise PolicyError(f"Field {RUNTIME_FIELD!r} is not allowed in a model_key: the farm sets it from the "
+                          "client's nnsight-version header.")
+    return dataclasses.replace(key, nnsight=runtime)
 
 
 def check_repo_id(value: object, field: str) -> str:
@@ -266,7 +311,8 @@ def may_be_same_weights(a: ModelKey, b: ModelKey, refs: Mapping[str, str]) -> bo
 
 def same_model(a: ModelKey, b: ModelKey, refs: Mapping[str, str]) -> bool:
     """One deployment serves both: the same weights, loaded the same way."""
-    return (a.cls, a.task, a.trust_remote_code) == (b.cls, b.task, b.trust_remote_code) and same_weights(a, b, refs)
+    return ((a.cls, a.task, a.trust_remote_code, a.nnsight) == (b.cls, b.task, b.trust_remote_code, b.nnsight)
+            and same_weights(a, b, refs))
 
 
 def keys_of_repo(keys: Iterable[str], repo_id: str) -> list[ModelKey]:
@@ -321,14 +367,17 @@ class ModelPolicy:
                               403)
 
     def admit(self, model_key: str, env: dict, trusted: bool, offered: Iterable[str] = (),
-              refs_of: Callable[[str], Mapping[str, str]] = lambda repo_id: {}) -> tuple[str, dict]:
+              refs_of: Callable[[str], Mapping[str, str]] = lambda repo_id: {},
+              runtime: str = "") -> tuple[str, dict]:
         """Intake: ``(canonical key, clean env)`` or PolicyError. ``offered`` is
         the keys deployed now or wished by the operator; a key naming the same
         weights as one of them, loaded the same way, is that one (one deployment,
         not a copy). ``refs_of(repo_id)`` gives a repo's branches and tags as
         the workers found them (``registry.refs``). An untrusted key uses what
-        is offered; it deploys only a repo NDIF_MODELS lists and nothing offers yet."""
-        key = parse(model_key)
+        is offered; it deploys only a repo NDIF_MODELS lists and nothing offers yet.
+        ``runtime``: the nnsight version of the runtime that serves the client
+        ("" for the farm's own); its deployments are its own."""
+        key = parse_client_key(model_key, runtime)
         self.check_model(key)
         clean_env = check_env(env)
         self.check_peft(clean_env)
@@ -338,11 +387,13 @@ class ModelPolicy:
             for other in same_repo:
                 if same_model(key, other, refs):
                     return other.key, clean_env
+        runtime_said = f" for nnsight {key.nnsight}" if key.nnsight else ""
         if not trusted and not self.untrusted_may_deploy(key):
             raise PolicyError(
-                f"Model {key.repo_id!r} (revision {key.revision!r}, task {key.task!r}) is not deployed on this farm, "
-                "and untrusted keys cannot deploy new models. Use a model listed as deployed in /status, "
-                "or ask the operator to deploy it (ndif-celery deploy) or list it in NDIF_MODELS.", 403)
+                f"Model {key.repo_id!r} (revision {key.revision!r}, task {key.task!r}) is not deployed on this farm"
+                f"{runtime_said}, and untrusted keys cannot deploy new models. Use a model listed as deployed in "
+                "/status, or ask the operator to deploy it (ndif-celery deploy) or list it in NDIF_MODELS.", 403)
+        same_repo = [other for other in same_repo if other.nnsight == key.nnsight]  # each runtime's own
         if not trusted and same_repo:
             served = ", ".join(f"revision {other.revision!r} task {other.task!r}" for other in same_repo)
             raise PolicyError(

@@ -66,6 +66,26 @@ def session_owner_key(session_id: str) -> str:
     return f"ndif:session:{session_id}:owner"
 
 
+# A Socket.IO socket's session is recorded with an empty owner when it opens
+# (no key on that socket); the first key that submits with it claims it.
+_CLAIM = """
+local owner = redis.call('get', KEYS[1])
+if owner == '' then
+  local ttl = redis.call('pttl', KEYS[1])
+  if ttl > 0 then redis.call('set', KEYS[1], ARGV[1], 'PX', ttl) else redis.call('set', KEYS[1], ARGV[1]) end
+  return ARGV[1]
+end
+return owner
+"""
+
+
+def claim_session(client: redis.Redis, session_id: str, owner: str) -> Optional[bytes]:
+    """The session's owner after ``owner`` tried to claim it: ``owner`` when the
+    socket was unclaimed (or already its), another key's, or None (no such socket)."""
+    found = client.eval(_CLAIM, 1, session_owner_key(session_id), owner)
+    return found if found is None or isinstance(found, bytes) else str(found).encode()
+
+
 def session_jobs_key(session_id: str) -> str:
     return f"ndif:session:{session_id}:jobs"
 
@@ -109,6 +129,7 @@ class Job:
     owner: str = "anonymous"
     attempt: int = 1  # 2 when re-run after its first worker died
     priority: bool = False  # the key is tagged ``priority``: served before the others
+    protocol: str = ""  # how its client waits: "" the farm's own (/subscribe), "socketio" the 0.6/0.7 clients'
 
     def to_message(self) -> dict:
         return asdict(self)

@@ -58,6 +58,12 @@ UNMET = "ndif:unmet"
 HEARTBEAT_S = 2.0
 STALE_S = 10.0
 
+
+def env_key(runtime: str = "") -> str:
+    """Where the workers of ``runtime`` ("" the farm's own nnsight) write their environment (``GET /env``)."""
+    return f"{ENV}:nnsight:{runtime}" if runtime else ENV
+
+
 # Deployment states, as nnsight.status() reads `application_state`.
 DEPLOYING = "DEPLOYING"
 RUNNING = "RUNNING"

@@ -150,9 +150,11 @@ class Stack:
         self.extra_processes.clear()
         return supervisor.stop_all(config.load(self.env), 0)
 
-    def add_worker(self, name: str, gpus: str, memory_gib: float, timeout: float = 120) -> subprocess.Popen:
+    def add_worker(self, name: str, gpus: str, memory_gib: float, timeout: float = 120,
+                   nnsight: str = "") -> subprocess.Popen:
         """Start one more worker through ``ndif-celery worker``, as a second GPU
-        (or host) would join the farm, and wait until it has registered."""
+        (or host) would join the farm, and wait until it has registered.
+        ``nnsight``: the runtime it serves (added under the stack's home first)."""
         import redis
 
         from ndif_celery.state import registry
@@ -160,7 +162,7 @@ class Stack:
         log = (self.logs_dir / f"worker-{name.replace('@', '-')}.log").open("ab")
         proc = subprocess.Popen(
             [sys.executable, "-m", "ndif_celery.cli", "worker", "--name", name, "--gpus", gpus,
-             "--memory", str(memory_gib)],
+             "--memory", str(memory_gib), *(("--nnsight", nnsight) if nnsight else ())],
             cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         self.extra_processes[name] = proc

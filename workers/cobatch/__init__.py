@@ -29,7 +29,15 @@ Modules, one job each:
   guards, finish, and the runs alone.
 """
 
-from .engine import run_batch
 from .request import Outcome, Request, run_alone
+
+
+def run_batch(*args, **kwargs):
+    """``engine.run_batch``, imported at first use: the engine needs the farm's
+    own nnsight, and a runtime's worker (``workers.adapters``) never batches."""
+    from .engine import run_batch as run
+
+    return run(*args, **kwargs)
+
 
 __all__ = ["Outcome", "Request", "run_alone", "run_batch"]

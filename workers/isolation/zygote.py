@@ -232,14 +232,15 @@ def serve(sock_fd: int, cpu_fd: int, header_file: Any) -> None:
 
 def _build(header: dict, cpu_fd: int) -> Any:
     import torch
-    from nnsight.modeling.mixins.remotable import Remotable
+
+    from workers import adapters
 
     from . import shared_weights
 
     threads = header.get("threads") or os.environ.get("NDIF_TORCH_THREADS")
     if threads and int(threads) > 0:
         torch.set_num_threads(int(threads))
-    model = Remotable.from_model_key(header["model_key"], dispatch=False, **header["kwargs"])
+    model = adapters.current().load(header["model_key"], dispatch=False, **header["kwargs"])
     module = model._module
     paths = [path for path, _ in module.named_modules()]
     if paths != header["modules"]:

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from ndif_celery.celery_app import MAINTENANCE_QUEUE, queue_for, worker_queue
 from ndif_celery.state import jobs, queues, turns
+from workers import adapters
 
 from . import life as job_life
 from .executors import ms_since
@@ -97,8 +98,9 @@ def next_job(worker: WorkerState, done: jobs.Job, chained: int):
 
 
 def may_gather(worker: WorkerState, job: jobs.Job) -> bool:
-    """Whether ``job`` leads a co-batch when it starts: co-batching on, trusted, first attempt."""
-    return worker.settings.cobatch_max > 1 and job.trusted and job.attempt < 2
+    """Whether ``job`` leads a co-batch when it starts: co-batching on (and on
+    this worker's nnsight, ``workers.adapters``), trusted, first attempt."""
+    return worker.settings.cobatch_max > 1 and job.trusted and job.attempt < 2 and adapters.current().COBATCH
 
 
 def gather(worker: WorkerState, lead: job_life.Life) -> list[jobs.Job]:

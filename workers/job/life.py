@@ -213,10 +213,11 @@ def within_limit(worker: WorkerState, life: Life, data: bytes, run_ms: float) ->
 
 def deliver(worker: WorkerState, life: Life, data: bytes) -> None:
     """Inline on the websocket when small and someone listens, else through the
-    store as a URL (which ``GET /response/<id>`` also returns)."""
+    store as a URL (which ``GET /response/<id>`` also returns). A 0.6/0.7
+    client's result always goes by URL: its frames are written by the web."""
     job, meta, channel = life.job, life.meta, life.channel
     description = "Your job has been completed."
-    if job.session_id and len(data) <= worker.settings.max_inline_bytes:
+    if job.session_id and not job.protocol and len(data) <= worker.settings.max_inline_bytes:
         meta["inline"] = True
         _sent(life)
         latest = wire.response_json(

@@ -21,12 +21,11 @@ import secrets
 import time
 from typing import Any, Optional
 
-from nnsight.modeling.mixins.remotable import Remotable
 
 from ndif_celery import config
 from ndif_celery.policy import models as model_policy
 from ndif_celery.wire import repo_fields
-from workers import cuda
+from workers import adapters, cuda
 from workers.execute import RequestError, forget_tree, no_grad_weights
 from workers.isolation import parent as isolate
 from workers.isolation import shared_weights
@@ -184,7 +183,7 @@ class ResidentModels:
             # over them when there are several, loaded straight there.
             kwargs["device_map"] = "auto"
         try:
-            model = Remotable.from_model_key(canonical, **kwargs)
+            model = adapters.current().load(canonical, **kwargs)
         except Exception as error:  # noqa: BLE001 - any load failure is reported to the jobs
             raise RequestError(
                 f"Could not load model {repo_fields(model_key)['repo_id']!r} ({model_key}): "

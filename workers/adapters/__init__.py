@@ -1,0 +1,44 @@
+"""What differs between the nnsight versions a worker can run: one module per minor version.
+
+A request runs only under its client's own nnsight (docs/versions.md), so a
+worker of a runtime (``ndif-celery worker --nnsight 0.7.0``) imports that
+version, not the farm's. Everything else of a job's life (the queue, the
+deadline, the jail, the store, the ledger) is the same; what is not is here,
+behind one small interface per minor:
+
+- ``nnsight_08``: the farm's own (0.8.x): the model by its key, the payload
+  read under the request's env, the block run for its saves.
+- ``nnsight_06_07``: the 0.6.x and 0.7.0 clients: the model keyed as their
+  ``LanguageModel``, the payload a pickled ``RequestModel`` of the compiled
+  block and its tracer, the saves what the tracer pushes back.
+
+Each module gives: ``load(model_key, **kwargs)`` (a canonical key, from
+``ndif_celery.policy.models``), ``set_env(model, env)``, ``deserialize(model,
+blob, compress, persistent)``, ``run(prepared)``, ``caches()`` (the
+process-global dicts a request may fill, restored after it), ``after_run()``,
+``clean_traceback(tb)``, ``unknown_module(error)`` (the module path a payload
+named that this model lacks, or None) and ``COBATCH`` (whether co-batching
+runs on it).
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+from packaging.version import Version
+
+
+@functools.lru_cache(maxsize=1)
+def current() -> ModuleType:
+    """The adapter of the nnsight this process imports."""
+    import nnsight
+
+    version = Version(nnsight.__version__)
+    if version >= Version("0.8.0"):
+        from . import nnsight_08 as adapter
+    elif version >= Version("0.6.0"):
+        from . import nnsight_06_07 as adapter
+    else:
+        raise RuntimeError(f"nnsight {nnsight.__version__} has no adapter on this farm (0.6 and later run)")
+    return adapter

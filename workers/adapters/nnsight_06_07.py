@@ -1,0 +1,87 @@
+"""The 0.6.x and 0.7.0 clients' nnsight: NDIF's server recipe of that era.
+
+Their payload is a pickled ``RequestModel``: the block compiled into a
+function (``interventions``) and the tracer it runs on. ``tracer.execute(fn)``
+returns what it pushes back to the user's frame, the saved values; 0.6 counts
+its trace depth in ``Globals`` (``enter``/``exit``), 0.7 does not. A model is
+keyed as their ``LanguageModel`` with no task. Co-batching is the farm's own
+nnsight's only.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from typing import Any, Optional
+
+from nnsight.intervention.tracing.globals import Globals
+from nnsight.modeling.mixins.remoteable import RemoteableMixin
+from nnsight.schema.request import RequestModel
+
+from ndif_celery.policy import models as model_policy
+
+COBATCH = False
+
+_UNKNOWN_ID = re.compile(r"Unknown persistent id: (.+)")
+
+
+def load(model_key: str, **kwargs) -> Any:
+    """The canonical key as these versions load it: ``LanguageModel:{repo_id, revision}``."""
+    key = model_policy.parse(model_key)
+    if key.task != model_policy.LANGUAGE_MODEL_TASK or key.trust_remote_code:
+        raise ValueError(f"nnsight {_version()} runtimes load language models only "
+                         f"(task {model_policy.LANGUAGE_MODEL_TASK}, no trust_remote_code)")
+    suffix = json.dumps({"repo_id": key.repo_id, "revision": key.revision or model_policy.DEFAULT_BRANCH})
+    return RemoteableMixin.from_model_key(f"{model_policy.LANGUAGE_MODEL}:{suffix}", **kwargs)
+
+
+def set_env(model: Any, env: Optional[dict]) -> None:
+    if env:
+        raise ValueError(f"nnsight {_version()} clients send no env")
+
+
+def deserialize(model: Any, blob: bytes, compress: bool, persistent: dict) -> Any:
+    return RequestModel.deserialize(blob, persistent, compress)
+
+
+def run(request: Any) -> dict:
+    """Execute the block; the values it saved, by variable name."""
+    tracer, block = request.tracer, request.interventions
+    counted = hasattr(Globals, "enter")  # 0.6
+    if counted:
+        Globals.stack = 0
+        Globals.enter()
+    try:
+        pushed = tracer.execute(block)
+        if isinstance(pushed, dict) and pushed:
+            return dict(pushed)
+        return {name: value for name, value in tracer.info.frame.f_locals.items() if id(value) in Globals.saves}
+    finally:
+        if counted:
+            Globals.exit()
+            Globals.stack = 0
+
+
+def caches() -> list:
+    """Compiled blocks and their sources, memoized by (filename, line)."""
+    return [Globals.cache.cache, Globals.cache.code_cache]
+
+
+def after_run() -> None:
+    Globals.saves.clear()
+
+
+def clean_traceback(tb):
+    return tb
+
+
+def unknown_module(error: BaseException) -> Optional[str]:
+    found = _UNKNOWN_ID.search(str(error)) if isinstance(error, pickle.UnpicklingError) else None
+    return found.group(1) if found else None
+
+
+def _version() -> str:
+    import nnsight
+
+    return nnsight.__version__

@@ -1,0 +1,50 @@
+"""The farm's own nnsight (0.8.x): its server recipe."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from nnsight.intervention.serialization import UnknownPersistentIdError
+from nnsight.modeling.mixins.remotable import Remotable
+from nnsight.schema.request import RequestModel
+from nnsight.tracing import globals as nnsight_globals
+from nnsight.tracing.tracer import _saves, dec, inc
+from nnsight.tracing.util import clean_traceback  # noqa: F401 - the adapter's interface
+
+COBATCH = True
+
+
+def load(model_key: str, **kwargs) -> Any:
+    return Remotable.from_model_key(model_key, **kwargs)
+
+
+def set_env(model: Any, env: Optional[dict]) -> None:
+    model._remoteable_set_env(env)
+
+
+def deserialize(model: Any, blob: bytes, compress: bool, persistent: dict) -> Any:
+    return RequestModel.deserialize(blob, persistent, compress=compress)
+
+
+def run(tracer: Any) -> dict:
+    """Execute the block; the values it saved, by variable name."""
+    inc()
+    try:
+        tracer.execute(tracer.info.code)
+        saves = _saves()
+        return {name: value for name, value in tracer.info.frame.f_locals.items() if id(value) in saves}
+    finally:
+        dec()
+
+
+def caches() -> list:
+    """nnsight memoizes compiled blocks by (filename, line), and payloads register their source."""
+    return [nnsight_globals.SOURCES, nnsight_globals.BLOCKS]
+
+
+def after_run() -> None:
+    pass
+
+
+def unknown_module(error: BaseException) -> Optional[str]:
+    return str(error) if isinstance(error, UnknownPersistentIdError) else None
