@@ -139,6 +139,22 @@ def _web_worker_class(name: str, raw: str) -> str:
     return value
 
 
+def _runtime_ports(name: str, raw: str) -> dict:
+    """``0.7.0=8007,0.6.3=8006``: a port of the web per runtime (docs/versions.md)."""
+    ports: dict = {}
+    for part in (p.strip() for p in raw.split(",")):
+        if not part:
+            continue
+        version, _, port = part.partition("=")
+        version = version.strip()
+        if not re.fullmatch(r"\d+\.\d+\.\d+(?:\.post\d+)?", version) or not port.strip().isdigit():
+            raise ValueError(f"{name} lists VERSION=PORT pairs such as 0.7.0=8007, got {part!r}")
+        if not 0 < int(port) < 65536 or int(port) in ports.values():
+            raise ValueError(f"{name}: port {port.strip()} is not a free TCP port number of its own")
+        ports[version] = int(port)
+    return ports
+
+
 def _jail_require(name: str, raw: str) -> tuple:
     # Jail layers: all required unless waived ("all,-seccomp"); see ndif_celery.policy.jail_layers.
     return parse_require(raw)
@@ -238,6 +254,9 @@ VARIABLES: tuple = (
     Var("NDIF_HOME", "home", "~/.ndif-celery", _home, "state, logs, the embedded Redis's data, the filesystem store, SQLite"),
     Var("NDIF_API_HOST", "api_host", "127.0.0.1", _text, "address the web binds"),
     Var("NDIF_API_PORT", "api_port", 8001, _int, "port the web binds"),
+    Var("NDIF_RUNTIME_PORTS", "runtime_ports", "", _runtime_ports,
+        "more ports the web binds, one per runtime: `VERSION=PORT,...`; there `/env` and `/status` are that "
+        "runtime's", shown="none"),
     Var("NDIF_API_URL", "api_url", lambda read: f"http://{read['api_host']}:{read['api_port']}", _url,
         "the URL clients reach the web at (used in signed result URLs)", shown="`http://<host>:<port>`"),
     Var("NDIF_WEB_WORKERS", "web_workers", 2, _int, "gunicorn worker processes"),

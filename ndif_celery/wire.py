@@ -112,6 +112,8 @@ def repo_fields(model_key: str) -> dict:
         fields["task"] = data["task"]
     if data.get("trust_remote_code"):
         fields["trust_remote_code"] = True
+    if data.get("nnsight"):
+        fields["nnsight"] = data["nnsight"]  # a runtime's deployment (policy.models.RUNTIME_FIELD)
     return fields
 
 

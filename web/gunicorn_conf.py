@@ -22,7 +22,9 @@ from ndif_celery import config as _config
 
 _settings = _config.load()
 
-bind = f"{_settings.api_host}:{_settings.api_port}"
+# The API's port, and one per runtime (NDIF_RUNTIME_PORTS: there /env and /status are that runtime's).
+bind = [f"{_settings.api_host}:{_settings.api_port}",
+        *(f"{_settings.api_host}:{port}" for port in _settings.runtime_ports.values())]
 workers = _settings.web_workers
 worker_class = _settings.web_worker_class
 threads = _settings.web_threads

@@ -20,6 +20,7 @@ from ndif_celery.accounts import auth
 from ndif_celery.errors import Refused
 from ndif_celery.farm import actions
 from ndif_celery.host import environment
+from ndif_celery.policy import client_versions
 from ndif_celery.state import expiry as cleanup
 from ndif_celery.state import jobs, registry
 
@@ -48,6 +49,10 @@ def submit():
     identity = identify()
     # The key, the client's nnsight, its limits and the body's size are checked before the body is read.
     runtime = intake.check_runtime(_redis(), _settings(), request.headers)
+    pinned = port_runtime()
+    if pinned and pinned != (runtime or client_versions.MAIN):
+        raise Refused(f"This port serves nnsight {pinned} clients, and yours is nnsight "
+                      f"{runtime or client_versions.MAIN}: use the farm's API port ({_settings().api_port}).", 400)
     with uploads.reading(_redis(), _settings(), identity):
         if socketio_wire.speaks(request.headers):  # a 0.6/0.7 client: the payload is the body
             data, blob = None, request.get_data(cache=False)
@@ -117,16 +122,41 @@ def _fresh_url(latest: bytes, job_id: str) -> bytes:
     return json.dumps(status).encode()
 
 
+def port_runtime() -> str:
+    """The runtime whose own port (``NDIF_RUNTIME_PORTS``) the request came in
+    on, or "" (the API's port). The socket's own port, not the Host header:
+    a proxy may rewrite that."""
+    ports = _settings().runtime_ports
+    if not ports:
+        return ""
+    sock = request.environ.get("gunicorn.socket")
+    try:
+        port = sock.getsockname()[1] if sock is not None else int(request.environ.get("SERVER_PORT") or 0)
+    except (OSError, ValueError, IndexError):
+        return ""
+    return next((version for version, own in ports.items() if own == port), "")
+
+
 @bp.get("/status")
 def status():
+    runtime = port_runtime()
+    if runtime:
+        document = json.loads(registry.cached_status(_redis()))
+        return jsonify(registry.runtime_status(document, runtime))
     return Response(registry.cached_status(_redis()), mimetype="application/json")
 
 
 @bp.get("/env")
 def env():
-    raw = _redis().get(registry.ENV)
+    """The workers' environment, which ``nnsight.compare()`` holds against the
+    client's: on a runtime's port, that runtime's workers'."""
+    runtime = port_runtime()
+    raw = _redis().get(registry.env_key(runtime))
     if raw is not None:
         return Response(raw, mimetype="application/json")
+    if runtime:
+        raise Refused(f"No worker of the nnsight {runtime} runtime has started on this farm yet "
+                      f"(ndif-celery worker --nnsight {runtime}).", 503)
     return jsonify(environment.local_env())
 
 

@@ -47,10 +47,12 @@ def connect():
 @click.option("--replicas", default=1, show_default=True, type=int, help="How many workers hold it.")
 @click.option("--dtype", default=None, help="Load the weights as this dtype (e.g. bfloat16).")
 @click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--nnsight", "nnsight_version", default="", metavar="VERSION",
+              help="For the clients of this nnsight runtime (repo ids only; docs/versions.md).")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until every replica runs.")
 @click.option("--timeout", default=600.0, show_default=True, type=float)
 def deploy(model: Optional[str], path: Optional[str], sync: bool, dry_run: bool, force: bool, pin: bool,
-           replicas: int, dtype: Optional[str], task: str, wait: bool, timeout: float) -> None:
+           replicas: int, dtype: Optional[str], task: str, nnsight_version: str, wait: bool, timeout: float) -> None:
     """Deploy MODEL (a repo id or a full model key) and keep it deployed; or,
     with -f FILE, every entry of a deployments file (docs/farm.md)."""
     if (model is None) == (path is None):
@@ -61,7 +63,7 @@ def deploy(model: Optional[str], path: Optional[str], sync: bool, dry_run: bool,
         return _deploy_file(path, sync, dry_run, force, wait, timeout)
     current, client, _ = connect()
     try:
-        key = farm.model_key_for(model, task=task)
+        key = farm.model_key_for(model, task=task, nnsight=nnsight_version)
         # The operator may deploy any hub id, but not outside NDIF_MODELS, nor remote code outside NDIF_TRUST_REMOTE_CODE.
         model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
         asked = time.time()

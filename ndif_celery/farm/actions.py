@@ -16,6 +16,7 @@ import redis
 
 from ndif_celery import messages, statuses, wire
 from ndif_celery.celery_app import EVICT_MODEL, worker_queue
+from ndif_celery.policy import client_versions
 from ndif_celery.policy import models as model_policy
 from ndif_celery.state import jobs, queues, registry
 
@@ -26,11 +27,16 @@ class FarmError(Exception):
     """An operator action that cannot be done; the message says why."""
 
 
-def model_key_for(model: str, task: str = "text-generation", revision: Optional[str] = None) -> str:
+def model_key_for(model: str, task: str = "text-generation", revision: Optional[str] = None,
+                  nnsight: str = "") -> str:
     """A full model key from a repo id (or a key), exactly as the nnsight client
-    builds it: canonical and checked by ``policy.models.parse``, as the web's are."""
+    builds it: canonical and checked by ``policy.models.parse``, as the web's are.
+    ``nnsight``: a runtime's deployment of it (docs/versions.md)."""
     if ":" not in model:
-        model = f"{DEFAULT_CLASS}:{json.dumps({'repo_id': model, 'revision': revision, 'task': task})}"
+        suffix = {'repo_id': model, 'revision': revision, 'task': task}
+        if nnsight and nnsight != client_versions.MAIN:
+            suffix[model_policy.RUNTIME_FIELD] = nnsight
+        model = f"{DEFAULT_CLASS}:{json.dumps(suffix)}"
     return model_policy.parse(model).key
 
 

@@ -8,6 +8,7 @@ of entries, or ``{"deployments": [...]}``::
     - repo: openai-community/gpt2
       revision: main          # optional (the hub's default branch)
       task: text-generation   # optional, as the client's default
+      nnsight: 0.7.0          # optional: for that runtime's clients (docs/versions.md)
       dtype: bfloat16         # optional (the checkpoint's)
       replicas: 2             # optional, 1
       pin: true               # optional, false: never evicted for another model
@@ -59,7 +60,7 @@ MAX_ENTRIES = 1000
 MAX_USERS = 1000
 MAX_REPLICAS = 64
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-FIELDS = ("repo", "revision", "task", "dtype", "replicas", "pin", "users")
+FIELDS = ("repo", "revision", "task", "nnsight", "dtype", "replicas", "pin", "users")
 SOURCE = "file"
 
 _EMAIL = re.compile(r"^[^@\s]{1,64}@[^@\s]{1,255}$")
@@ -165,9 +166,13 @@ def _entry(raw: object, where: str, policy: Optional[model_policy.ModelPolicy]) 
         raise DeploymentsError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
     revision = _optional_text(raw, "revision", where)
     task = _optional_text(raw, "task", where) or "text-generation"
+    runtime = raw.get("nnsight")
+    if runtime is not None and not isinstance(runtime, str):
+        raise DeploymentsError(f"{where}: field `nnsight` must be a version in quotes such as \"0.7.0\", "
+                               f"got {runtime!r}")
     try:
         model_policy.check_repo_id(repo, "repo")
-        key = farm.model_key_for(repo, task=task, revision=revision)
+        key = farm.model_key_for(repo, task=task, revision=revision, nnsight=runtime or "")
         if policy is not None:
             policy.check_model(model_policy.parse(key))
     except model_policy.PolicyError as error:

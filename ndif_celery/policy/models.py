@@ -33,6 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
+from ndif_celery.policy import client_versions
 from ndif_celery.wire import WireError, check_model_key
 
 # The one class nnsight 0.8.1 keys its transformers models by: LanguageModel
@@ -179,6 +180,16 @@ def parse(model_key: str) -> ModelKey:
         raise PolicyError(f"The model_key's {RUNTIME_FIELD!r} must be an nnsight version such as 0.7.0.")
     return ModelKey(cls=cls, repo_id=repo_id, revision=revision, task=task, trust_remote_code=trust,
                     nnsight=runtime)
+
+
+def family_key(model_key: str) -> str:
+    """A canonical key as its runtime's clients write it: a 0.6/0.7 runtime's as
+    their ``LanguageModel:{repo_id, revision}`` (their ``nnsight.status()``
+    reads it), any other as it is."""
+    key = parse(model_key)
+    if not key.nnsight or client_versions.protocol_of(key.nnsight) == "":
+        return model_key
+    return f"{LANGUAGE_MODEL}:{json.dumps({'repo_id': key.repo_id, 'revision': key.revision})}"
 
 
 def parse_client_key(model_key: str, runtime: str = "") -> ModelKey:

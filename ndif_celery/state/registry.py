@@ -41,6 +41,8 @@ from typing import Optional
 import redis
 
 from ndif_celery import wire
+from ndif_celery.policy import client_versions
+from ndif_celery.policy import models as model_policy
 
 WORKERS = "ndif:workers"
 DEPLOYMENTS = "ndif:deployments"
@@ -266,9 +268,11 @@ def status_document(client: redis.Redis, operator: bool = False) -> dict:
     for entry in deployments:
         key = entry["model_key"]
         used[entry["worker"]] = used.get(entry["worker"], 0) + entry.get("size_bytes", 0)
+        fields = wire.repo_fields(key)
         entries[f"{entry['worker']}:{key}"] = {
             "model_key": key,
-            **wire.repo_fields(key),
+            **fields,
+            "nnsight": fields.get("nnsight") or client_versions.MAIN,  # the runtime that serves it
             "deployment_level": "HOT",
             "application_state": entry["state"],
             "worker": entry["worker"],
@@ -300,8 +304,25 @@ def status_document(client: redis.Redis, operator: bool = False) -> dict:
             **({"current_job": info.get("current_job")} if operator else {}),
             "last_seen": info.get("last_seen"),
             "metrics_port": info.get("metrics_port"),
+            "nnsight": info.get("nnsight") or client_versions.MAIN,
         }
     return {"deployments": entries, "cluster": {"workers": cluster}}
+
+
+def runtime_status(document: dict, runtime: str) -> dict:
+    """``/status`` as a runtime's own port serves it (``NDIF_RUNTIME_PORTS``):
+    that runtime's deployments and workers only, each key as its clients
+    write it, so their ``nnsight.status()`` and ``is_model_running()`` tell
+    the truth about the runtime they would run on."""
+    entries = {}
+    for name, entry in document.get("deployments", {}).items():
+        if entry.get("deployment_level") == "COLD":
+            entries[name] = entry  # on a disk: any runtime can load it
+        elif entry.get("nnsight") == runtime:
+            entries[name] = dict(entry, model_key=model_policy.family_key(entry["model_key"]))
+    workers = {name: info for name, info in document.get("cluster", {}).get("workers", {}).items()
+               if info.get("nnsight") == runtime}
+    return {"deployments": entries, "cluster": {"workers": workers}}
 
 
 def publish_status(client: redis.Redis) -> None:
