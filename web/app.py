@@ -62,8 +62,8 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.teardown_request(subscribe.close_socket)
 
     app.register_error_handler(Refused, refused)
-    # nnsight 0.6/0.7 clients open a Socket.IO socket before they POST: accepted, so they read the refusal.
-    app.wsgi_app = sio.wrap(app.wsgi_app, settings.web_worker_class)
+    # nnsight 0.6/0.7 clients wait on a Socket.IO socket: their job's statuses are relayed there.
+    app.wsgi_app = sio.wrap(app, settings.web_worker_class)
 
     @app.errorhandler(413)
     def too_large(error):

@@ -39,6 +39,11 @@ graceful_timeout = 30
 # Also the most gunicorn waits for a request's headers, and to drain the body of
 # a request refused before it was read (web/uploads.py): a slow client's hold.
 keepalive = 2
+# The nnsight 0.6/0.7 clients send their Socket.IO session in the header
+# `ndif-session_id`. gunicorn drops a header with an underscore by default (one
+# proxy may read `a_b` as `a-b` and another not); "dangerous" maps it as `-`,
+# and no header of ours is told apart from another by `_` against `-`.
+header_map = "dangerous"
 accesslog = "-"
 errorlog = "-"
 loglevel = _settings.log_level.lower()

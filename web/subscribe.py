@@ -132,13 +132,14 @@ def _renew_owner(session_id: str) -> None:
         pass
 
 
-def _left(session_id: str) -> None:
+def client_left(client: redis.Redis, celery, settings, session_id: str) -> None:
     """The socket closed before its jobs ended: its client went away (Ctrl-C,
     a dead process). Each job still open is marked gone; a poll by its key
     (``GET /response/<id>``) unmarks it; one still marked after
     ``NDIF_DISCONNECT_GRACE_S`` is cancelled, so nobody's model waits on a
-    result nobody will read."""
-    client, settings = current_app.config["NDIF_REDIS"], current_app.config["NDIF_SETTINGS"]
+    result nobody will read. Called by ``/subscribe`` and by the Socket.IO
+    sockets (``web/sio.py``), which run outside any Flask request: hence the
+    explicit Redis client, Celery app and settings."""
     grace_s = settings.disconnect_grace_s
     if not grace_s:
         return
@@ -155,7 +156,7 @@ def _left(session_id: str) -> None:
     except redis.RedisError:
         log.warning("session %s closed with jobs open; Redis away, not cancelling them", session_id, exc_info=True)
         return
-    timer = threading.Timer(grace_s, _cancel_gone, (client, current_app.config["NDIF_CELERY"], settings, left))
+    timer = threading.Timer(grace_s, _cancel_gone, (client, celery, settings, left))
     timer.daemon = True
     timer.start()
 
@@ -212,4 +213,5 @@ def subscribe(ws) -> None:
         ws.close(reason=1011, message="internal server error")
     finally:
         if not ended:  # the client left (or was closed) before its job's final status
-            _left(g.ndif_session_id)
+            config = current_app.config
+            client_left(config["NDIF_REDIS"], config["NDIF_CELERY"], config["NDIF_SETTINGS"], g.ndif_session_id)

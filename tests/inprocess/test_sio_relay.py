@@ -1,0 +1,175 @@
+"""The Socket.IO relay of the nnsight 0.6/0.7 clients (``web/sio.py``), in-process.
+
+The real Flask app (``create_app``) is served by werkzeug's threaded WSGI
+server on a loopback port, in a thread of this process, so Socket.IO runs in
+its ``threading`` async mode (``NDIF_WEB_WORKER_CLASS=gthread``; gunicorn's
+gevent worker is the e2e tier's). A real Redis (the module's embedded one)
+carries the statuses, and a real ``socketio.SimpleClient`` connects as those
+clients do: ``/ws/socket.io``, websocket transport only, no key.
+
+Why: those clients read every status of their job from that socket. A status
+published before the socket's channel was subscribed is lost, one they cannot
+unpickle (or a DEPLOYING, which their enum lacks) crashes them, and a socket
+that never closes holds a connection of the web for good.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import threading
+import time
+
+import pytest
+import socketio
+import torch
+from werkzeug.serving import make_server
+
+from ndif_celery import wire
+from ndif_celery.state import jobs
+from tests.support import pace
+from web import sio, subscribe
+
+
+@pytest.fixture(scope="module")
+def app(embedded_settings):
+    from web.app import create_app
+
+    # The threading async mode (not gevent: this process is not monkey-patched);
+    # a grace long enough that no cancellation timer fires during the tests.
+    settings = dataclasses.replace(embedded_settings, web_worker_class="gthread", disconnect_grace_s=3600.0)
+    return create_app(settings)
+
+
+@pytest.fixture(scope="module")
+def url(app):
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, name="sio-test-web", daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def connect(url, redis_client):
+    """``connect() -> SimpleClient``, connected as a 0.6/0.7 client connects; all closed after the test."""
+    opened = []
+
+    def make() -> socketio.SimpleClient:
+        client = socketio.SimpleClient()
+        opened.append(client)
+        client.connect(url, socketio_path="/ws/socket.io", transports=["websocket"], wait_timeout=pace.bound(10))
+        return client
+
+    yield make
+    for client in opened:
+        client.disconnect()
+
+
+def eventually(condition, what: str, timeout_s: float = 10.0):
+    """``condition()``'s first true value within ``timeout_s`` (scaled to this machine)."""
+    deadline = time.monotonic() + pace.bound(timeout_s)
+    while True:
+        found = condition()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"{what}: not within {pace.bound(timeout_s):.1f} s ({pace.describe()})"
+        time.sleep(0.05)
+
+
+def publish(redis_client, sid: str, status: str, description: str = "", data=None) -> int:
+    return redis_client.publish(jobs.session_channel(sid), wire.response_json("job1", status, description, data))
+
+
+def received(client: socketio.SimpleClient) -> dict:
+    event, *args = client.receive(timeout=pace.bound(10))
+    assert event == sio.EVENT and len(args) == 1
+    return torch.load(io.BytesIO(args[0]), weights_only=True)
+
+
+def test_a_connected_socket_is_an_unclaimed_session_already_subscribed(connect, redis_client):
+    client = connect()
+    sid = client.sid
+    assert redis_client.get(jobs.session_owner_key(sid)) == b""
+    assert 0 < redis_client.ttl(jobs.session_owner_key(sid)) <= subscribe.SESSION_OWNER_TTL_S
+    # Right after connect returned: the first status of a job reaches the client.
+    assert publish(redis_client, sid, wire.QUEUED, "Queued.") >= 1
+    assert received(client)["status"] == wire.QUEUED
+
+
+def test_statuses_arrive_as_the_old_clients_read_them_and_nothing_after_the_last(connect, redis_client, monkeypatch):
+    monkeypatch.setattr(sio, "CLOSE_AFTER_S", 1.0)
+    client = connect()
+    sid = client.sid
+    url = "http://farm/result/job1"
+    for status, description, data in ((wire.QUEUED, "Queued (position 2).", None),
+                                      (wire.DEPLOYING, "Loading org/a onto gpu0.", None),
+                                      (wire.RUNNING, "Your job has started running.", None),
+                                      (wire.COMPLETED, "Done.", url)):
+        assert publish(redis_client, sid, status, description, data) >= 1
+    assert [received(client) for _ in range(4)] == [
+        {"id": "job1", "status": "QUEUED", "description": "Queued (position 2)."},
+        {"id": "job1", "status": "QUEUED", "description": "Loading org/a onto gpu0."},  # DEPLOYING, said as QUEUED
+        {"id": "job1", "status": "RUNNING", "description": "Your job has started running."},
+        {"id": "job1", "status": "COMPLETED", "description": "Done.", "data": url},
+    ]
+    publish(redis_client, sid, wire.RUNNING, "after the end")
+    # The client here does not close it: the server does, CLOSE_AFTER_S after the final status.
+    eventually(lambda: not client.connected, "the server closed the socket after its job's final status")
+    assert client.input_buffer == [], "a status was relayed after COMPLETED"
+    eventually(lambda: redis_client.exists(jobs.session_owner_key(sid)) == 0, "the owner record was deleted")
+
+
+def test_a_socket_never_claimed_is_closed_after_the_idle_limit(connect, redis_client, monkeypatch):
+    monkeypatch.setattr(sio, "IDLE_S", 1.0)
+    client = connect()
+    sid = client.sid
+    eventually(lambda: not client.connected, "the unclaimed socket was closed")
+    eventually(lambda: redis_client.exists(jobs.session_owner_key(sid)) == 0, "its owner record was deleted")
+
+
+def test_a_claimed_socket_outlives_the_idle_limit(connect, redis_client, monkeypatch):
+    monkeypatch.setattr(sio, "IDLE_S", 2.0)
+    client = connect()
+    sid = client.sid
+    assert jobs.claim_session(redis_client, client.sid, "key:alice") == b"key:alice"
+    time.sleep(2.0 + pace.bound(2.0))  # past the idle limit's look at the owner
+    assert client.connected
+    assert redis_client.get(jobs.session_owner_key(sid)) == b"key:alice"
+    assert publish(redis_client, sid, wire.RUNNING, "Running.") >= 1
+    assert received(client)["status"] == wire.RUNNING
+
+
+def test_a_disconnect_deletes_the_owner_record_and_unsubscribes(connect, redis_client):
+    client = connect()
+    sid = client.sid
+    client.disconnect()
+    eventually(lambda: redis_client.exists(jobs.session_owner_key(sid)) == 0, "the owner record was deleted")
+    eventually(lambda: publish(redis_client, sid, wire.RUNNING) == 0, "the session's channel was unsubscribed")
+
+
+def test_a_client_that_leaves_before_its_job_ended_has_its_open_jobs_marked_gone(connect, redis_client):
+    client = connect()
+    sid = client.sid
+    redis_client.sadd(jobs.session_jobs_key(sid), "open", "done")
+    redis_client.set(jobs.status_key("open"), wire.response_json("open", wire.RUNNING))
+    redis_client.set(jobs.status_key("done"), wire.response_json("done", wire.COMPLETED, data="http://farm/r"))
+    client.disconnect()
+    eventually(lambda: redis_client.exists(jobs.gone_key("open")), "the open job was marked gone")
+    assert not redis_client.exists(jobs.gone_key("done"))
+
+
+def test_a_connect_while_redis_fails_is_refused(app, url, redis_client, monkeypatch):
+    import redis
+
+    def unreachable(*args, **kwargs):
+        raise redis.ConnectionError("Error 111 connecting to redis")
+
+    monkeypatch.setattr(app.config["NDIF_REDIS"], "set", unreachable)
+    client = socketio.SimpleClient()
+    with pytest.raises(socketio.exceptions.ConnectionError):
+        client.connect(url, socketio_path="/ws/socket.io", transports=["websocket"], wait_timeout=pace.bound(10))
+    client.disconnect()
+    assert not redis_client.keys("ndif:session:*")
