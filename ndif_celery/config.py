@@ -155,6 +155,15 @@ def _runtime_ports(name: str, raw: str) -> dict:
     return ports
 
 
+def _versions(name: str, raw: str) -> tuple:
+    """``0.7.0,0.6.3``: exact nnsight releases, each once."""
+    versions = tuple(dict.fromkeys(part.strip() for part in raw.split(",") if part.strip()))
+    for version in versions:
+        if not re.fullmatch(r"\d+\.\d+\.\d+(?:\.post\d+)?", version):
+            raise ValueError(f"{name} lists exact nnsight releases such as 0.7.0, got {version!r}")
+    return versions
+
+
 def _jail_require(name: str, raw: str) -> tuple:
     # Jail layers: all required unless waived ("all,-seccomp"); see ndif_celery.policy.jail_layers.
     return parse_require(raw)
@@ -328,6 +337,11 @@ VARIABLES: tuple = (
     Var("NDIF_WORKER_GPUS", "worker_gpus", "", _text, "GPUs of the worker `ndif-celery up` starts (unset: all visible)"),
     Var("NDIF_WORKER_NAME", "worker_name", "", _text, "name of the worker `ndif-celery up` starts; unique per farm",
         shown="`gpu<ids>@<host>`, or `cpu@<host>`"),
+    Var("NDIF_RUNTIMES", "runtimes", "", _versions,
+        "runtimes whose workers `ndif-celery up` starts too, one each (`ndif-celery runtime add` each first)",
+        shown="none"),
+    Var("NDIF_WORKER_MEMORY_SHARE", "worker_memory_share", 1.0, _positive_float,
+        "the part of the measured memory budget a worker takes (`up` splits it between its workers)"),
     Var("NDIF_WORKER_NNSIGHT", "worker_nnsight", "", _stripped,
         "the nnsight runtime a worker runs (`ndif-celery runtime add`; docs/versions.md)", shown="the farm's own"),
     # 0 = torch's default (every core); see docs/performance.md.

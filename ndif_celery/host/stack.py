@@ -47,7 +47,7 @@ from ndif_celery.state import registry
 
 from . import processes
 from .embedded_redis import RedisServerNotFound, redis_dir
-from .services import ROOT, SERVICES, StackError, child_env, command, default_services
+from .services import ROOT, SERVICES, StackError, child_env, command, default_services, known
 
 # How long `start` waits for its own Redis before starting the services that
 # need it (a redis-server is up in milliseconds; this only bounds a failure).
@@ -123,7 +123,7 @@ def relaunch(settings: config.Settings, service: str, state: dict) -> dict:
         raise StackError(str(exc)) from None
     if service == "redis":
         redis_dir(settings).mkdir(parents=True, exist_ok=True)
-    entry = _launch(settings, service, argv, child_env(settings))
+    entry = _launch(settings, service, argv, child_env(settings, service=service))
     state[service] = entry
     current = _read_state(settings)
     if current:  # not when `down` removed it meanwhile
@@ -246,7 +246,7 @@ def start(settings: config.Settings, services: Optional[Iterable[str]] = None) -
     """
     services = list(default_services(settings) if services is None else services)
     for service in services:
-        if service not in SERVICES:
+        if not known(service):
             raise StackError(f"unknown service {service!r}; the services are {', '.join(SERVICES)}")
 
     running = [(service, pid) for service, pid, alive in status(settings) if alive]
@@ -267,12 +267,10 @@ def start(settings: config.Settings, services: Optional[Iterable[str]] = None) -
     (settings.home / "logs").mkdir(parents=True, exist_ok=True)
     if "redis" in services:
         redis_dir(settings).mkdir(parents=True, exist_ok=True)
-    env = child_env(settings)
-
     state: dict = {}
     try:
         for service in services:
-            state[service] = _launch(settings, service, argvs[service], env)
+            state[service] = _launch(settings, service, argvs[service], child_env(settings, service=service))
             _write_state(settings, state)
             if service == "redis":
                 _wait_redis(settings, state["redis"])

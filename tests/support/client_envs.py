@@ -9,12 +9,17 @@ offline model cache, and prints one JSON line of what happened.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 from pathlib import Path
 
 from ndif_celery.host import runtimes
+from tests.support.paths import OUT_DIR
+
+#: Where the test runs keep the client environments (runtimes of this checkout), made once.
+SHARED_HOME = OUT_DIR / "clients"
 
 
 def make(root: Path, version: str) -> Path:
@@ -22,12 +27,33 @@ def make(root: Path, version: str) -> Path:
     return runtimes.add(root, version, log=lambda line: None).interpreter
 
 
+def shared(version: str) -> runtimes.Runtime:
+    """The runtime of ``version`` under :data:`SHARED_HOME`, made by the first
+    pytest process that asks (the others wait on a lock) and kept between runs:
+    it serves as a client's environment and, linked into a stack's home, as a
+    worker's runtime."""
+    SHARED_HOME.mkdir(parents=True, exist_ok=True)
+    with open(SHARED_HOME / f".lock-{version}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return runtimes.add(SHARED_HOME, version, log=lambda line: None)
+
+
+def link_into(home: Path, runtime: runtimes.Runtime) -> None:
+    """Make ``runtime`` one of the stack at ``home``'s runtimes (as ``runtime add`` there would)."""
+    target = runtimes.folder(home, runtime.version)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not target.exists():
+        target.symlink_to(runtime.path, target_is_directory=True)
+
+
 def run(python: Path, script: str, *args: str, timeout_s: float = 180) -> dict:
     """Run ``script`` under ``python`` with the offline cache; its last stdout line, as JSON."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NDIF_")}
     done = subprocess.run([str(python), "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=timeout_s)
-    lines = [line for line in done.stdout.strip().splitlines() if line.startswith("{")]
+    # The older clients draw their job's status on one line they rewrite, without an end:
+    # the script's JSON may follow it on the same line.
+    lines = [line[line.index('{"'):] for line in done.stdout.strip().splitlines() if '{"' in line]
     if done.returncode != 0 or not lines:
         raise AssertionError(f"the client script failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return json.loads(lines[-1])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import nnsight
 from nnsight.intervention.serialization import UnknownPersistentIdError
 from nnsight.modeling.mixins.remotable import Remotable
 from nnsight.schema.request import RequestModel
@@ -11,7 +12,10 @@ from nnsight.tracing import globals as nnsight_globals
 from nnsight.tracing.tracer import _saves, dec, inc
 from nnsight.tracing.util import clean_traceback  # noqa: F401 - the adapter's interface
 
-COBATCH = True
+from ndif_celery.policy import client_versions
+
+# Co-batching reaches into nnsight's interleaver: built and tested on the farm's own version only.
+COBATCH = nnsight.__version__ == client_versions.MAIN
 
 
 def load(model_key: str, **kwargs) -> Any:

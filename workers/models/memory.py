@@ -14,14 +14,16 @@ from ndif_celery import config
 
 
 def budget_bytes(settings: config.Settings) -> int:
+    """NDIF_WORKER_MEMORY_GIB, else this worker's share of its GPUs' memory, or of half the RAM."""
     if settings.worker_memory_bytes > 0:
         return settings.worker_memory_bytes
+    share = min(1.0, settings.worker_memory_share)
     gpus = [g.strip() for g in settings.worker_gpus.split(",") if g.strip()]
     if gpus:
         measured = gpu_memory_bytes(gpus)
         if measured:
-            return measured
-    return host_memory_bytes() // 2
+            return int(measured * share)
+    return int(host_memory_bytes() // 2 * share)
 
 
 def gpu_memory_bytes(gpus: list[str]) -> int:
