@@ -214,3 +214,40 @@ def test_settings_and_operator_keys(tmp_path):
 
 
 # --- attacks on real stacks ----------------------------------------------------------
+
+
+MAIN_KEY = _key(repo_id="org/a", revision=None, task="text-generation")
+OLD_KEY = 'nnsight.modeling.language.LanguageModel:{"repo_id": "org/a", "revision": "main"}'
+
+
+def test_a_runtimes_request_is_a_deployment_of_its_own():
+    main, _ = ModelPolicy().admit(MAIN_KEY, {}, trusted=True)
+    old, _ = ModelPolicy().admit(OLD_KEY, {}, trusted=True, offered=[main], runtime="0.7.0")
+    # The 0.7 client's LanguageModel key is the language model's TransformersModel, for its runtime.
+    assert old == main[:-1] + ', "nnsight": "0.7.0"}'
+    assert model_policy.parse(old).main_key == main
+    # Offered under the main runtime only: not the same deployment; offered under 0.7.0: that one.
+    assert ModelPolicy().admit(OLD_KEY, {}, trusted=True, offered=[old], runtime="0.7.0")[0] == old
+    assert ModelPolicy().admit(MAIN_KEY, {}, trusted=True, offered=[old])[0] == main
+    # The status of a runtime's port shows the key as its clients write it.
+    assert model_policy.family_key(old) == 'nnsight.modeling.language.LanguageModel:{"repo_id": "org/a", "revision": null}'
+    assert model_policy.family_key(main) == main
+
+
+def test_a_client_never_names_a_runtime_itself():
+    named = MAIN_KEY[:-1] + ', "nnsight": "0.7.0"}'
+    with pytest.raises(PolicyError, match="Field 'nnsight' is not allowed in a model_key"):
+        ModelPolicy().admit(named, {}, trusted=True)
+    with pytest.raises(PolicyError, match="must be an nnsight version"):
+        model_policy.parse(MAIN_KEY[:-1] + ', "nnsight": "../x"}')
+    # A 0.8 client's request never reads a LanguageModel key: only a runtime of the older clients does.
+    with pytest.raises(PolicyError, match="is not served here"):
+        ModelPolicy().admit(OLD_KEY, {}, trusted=True)
+
+
+def test_an_untrusted_key_uses_a_runtimes_deployment_as_any_other():
+    main, _ = ModelPolicy().admit(MAIN_KEY, {}, trusted=True)
+    with pytest.raises(PolicyError, match="is not deployed on this farm for nnsight 0.7.0, and untrusted keys"):
+        ModelPolicy().admit(OLD_KEY, {}, trusted=False, offered=[main], runtime="0.7.0")
+    listed = ModelPolicy(models=("org/*",))
+    assert listed.admit(OLD_KEY, {}, trusted=False, offered=[main], runtime="0.7.0")[0].endswith('"nnsight": "0.7.0"}')
