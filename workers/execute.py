@@ -70,7 +70,7 @@ def request_scope(model: Any):
     left on the shared weights by a backward are dropped as well.
     """
     saved_linecache = dict(linecache.cache)
-    caches = adapter().caches()
+    caches = adapter().caches(model)
     saved_caches = [dict(cache) for cache in caches]
     try:
         yield
@@ -79,7 +79,7 @@ def request_scope(model: Any):
         for cache, saved in zip(caches, saved_caches):
             _restore(cache, saved)
         adapter().after_run()
-        model.interleaver.cancel()  # unwind anything a failed or cancelled run left parked
+        adapter().unwind(model)  # anything a failed or cancelled run left parked
         # The live tree, not a kept list: a parameter a block swapped in keeps no grad into the next job.
         model._module.zero_grad(set_to_none=True)
 

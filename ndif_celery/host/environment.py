@@ -18,8 +18,8 @@ def local_env() -> dict:
         for dist in dists:
             imports.setdefault(dist, []).append(import_name)
     packages = {}
-    for dist in metadata.distributions():
+    for dist in metadata.distributions():  # in import order: a runtime's nnsight before the farm's it shadows
         name = dist.metadata["Name"]
         for import_name in imports.get(name, [name]):
-            packages[import_name] = dist.version
+            packages.setdefault(import_name, dist.version)
     return {"python_version": sys.version, "packages": packages}

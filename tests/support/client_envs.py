@@ -1,10 +1,11 @@
-"""Environments for older nnsight clients, made from the package index once per test session.
+"""Environments for older nnsight clients, made from the package index once per checkout.
 
 A client of another version is made exactly as a runtime is
 (``ndif_celery.host.runtimes.add``): its own nnsight (and what it needs, such
-as python-socketio for 0.6/0.7) over this project's torch and transformers.
+as python-socketio for 0.6/0.7) over this project's torch and transformers;
+the same environment, linked into a stack's home, is that runtime's workers'.
 Its script runs in a subprocess with that interpreter, against the tests'
-offline model cache, and prints one JSON line of what happened.
+offline model cache, and prints a JSON line of what happened.
 """
 
 from __future__ import annotations
@@ -20,11 +21,6 @@ from tests.support.paths import OUT_DIR
 
 #: Where the test runs keep the client environments (runtimes of this checkout), made once.
 SHARED_HOME = OUT_DIR / "clients"
-
-
-def make(root: Path, version: str) -> Path:
-    """The interpreter of a client environment with nnsight ``version``."""
-    return runtimes.add(root, version, log=lambda line: None).interpreter
 
 
 def shared(version: str) -> runtimes.Runtime:
@@ -47,7 +43,12 @@ def link_into(home: Path, runtime: runtimes.Runtime) -> None:
 
 
 def run(python: Path, script: str, *args: str, timeout_s: float = 180) -> dict:
-    """Run ``script`` under ``python`` with the offline cache; its last stdout line, as JSON."""
+    """Run ``script`` under ``python`` with the offline cache; its last JSON line."""
+    return run_all(python, script, *args, timeout_s=timeout_s)[-1]
+
+
+def run_all(python: Path, script: str, *args: str, timeout_s: float = 180) -> list:
+    """Run ``script`` under ``python`` with the offline cache; every JSON line it printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NDIF_")}
     done = subprocess.run([str(python), "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=timeout_s)
@@ -56,4 +57,4 @@ def run(python: Path, script: str, *args: str, timeout_s: float = 180) -> dict:
     lines = [line[line.index('{"'):] for line in done.stdout.strip().splitlines() if '{"' in line]
     if done.returncode != 0 or not lines:
         raise AssertionError(f"the client script failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    return [json.loads(line) for line in lines]

@@ -10,11 +10,16 @@ import types
 
 import pytest
 
-from tests.support.paths import E2E_DIR, ROOT, TESTS_DIR
+from tests.support.paths import E2E_DIR, OUT_DIR, ROOT, TESTS_DIR
 from tests.support.servers import MotoServer
 from tests.support.stack import Stack
 
 FAST_DIRS = (TESTS_DIR / "unit", TESTS_DIR / "inprocess")
+
+
+def suite_modules():
+    """Every test module of the suite (not what tests/_out holds: the client environments' packages)."""
+    return [path for path in sorted(TESTS_DIR.rglob("test_*.py")) if not path.is_relative_to(OUT_DIR)]
 
 
 class Item:
@@ -51,7 +56,7 @@ def test_every_e2e_test_is_marked_and_no_fast_one_is():
     """conftest's collection hook marks a test ``e2e`` exactly when its file is under tests/e2e."""
     from tests import conftest
 
-    items = [Item(str(path.relative_to(ROOT))) for path in sorted(TESTS_DIR.rglob("test_*.py"))]
+    items = [Item(str(path.relative_to(ROOT))) for path in suite_modules()]
 
     config = types.SimpleNamespace(cache=None)
     conftest.pytest_collection_modifyitems(config, items)
@@ -77,7 +82,7 @@ def test_modules_run_longest_first_by_the_last_runs_times():
 
 
 def test_every_test_module_is_in_a_tier_and_every_folder_is_a_package():
-    for path in TESTS_DIR.rglob("test_*.py"):
+    for path in suite_modules():
         rel = path.relative_to(TESTS_DIR)
         assert rel.parts[0] in ("unit", "inprocess", "e2e"), f"{rel}: a test module belongs in unit/, inprocess/ or e2e/"
     for folder in [TESTS_DIR, *(p for p in TESTS_DIR.rglob("*") if p.is_dir())]:
@@ -90,7 +95,7 @@ def test_every_test_module_is_in_a_tier_and_every_folder_is_a_package():
 
 def test_the_stack_fixtures_are_defined_only_for_the_e2e_tier():
     stack_fixtures = {"stack_pool", "fs_stack", "on_fs_stack", "variant", "stack_for_variant"}
-    for path in TESTS_DIR.rglob("conftest.py"):
+    for path in (p for p in TESTS_DIR.rglob("conftest.py") if not p.is_relative_to(OUT_DIR)):
         defined = {
             node.name for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.FunctionDef)

@@ -14,8 +14,9 @@ behind one small interface per minor:
 
 Each module gives: ``load(model_key, **kwargs)`` (a canonical key, from
 ``ndif_celery.policy.models``), ``set_env(model, env)``, ``deserialize(model,
-blob, compress, persistent)``, ``run(prepared)``, ``caches()`` (the
+blob, compress, persistent)``, ``run(prepared)``, ``caches(model)`` (the
 process-global dicts a request may fill, restored after it), ``after_run()``,
+``unwind(model)`` (cancel what a failed run left parked),
 ``clean_traceback(tb)``, ``unknown_module(error)`` (the module path a payload
 named that this model lacks, or None) and ``COBATCH`` (whether co-batching
 runs on it).

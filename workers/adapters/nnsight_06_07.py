@@ -63,9 +63,26 @@ def run(request: Any) -> dict:
             Globals.stack = 0
 
 
-def caches() -> list:
-    """Compiled blocks and their sources, memoized by (filename, line)."""
-    return [Globals.cache.cache, Globals.cache.code_cache]
+def caches(model: Any) -> list:
+    """Compiled blocks and their sources, memoized by (filename, line); and the
+    hooks on the model's modules (0.7's ``tracer.cache()`` leaves its hooks on
+    the modules after the trace, so they would record every later user's values)."""
+    kept = [Globals.cache.cache, Globals.cache.code_cache]
+    for module in model._module.modules():
+        kept.extend(getattr(module, name) for name in _HOOKS if isinstance(getattr(module, name, None), dict))
+    return kept
+
+
+# torch.nn.Module's per-module hook tables.
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def unwind(model: Any) -> None:
+    """Cancel what a failed or cancelled run left parked (0.6 names the interleaver ``_interleaver``)."""
+    interleaver = getattr(model, "_interleaver", None) or getattr(model, "interleaver", None)
+    if interleaver is not None and getattr(interleaver, "mediators", None):
+        interleaver.cancel()
 
 
 def after_run() -> None:

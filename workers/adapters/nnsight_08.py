@@ -41,9 +41,14 @@ def run(tracer: Any) -> dict:
         dec()
 
 
-def caches() -> list:
+def caches(model: Any) -> list:
     """nnsight memoizes compiled blocks by (filename, line), and payloads register their source."""
     return [nnsight_globals.SOURCES, nnsight_globals.BLOCKS]
+
+
+def unwind(model: Any) -> None:
+    """Cancel what a failed or cancelled run left parked."""
+    model.interleaver.cancel()
 
 
 def after_run() -> None:

@@ -51,8 +51,8 @@ print(json.dumps({"read": [[r.id, r.status.name, r.description, r.data, r.sessio
 
 
 @pytest.fixture(scope="module", params=OLD)
-def client(request, tmp_path_factory):
-    return request.param, client_envs.make(tmp_path_factory.mktemp("clients"), request.param)
+def client(request):
+    return request.param, client_envs.shared(request.param).interpreter
 
 
 @pytest.mark.parametrize("mode", ["blocking", "non-blocking"])

@@ -1,0 +1,169 @@
+"""The real nnsight 0.6.3, 0.7.0 and 0.8.1 clients against one farm at the same time.
+
+One stack (auth on, jailed children from per-model zygotes) runs its own
+workers and, through ``NDIF_RUNTIMES``, one worker per runtime; each older
+client lives in its own environment made from the package index, which is
+also the runtime its worker runs (``tests/support/client_envs.py``). Each
+client runs the conformance cases written in its own API
+(``tests/support/old_client_cases.py``; the 0.8.1 client's are
+``tests/support/conformance.py``) once locally and once on the farm, and must
+get exactly its local values: with a trusted key (the worker's own process)
+and with an untrusted one (a jailed child), all three clients at once.
+``nnsight.status()`` and ``nnsight.compare()`` work from each client on its
+runtime's own port (``NDIF_RUNTIME_PORTS``).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ndif_celery.policy import client_versions
+from tests.support import client_envs, conformance
+from tests.support import old_client_cases as old_cases
+from tests.support.remote import client_pointed_at
+from tests.support.servers import free_ports
+from tests.support.stack import Stack, offline_env
+from tests.support.stack_pool import AUTH_LIMITS_OFF
+from tests.support.tiny_model import PROMPT, REPO_ID
+
+OLD = ("0.6.3", "0.7.0")
+# The 0.8.1 client's cases that run beside the older clients' (every case runs on every
+# execution path in test_conformance_remote): reads, an edit inside .source, a session,
+# a generation step by step, gradients and a cache.
+MAIN_CASES = (conformance.case_read_outputs, conformance.case_source_edit, conformance.case_session,
+              conformance.case_generate_iter, conformance.case_grad_single, conformance.case_cache_all)
+
+
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory, hf_home):
+    home = tmp_path_factory.mktemp("runtimes-farm")
+    pythons = {}
+    for version in OLD:
+        runtime = client_envs.shared(version)
+        client_envs.link_into(home, runtime)
+        pythons[version] = runtime.interpreter
+    ports = dict(zip(OLD, free_ports(len(OLD))))
+    env = {**offline_env(hf_home), **AUTH_LIMITS_OFF, "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
+           "NDIF_ISOLATION": "zygote", "NDIF_RUNTIMES": ",".join(OLD),
+           "NDIF_RUNTIME_PORTS": ",".join(f"{version}={port}" for version, port in ports.items())}
+    stack = Stack(home, env=env)
+    stack.start()
+    try:
+        stack.until(lambda: {info.get("nnsight") for info in stack.operator_farm()["cluster"]["workers"].values()}
+                    >= {*OLD, client_versions.MAIN}, "a worker of each runtime to register", timeout_s=180)
+        keys = {who: _key(stack, f"{who}@example.org", *(("--trusted",) if who == "trusted" else ()))
+                for who in ("trusted", "untrusted")}
+        yield {"stack": stack, "pythons": pythons, "ports": ports, "keys": keys}
+    finally:
+        stack.discard()
+
+
+def _key(stack, email: str, *flags: str) -> str:
+    return stack.cli("keys", "create", "--email", email, *flags, check=True).stdout.strip().splitlines()[-1]
+
+
+def _port_url(farm, version: str) -> str:
+    return f"http://127.0.0.1:{farm['ports'][version]}"
+
+
+def _old_client_runs(farm, who: str, mode: str, cases: dict) -> dict:
+    """Each older client's reports of ``cases[version]``, the clients running at once (threads)."""
+    reports: dict = {}
+
+    def run(version):
+        try:
+            reports[version] = old_cases.run_cases(farm["pythons"][version], farm["stack"].url, cases[version], mode,
+                                                   env={"CLIENT_API_KEY": farm["keys"][who]})
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            reports[version] = error
+
+    threads = [threading.Thread(target=run, args=(version,)) for version in OLD]
+    for thread in threads:
+        thread.start()
+    return {"threads": threads, "reports": reports}
+
+
+def _assert_each_equal(runs: dict, cases: dict) -> None:
+    for thread in runs["threads"]:
+        thread.join(timeout=900)
+    for version in OLD:
+        reports = runs["reports"][version]
+        if isinstance(reports, BaseException):
+            raise reports
+        assert [report["case"] for report in reports] == list(cases[version]), reports
+        for report in reports:
+            assert report.get("equal") is True and report["version"] == version, report
+
+
+@pytest.mark.parametrize("who", ["trusted", "untrusted"])
+def test_each_client_gets_its_own_local_values_all_at_once(farm, who, model, local_results, tmp_path):
+    cases = {version: old_cases.SUPPORTED[version] for version in OLD}
+    runs = _old_client_runs(farm, who, "blocking", cases)
+    with client_pointed_at(farm["stack"].url):
+        import nnsight
+
+        nnsight.CONFIG.API.APIKEY = farm["keys"][who]
+        for case in MAIN_CASES:  # the farm's own client, meanwhile
+            conformance.assert_same(case(model, lambda m: {"remote": True}, tmp_path), local_results(case))
+        with model.trace(PROMPT, remote=True) as tracer:
+            model.output.logits.save()
+        assert tracer.backend.meta["isolated"] is (who == "untrusted")
+    _assert_each_equal(runs, cases)
+
+
+def test_the_older_clients_poll_for_their_values(farm):
+    cases = {version: ["read_outputs", "source_edit", "session", "generate_iter", "gradients"] for version in OLD}
+    _assert_each_equal(_old_client_runs(farm, "trusted", "non-blocking", cases), cases)
+
+
+STATUS_AND_ENV = """
+import io, json, sys, contextlib, types
+import huggingface_hub
+import nnsight
+from nnsight import CONFIG, ndif
+CONFIG.API.HOST = sys.argv[1]
+# is_model_running asks the hub for the repo's canonical id; the hub is out of reach here, and the id is the repo's.
+huggingface_hub.HfApi.model_info = lambda self, repo_id, **kwargs: types.SimpleNamespace(id=repo_id)
+shown = io.StringIO()
+with contextlib.redirect_stdout(shown):
+    ndif.compare()
+print(json.dumps({"version": nnsight.__version__, "status": nnsight.status(),
+                  "running": nnsight.is_model_running(sys.argv[2]),
+                  "remote_env": ndif.get_remote_env(), "compared": shown.getvalue()}, default=str))
+"""
+
+
+@pytest.mark.parametrize("version", OLD)
+def test_status_and_compare_on_the_runtimes_own_port(farm, version):
+    said = client_envs.run(farm["pythons"][version], STATUS_AND_ENV, _port_url(farm, version), REPO_ID)
+    assert said["version"] == version
+    # The earlier tests deployed the model for every runtime: this port shows its own.
+    assert said["running"] is True, said
+    assert "RUNNING" in str(said["status"][REPO_ID]["state"]), said
+    assert said["remote_env"]["packages"]["nnsight"] == version  # what compare() holds the client against
+    assert "nnsight" in said["compared"]
+    on_main = client_envs.run(farm["pythons"][version], STATUS_AND_ENV, farm["stack"].url, REPO_ID)
+    assert on_main["remote_env"]["packages"]["nnsight"] == client_versions.MAIN
+
+
+def test_status_and_compare_from_the_farms_own_client(farm):
+    import nnsight
+    from nnsight import ndif
+
+    with client_pointed_at(farm["stack"].url):
+        status = nnsight.status()
+        assert ndif.get_remote_env()["packages"]["nnsight"] == client_versions.MAIN
+        ndif.compare()
+    assert REPO_ID in str(status)
+
+
+def test_a_client_on_another_runtimes_port_is_told_where_to_go(farm):
+    other = {"0.6.3": "0.7.0", "0.7.0": "0.6.3"}
+    version = OLD[0]
+    said = old_cases.run_cases(farm["pythons"][version], _port_url(farm, other[version]), ["read_outputs"],
+                               "blocking", env={"CLIENT_API_KEY": farm["keys"]["trusted"]})[-1]
+    assert said.get("error") == "ConnectionError", said
+    assert said["said"] == (f"This port serves nnsight {other[version]} clients, and yours is nnsight {version}: "
+                            f"use the farm's API port ({farm['stack'].api_port}).")
