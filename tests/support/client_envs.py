@@ -42,14 +42,14 @@ def link_into(home: Path, runtime: runtimes.Runtime) -> None:
         target.symlink_to(runtime.path, target_is_directory=True)
 
 
-def run(python: Path, script: str, *args: str, timeout_s: float = 180) -> dict:
-    """Run ``script`` under ``python`` with the offline cache; its last JSON line."""
-    return run_all(python, script, *args, timeout_s=timeout_s)[-1]
+def run(python: Path, script: str, *args: str, timeout_s: float = 180, env: dict | None = None) -> dict:
+    """Run ``script`` under ``python`` with the offline cache (and ``env``); its last JSON line."""
+    return run_all(python, script, *args, timeout_s=timeout_s, env=env)[-1]
 
 
-def run_all(python: Path, script: str, *args: str, timeout_s: float = 180) -> list:
-    """Run ``script`` under ``python`` with the offline cache; every JSON line it printed."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NDIF_")}
+def run_all(python: Path, script: str, *args: str, timeout_s: float = 180, env: dict | None = None) -> list:
+    """Run ``script`` under ``python`` with the offline cache (and ``env``); every JSON line it printed."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NDIF_")}, **(env or {})}
     done = subprocess.run([str(python), "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=timeout_s)
     # The older clients draw their job's status on one line they rewrite, without an end:

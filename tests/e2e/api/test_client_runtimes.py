@@ -167,3 +167,32 @@ def test_a_client_on_another_runtimes_port_is_told_where_to_go(farm):
     assert said.get("error") == "ConnectionError", said
     assert said["said"] == (f"This port serves nnsight {other[version]} clients, and yours is nnsight {version}: "
                             f"use the farm's API port ({farm['stack'].api_port}).")
+
+
+HOOKS_LEFT = """
+import json, os, sys
+import nnsight
+from nnsight import CONFIG, LanguageModel
+from nnsight.modeling import huggingface
+CONFIG.API.HOST, CONFIG.API.APIKEY = sys.argv[1], os.environ["CLIENT_API_KEY"]
+huggingface.ID_CACHE[sys.argv[2]] = sys.argv[2]
+model = LanguageModel(sys.argv[2])
+
+def hooks_on_the_farms_model():
+    with model.trace(sys.argv[3], remote=True):
+        counts = nnsight.save([len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model._module.modules()])
+    return counts
+
+before = hooks_on_the_farms_model()
+with model.trace(sys.argv[3], remote=True) as tracer:
+    cache = tracer.cache().save()
+print(json.dumps({"before": before, "after": hooks_on_the_farms_model(), "cached": len(cache)}))
+"""
+
+
+def test_a_cache_leaves_no_hook_on_the_resident_model(farm):
+    # nnsight 0.7.0's tracer.cache() leaves its hooks on the modules after the trace: on a
+    # worker's resident model they would record every later user's values into it.
+    said = client_envs.run(farm["pythons"]["0.7.0"], HOOKS_LEFT, farm["stack"].url, REPO_ID, PROMPT,
+                           env={"CLIENT_API_KEY": farm["keys"]["trusted"]})
+    assert said["cached"] > 0 and said["before"] == said["after"], said
