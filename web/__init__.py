@@ -5,7 +5,7 @@
 - ``uploads``: a request body admitted from its headers, read against a clock.
 - ``routes``: the HTTP API (``POST /request``, ``GET /response``, ``/status``...).
 - ``subscribe``: ``WS /subscribe``, a blocking client's status stream.
-- ``sio``: Socket.IO at ``/ws/socket.io``, accepted so nnsight 0.6/0.7 clients read why they are refused.
+- ``sio``: Socket.IO at ``/ws/socket.io``, where the nnsight 0.6/0.7 clients wait: their job's statuses in their frames.
 - ``hub``: one Redis pub/sub connection per process for all its websockets.
 - ``results``: downloads of results kept in the filesystem store.
 - ``dashboard``: ``/metrics`` and ``/dashboard``.
