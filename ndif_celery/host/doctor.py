@@ -35,7 +35,7 @@ from ndif_celery.accounts import db
 from ndif_celery.policy.jail_layers import LAYERS
 from ndif_celery.store import StoreUnavailable, open_store
 
-from . import stack
+from . import runtimes, stack
 from .versions import cuda_available, dist_version, redis_server_version
 
 PINNED_NNSIGHT = "0.8.1"  # as setup.cfg pins it; clients and workers must agree
@@ -387,6 +387,26 @@ def _guard(name: str, check: Callable[[], object]) -> list[Check]:
     return result if isinstance(result, list) else [result]
 
 
+def check_runtimes(settings: config.Settings) -> list[Check]:
+    """Each runtime this host's workers are to run (NDIF_RUNTIMES, NDIF_WORKER_NNSIGHT) is added and imports."""
+    wanted = list(dict.fromkeys([*settings.runtimes, *([settings.worker_nnsight] if settings.worker_nnsight else [])]))
+    wanted = [version for version in wanted if version != runtimes.main_version()]
+    if not wanted:
+        return [Check("runtimes", SKIP, f"none asked (NDIF_RUNTIMES); the workers run the farm's own nnsight "
+                                        f"{runtimes.main_version()}")]
+    checks = []
+    for version in wanted:
+        try:
+            found = runtimes.find(settings.home, version)
+        except runtimes.RuntimeFailure as error:
+            checks.append(Check(f"nnsight {version}", FAIL, str(error), f"ndif-celery runtime add {version}"))
+            continue
+        packages = found.packages or {}
+        checks.append(Check(f"nnsight {version}", OK, f"runtime at {found.path} (torch {packages.get('torch')}, "
+                                                       f"transformers {packages.get('transformers')})"))
+    return checks
+
+
 def run() -> list[Check]:
     """Every check, in the order they are printed (settings from the environment)."""
     env = dict(os.environ)
@@ -411,6 +431,7 @@ def run() -> list[Check]:
         ("HF cache", check_hf),
         ("secret key", lambda: check_secret_key(settings, bool(env.get("NDIF_SECRET_KEY")))),
         ("jail", lambda: check_jail(settings)),
+        ("runtimes", lambda: check_runtimes(settings)),
     ):
         checks.extend(_guard(name, check))
     return checks

@@ -254,3 +254,20 @@ def test_logs_in_a_home_without_a_stack(tmp_path):
     assert named.returncode == 0 and named.stdout == "two\nthree\n", named.stdout + named.stderr
     missing = run_cli(env, "logs", "flower")
     assert missing.returncode != 0 and "worker-gpu1-host" in missing.stderr
+
+
+def test_doctor_names_a_runtime_this_host_lacks(tmp_path):
+    settings = config.load({"NDIF_HOME": str(tmp_path), "NDIF_RUNTIMES": "0.7.0"})
+    (check,) = doctor.check_runtimes(settings)
+    assert (check.status, check.name) == (doctor.FAIL, "nnsight 0.7.0")
+    assert "no nnsight 0.7.0 runtime on this host" in check.detail and check.fix == "ndif-celery runtime add 0.7.0"
+    folder = tmp_path / "runtimes" / "nnsight-0.7.0"
+    folder.mkdir(parents=True)
+    (check,) = doctor.check_runtimes(settings)
+    assert check.status == doctor.FAIL and "is broken (its add did not finish)" in check.detail
+    (folder / "runtime.json").write_text(json.dumps({"version": "0.7.0", "python": "3.11.7", "packages": {
+        "nnsight": "0.7.0", "torch": "2.13.0+cpu", "transformers": "5.24.0"}}))
+    (check,) = doctor.check_runtimes(settings)
+    assert check.status == doctor.OK and "transformers 5.24.0" in check.detail
+    (none,) = doctor.check_runtimes(config.load({"NDIF_HOME": str(tmp_path)}))
+    assert none.status == doctor.SKIP
