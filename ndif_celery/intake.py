@@ -72,10 +72,12 @@ def accept(
     admit_model(client, settings, identity, envelope, offer, runtime)
     check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
     owner = answers[-1]
-    if protocol and envelope.session_id and owner == b"":  # a Socket.IO socket no key has claimed yet
-        owner = jobs.claim_session(client, envelope.session_id, identity.owner)
-    check_session(identity, envelope.session_id, owner)
+    unclaimed = bool(protocol and envelope.session_id and owner == b"")  # a Socket.IO socket no key claimed yet
+    if not unclaimed:
+        check_session(identity, envelope.session_id, owner)
     blob = check_payload(blob, envelope.compress, settings)
+    if unclaimed:  # claimed by the first key whose request passed its checks (at once: a race has one winner)
+        check_session(identity, envelope.session_id, jobs.claim_session(client, envelope.session_id, identity.owner))
     job = jobs.Job(
         id=uuid.uuid4().hex,
         model_key=envelope.model_key,
