@@ -78,6 +78,8 @@ def accept(
     blob = check_payload(blob, envelope.compress, settings)
     if unclaimed:  # claimed by the first key whose request passed its checks (at once: a race has one winner)
         check_session(identity, envelope.session_id, jobs.claim_session(client, envelope.session_id, identity.owner))
+        # From now on the socket is the key's, counted as its /subscribe sockets are (the web renews it).
+        limits.claim_socket(client, identity, envelope.session_id, settings)
     job = jobs.Job(
         id=uuid.uuid4().hex,
         model_key=envelope.model_key,

@@ -22,6 +22,11 @@ The socket is ``WS /subscribe`` in another wire (``web/subscribe.py``):
   The client disconnects itself; the server does it after :data:`CLOSE_AFTER_S`
   if the client does not. A claimed socket has no fixed lifetime: its owner
   record is renewed while it lives.
+* **Counted per key once claimed.** The claim counts the socket among its
+  key's sockets (``NDIF_MAX_WEBSOCKETS_PER_KEY``, refused past it, as
+  ``/subscribe``); the hub renews that lease while the socket lives, and its
+  close frees it. Before a claim a socket has no key: it is bounded by
+  :data:`IDLE_S`.
 * **A client that went away.** A socket closed before its job ended cancels
   the job after ``NDIF_DISCONNECT_GRACE_S``, as ``/subscribe`` does.
 
@@ -37,13 +42,14 @@ import json
 import logging
 import threading
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import redis
 import socketio
 from flask import Flask
 
 from ndif_celery import socketio_wire, wire
+from ndif_celery.accounts import limits
 from ndif_celery.state import jobs
 
 from . import subscribe
@@ -113,6 +119,11 @@ def wrap(app: Flask, worker_class: str) -> socketio.WSGIApp:
         socket.box.wake.set()  # the relay stops
         hub().close(sid)
         _forget_owner(client, sid)
+        if socket.box.lease is not None:  # the key's socket slot, free again
+            try:
+                limits.release_socket(client, *socket.box.lease)
+            except redis.RedisError:
+                pass  # its lease lapses on its own (NDIF_SOCKET_LEASE_S)
         if not socket.ended:  # the client left (or was closed) before its job's final status
             subscribe.client_left(client, app.config["NDIF_CELERY"], app.config["NDIF_SETTINGS"], sid)
 
@@ -161,6 +172,8 @@ def _relay_statuses(server: socketio.Server, client: redis.Redis, sid: str, sock
                 look_at_claim = now + CLAIM_RETRY_S  # Redis away: asked again, the socket kept meanwhile
         while box.frames and not socket.closed:
             look_at_claim = None  # a status came: a job was submitted with this session
+            if box.lease is None:
+                box.lease = _lease(client, sid)
             if _send(server, sid, box.frames.popleft()):
                 socket.ended = True
                 return
@@ -195,6 +208,22 @@ def _wait(socket: Socket, seconds: float) -> None:
     while not socket.closed and (left := deadline - time.monotonic()) > 0:
         socket.box.wake.wait(left)
         socket.box.wake.clear()
+
+
+class Claimant(NamedTuple):
+    """Who claimed a socket, as ``limits`` counts sockets: by owner."""
+
+    owner: str
+
+
+def _lease(client: redis.Redis, sid: str) -> Optional[tuple]:
+    """The claimed socket's place among its key's sockets (``limits.claim_socket``,
+    at the intake's claim): the hub renews it while the socket lives."""
+    try:
+        owner = client.get(jobs.session_owner_key(sid))
+    except redis.RedisError:
+        return None
+    return (Claimant(owner.decode()), sid) if owner else None
 
 
 def _forget_owner(client: redis.Redis, sid: str) -> None:

@@ -100,3 +100,18 @@ def test_a_bad_header_is_named(web, client):
     response = submit_old(web, compress="yes")
     assert response.status_code == 422
     assert response.get_json()["detail"] == "Header 'nnsight-compress' must be True or False, got 'yes'."
+
+
+def test_a_claimed_socket_counts_among_its_keys_sockets(embedded_settings, client):
+    import dataclasses
+
+    from ndif_celery.accounts import auth, limits
+    from web.app import create_app
+
+    web = create_app(dataclasses.replace(embedded_settings, max_websockets_per_key=1)).test_client()
+    for sid in ("FirstSocket", "SecondSocket"):
+        client.set(jobs.session_owner_key(sid), "", ex=60)
+    assert submit_old(web, "FirstSocket").status_code == 200
+    assert limits.sockets_held(client, auth.Identity()) == 1
+    refused = submit_old(web, "SecondSocket")
+    assert refused.status_code == 429 and "NDIF_MAX_WEBSOCKETS_PER_KEY" in refused.get_json()["detail"]

@@ -20,6 +20,7 @@ import io
 import json
 import threading
 import time
+import types
 
 import pytest
 import socketio
@@ -29,6 +30,7 @@ from werkzeug.serving import make_server
 from ndif_celery import wire
 from ndif_celery.state import jobs
 from tests.support import pace
+from web import hub as hub_module
 from web import sio, subscribe
 
 
@@ -148,6 +150,26 @@ def test_a_disconnect_deletes_the_owner_record_and_unsubscribes(connect, redis_c
     client.disconnect()
     eventually(lambda: redis_client.exists(jobs.session_owner_key(sid)) == 0, "the owner record was deleted")
     eventually(lambda: publish(redis_client, sid, wire.RUNNING) == 0, "the session's channel was unsubscribed")
+
+
+def test_a_claimed_socket_keeps_its_keys_slot_while_it_lives_and_frees_it_at_its_close(connect, redis_client):
+    from ndif_celery.accounts import limits
+
+    client = connect()
+    sid = client.sid
+    alice = sio.Claimant("key:alice")
+    assert jobs.claim_session(redis_client, sid, alice.owner) == b"key:alice"
+    settings = types.SimpleNamespace(max_websockets_per_key=4, socket_lease_s=10.0)
+    assert limits.claim_socket(redis_client, alice, sid, settings)  # as the intake's claim does
+    claimed_until = redis_client.zscore(f"ndif:sockets:{alice.owner}", sid)
+    assert publish(redis_client, sid, wire.QUEUED, "Queued.") >= 1
+    assert received(client)["status"] == wire.QUEUED
+    # The hub's resync renews it (its lease from the claim's time, the web's own from then).
+    eventually(lambda: redis_client.zscore(f"ndif:sockets:{alice.owner}", sid) > claimed_until,
+               "the web renewed the socket's lease", timeout_s=3 * hub_module.RESYNC_S)
+    assert limits.sockets_held(redis_client, alice) == 1
+    client.disconnect()
+    eventually(lambda: limits.sockets_held(redis_client, alice) == 0, "the key's socket slot was freed")
 
 
 def test_a_client_that_leaves_before_its_job_ended_has_its_open_jobs_marked_gone(connect, redis_client):
