@@ -15,10 +15,13 @@ runtime's own port (``NDIF_RUNTIME_PORTS``).
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
+import redis
 
+from ndif_celery.accounts import ledger
 from ndif_celery.policy import client_versions
 from tests.support import client_envs, conformance
 from tests.support import old_client_cases as old_cases
@@ -111,6 +114,18 @@ def test_each_client_gets_its_own_local_values_all_at_once(farm, who, model, loc
             model.output.logits.save()
         assert tracer.backend.meta["isolated"] is (who == "untrusted")
     _assert_each_equal(runs, cases)
+    # Each runtime's worker ran its client's jobs, in a jailed child for the untrusted key (the ledger says).
+    rows = _ledger_rows(farm["stack"], f"{who}@example.org")
+    for version in OLD:
+        ran = [row for row in rows if f"nnsight{version}@" in (row["worker"] or "")]
+        assert len(ran) >= len(cases[version]) and {row["isolated"] for row in ran} == {who == "untrusted"}, ran
+
+
+def _ledger_rows(stack, email: str) -> list:
+    client = redis.Redis.from_url(stack.redis_url)
+    stack.until(lambda: not client.llen(ledger.PENDING), "the ledger's pending entries to be written")
+    result = stack.cli("jobs", "--json", "--user", email, "--limit", "500", check=True)
+    return json.loads(result.stdout)
 
 
 def test_the_older_clients_poll_for_their_values(farm):
