@@ -5,7 +5,8 @@ function (``interventions``) and the tracer it runs on. ``tracer.execute(fn)``
 returns what it pushes back to the user's frame, the saved values; 0.6 counts
 its trace depth in ``Globals`` (``enter``/``exit``), 0.7 does not. A model is
 keyed as their ``LanguageModel`` with no task. Co-batching is the farm's own
-nnsight's only.
+nnsight's only, and ``.local()`` (a block streamed back to the client mid-job)
+is refused with a sentence.
 """
 
 from __future__ import annotations
@@ -16,12 +17,25 @@ import re
 from typing import Any, Optional
 
 from nnsight.intervention.tracing.globals import Globals
-from nnsight.modeling.mixins.remoteable import RemoteableMixin
+from nnsight.modeling.mixins.remoteable import RemoteableMixin, StreamTracer
 from nnsight.schema.request import RequestModel
 
 from ndif_celery.policy import models as model_policy
 
 COBATCH = False
+
+
+class NotServed(Exception):
+    """Something these clients can ask that this farm does not do, said as a sentence."""
+
+
+def _no_streaming(tracer: Any, block: Any) -> None:
+    raise NotServed("tracer.local() / session.local() (values sent to your machine in the middle of a job) is "
+                    "not served by this farm: save the values, and run that code after the session ends.")
+
+
+# Their server side of .local() streams a block back to the client over the socket; here it fails at once.
+StreamTracer.execute = _no_streaming
 
 _UNKNOWN_ID = re.compile(r"Unknown persistent id: (.+)")
 

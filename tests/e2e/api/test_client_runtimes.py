@@ -211,3 +211,34 @@ def test_a_cache_leaves_no_hook_on_the_resident_model(farm):
     said = client_envs.run(farm["pythons"]["0.7.0"], HOOKS_LEFT, farm["stack"].url, REPO_ID, PROMPT,
                            env={"CLIENT_API_KEY": farm["keys"]["trusted"]})
     assert said["cached"] > 0 and said["before"] == said["after"], said
+
+
+LOCAL_BLOCK = """
+import json, linecache, os, sys
+# nnsight reads a block's source with inspect: give this -c program's text a file's place.
+_SOURCE = sys.orig_argv[sys.orig_argv.index("-c") + 1]
+linecache.cache["<string>"] = (len(_SOURCE), None, _SOURCE.splitlines(keepends=True), "<string>")
+import nnsight
+from nnsight import CONFIG, LanguageModel
+from nnsight.modeling import huggingface
+CONFIG.API.HOST, CONFIG.API.APIKEY = sys.argv[1], os.environ["CLIENT_API_KEY"]
+huggingface.ID_CACHE[sys.argv[2]] = sys.argv[2]
+model = LanguageModel(sys.argv[2])
+try:
+    with model.session(remote=True) as session:
+        with model.trace(sys.argv[3]):
+            hidden = model.transformer.h[0].output.save()
+        with session.local():
+            print(hidden.shape)
+    print(json.dumps({"ran": True}))
+except Exception as error:
+    print(json.dumps({"error": type(error).__name__, "said": str(error)}))
+"""
+
+
+def test_a_block_streamed_back_mid_job_is_refused_with_a_sentence(farm):
+    said = client_envs.run(farm["pythons"]["0.7.0"], LOCAL_BLOCK, farm["stack"].url, REPO_ID, PROMPT,
+                           env={"CLIENT_API_KEY": farm["keys"]["trusted"]})
+    assert "ran" not in said, said
+    assert ("tracer.local() / session.local() (values sent to your machine in the middle of a job) is not served "
+            "by this farm: save the values, and run that code after the session ends.") in said["said"], said
