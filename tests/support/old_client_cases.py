@@ -84,11 +84,7 @@ CASES = [
 UNSUPPORTED = {
     # Neither version has an operation-level skip: their OperationEnvoy has
     # only .input/.inputs/.output/.source (skip exists on modules only).
-    "0.6.3": {"source_skip": "no .skip() on .source operations (OperationEnvoy) in nnsight 0.6.3",
-              # Its own bug, on any remote: 0.6.3's Cache.CacheDict does not come back through
-              # torch.save/torch.load (RecursionError in its __getattr__), measured locally.
-              "cache_all": "0.6.3's Cache.CacheDict does not survive torch.save/torch.load (RecursionError)",
-              "cache_modules": "0.6.3's Cache.CacheDict does not survive torch.save/torch.load (RecursionError)"},
+    "0.6.3": {"source_skip": "no .skip() on .source operations (OperationEnvoy) in nnsight 0.6.3"},
     "0.7.0": {"source_skip": "no .skip() on .source operations (OperationEnvoy) in nnsight 0.7.0"},
 }
 

@@ -11,12 +11,14 @@ is refused with a sentence.
 
 from __future__ import annotations
 
+import copyreg
 import json
 import pickle
 import re
 from typing import Any, Optional
 
 from nnsight.intervention.tracing.globals import Globals
+from nnsight.intervention.tracing.tracer import Cache
 from nnsight.modeling.mixins.remoteable import RemoteableMixin, StreamTracer
 from nnsight.schema.request import RequestModel
 
@@ -36,6 +38,17 @@ def _no_streaming(tracer: Any, block: Any) -> None:
 
 # Their server side of .local() streams a block back to the client over the socket; here it fails at once.
 StreamTracer.execute = _no_streaming
+
+
+def _rebuilt_through_init(cache: Any) -> tuple:
+    """A ``tracer.cache()`` result, pickled to be rebuilt by its ``__init__``: 0.6.3's
+    own unpickling of it asks its ``__getattr__`` for ``__setstate__`` before it
+    has any attribute, which recurses forever (its client cannot load it)."""
+    items = {key: dict.__getitem__(cache, key) for key in dict.keys(cache)}
+    return type(cache), (items, cache._path, cache._alias, cache._rename, cache._alias_paths)
+
+
+copyreg.pickle(Cache.CacheDict, _rebuilt_through_init)
 
 _UNKNOWN_ID = re.compile(r"Unknown persistent id: (.+)")
 
@@ -78,12 +91,18 @@ def run(request: Any) -> dict:
 
 
 def caches(model: Any) -> list:
-    """Compiled blocks and their sources, memoized by (filename, line); and the
-    hooks on the model's modules (0.7's ``tracer.cache()`` leaves its hooks on
-    the modules after the trace, so they would record every later user's values)."""
+    """What a request may leave behind, restored after it: compiled blocks and
+    their sources, memoized by (filename, line); every module's and every
+    envoy's attributes, and the hooks on the modules. These versions change the
+    shared model for good: 0.7's ``tracer.cache()`` leaves its hooks on the
+    modules (they would record every later user's values), and 0.6's ``.source``
+    swaps in an instrumented forward (every later user's cache would hold its
+    operations)."""
     kept = [Globals.cache.cache, Globals.cache.code_cache]
     for module in model._module.modules():
+        kept.append(module.__dict__)
         kept.extend(getattr(module, name) for name in _HOOKS if isinstance(getattr(module, name, None), dict))
+    kept.extend(envoy.__dict__ for envoy in model.modules())
     return kept
 
 
