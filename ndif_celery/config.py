@@ -139,6 +139,10 @@ def _web_worker_class(name: str, raw: str) -> str:
     return value
 
 
+# One exact nnsight release, as a runtime is named (ndif_celery.host.runtimes checks the same).
+_RELEASE = re.compile(r"\d+\.\d+\.\d+(?:\.post\d+)?")
+
+
 def _runtime_ports(name: str, raw: str) -> dict:
     """``0.7.0=8007,0.6.3=8006``: a port of the web per runtime (docs/versions.md)."""
     ports: dict = {}
@@ -147,7 +151,7 @@ def _runtime_ports(name: str, raw: str) -> dict:
             continue
         version, _, port = part.partition("=")
         version = version.strip()
-        if not re.fullmatch(r"\d+\.\d+\.\d+(?:\.post\d+)?", version) or not port.strip().isdigit():
+        if not _RELEASE.fullmatch(version) or not port.strip().isdigit():
             raise ValueError(f"{name} lists VERSION=PORT pairs such as 0.7.0=8007, got {part!r}")
         if not 0 < int(port) < 65536 or int(port) in ports.values():
             raise ValueError(f"{name}: port {port.strip()} is not a free TCP port number of its own")
@@ -159,7 +163,7 @@ def _versions(name: str, raw: str) -> tuple:
     """``0.7.0,0.6.3``: exact nnsight releases, each once."""
     versions = tuple(dict.fromkeys(part.strip() for part in raw.split(",") if part.strip()))
     for version in versions:
-        if not re.fullmatch(r"\d+\.\d+\.\d+(?:\.post\d+)?", version):
+        if not _RELEASE.fullmatch(version):
             raise ValueError(f"{name} lists exact nnsight releases such as 0.7.0, got {version!r}")
     return versions
 

@@ -120,7 +120,7 @@ def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mappi
         versions.check_nnsight(reported, settings.min_nnsight_version)
     versions.check_runtime(reported, versions.MAIN,
                            lambda: versions.served(registry.live_workers(client), versions.MAIN))
-    return "" if not reported or reported == versions.MAIN else reported
+    return versions.as_runtime(reported)
 
 
 def check_protocol(headers: Mapping[str, str], runtime: str) -> str:

@@ -324,7 +324,7 @@ class WorkerState:
         self.info["metrics_port"] = metrics.start(
             settings.worker_metrics_host, settings.worker_metrics_port, lambda: len(self.models.keys())
         )
-        runtime = "" if nnsight.__version__ == client_versions.MAIN else nnsight.__version__
+        runtime = client_versions.as_runtime(nnsight.__version__)
         self.redis.set(registry.env_key(runtime), json.dumps(local_env()))
         for repo in self.info["cached"]:  # which revisions name the same weights, before any is loaded
             registry.record_refs(self.redis, repo, memory.cached_refs(repo))

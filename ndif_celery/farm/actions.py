@@ -34,7 +34,7 @@ def model_key_for(model: str, task: str = "text-generation", revision: Optional[
     ``nnsight``: a runtime's deployment of it (docs/versions.md)."""
     if ":" not in model:
         suffix = {'repo_id': model, 'revision': revision, 'task': task}
-        if nnsight and nnsight != client_versions.MAIN:
+        if client_versions.as_runtime(nnsight):
             suffix[model_policy.RUNTIME_FIELD] = nnsight
         model = f"{DEFAULT_CLASS}:{json.dumps(suffix)}"
     return model_policy.parse(model).key

@@ -372,7 +372,6 @@ class Farm:
                 )
                 for key, entry in self.by_worker.get(name, {}).items()
             ]
-            runtime = info.get("nnsight") or client_versions.MAIN
             views.append(placement.WorkerView(name, info.get("memory_bytes", 0), holdings,
-                                              "" if runtime == client_versions.MAIN else runtime))
+                                              client_versions.as_runtime(info.get("nnsight", ""))))
         return views

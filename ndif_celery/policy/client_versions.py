@@ -107,6 +107,11 @@ def check_python(client_version: Optional[str], minimum: str) -> None:
         )
 
 
+def as_runtime(version: str) -> str:
+    """The runtime that serves ``version``: itself, or "" for the farm's own (or none said)."""
+    return "" if not version or version == MAIN else version
+
+
 def served(workers: dict, main: str) -> set:
     """The nnsight versions the farm runs: its own, and each live worker's
     (``nnsight`` in its registry entry: a worker of another runtime)."""
