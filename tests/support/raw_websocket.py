@@ -8,14 +8,16 @@ import socket
 from urllib.parse import urlparse
 
 
-def upgrade(url: str, headers: dict | None = None, deflate: bool = False) -> tuple[socket.socket, str]:
-    """A raw handshake on ``url``'s ``/subscribe`` (offering permessage-deflate if
-    ``deflate``): the socket, and the server's answer up to its blank line (and,
-    for a refusal, its body)."""
+def upgrade(url: str, headers: dict | None = None, deflate: bool = False, path: str = "/subscribe",
+            source: str | None = None) -> tuple[socket.socket, str]:
+    """A raw handshake on ``url``'s ``path`` (offering permessage-deflate if
+    ``deflate``), from the loopback address ``source`` if given: the socket,
+    and the server's answer up to its blank line (and, for a refusal, its body)."""
     where = urlparse(url)
-    sock = socket.create_connection((where.hostname, where.port), timeout=30)
+    sock = socket.create_connection((where.hostname, where.port), timeout=30,
+                                    source_address=(source, 0) if source else None)
     key = base64.b64encode(os.urandom(16)).decode()
-    lines = ["GET /subscribe HTTP/1.1", f"Host: {where.netloc}", "Upgrade: websocket", "Connection: Upgrade",
+    lines = [f"GET {path} HTTP/1.1", f"Host: {where.netloc}", "Upgrade: websocket", "Connection: Upgrade",
              f"Sec-WebSocket-Key: {key}", "Sec-WebSocket-Version: 13"]
     if deflate:
         lines.append("Sec-WebSocket-Extensions: permessage-deflate; client_max_window_bits")
