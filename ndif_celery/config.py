@@ -80,6 +80,13 @@ def _positive(name: str, raw: str) -> int:
     return value
 
 
+def _non_negative(name: str, raw: str) -> int:
+    value = _int(name, raw)
+    if value < 0:
+        raise ValueError(f"{name} must be an integer of at least 0, got {raw!r}")
+    return value
+
+
 def _float(name: str, raw: str) -> float:
     try:
         return float(raw)
@@ -280,9 +287,20 @@ VARIABLES: tuple = (
     Var("NDIF_WEB_THREADS", "web_threads", 64, _int, "threads per web process under `gthread`; a blocking client holds one while its job runs"),
     Var("NDIF_WEB_REDIS_CONNECTIONS", "web_redis_connections", 32, _int,
         "Redis connections per web process for requests (plus one shared pub/sub for all its websockets)"),
-    # Request bodies (web/uploads.py): each must keep up with a minimum rate after a grace,
-    # and a web process reads a bounded number at once.
+    # Websockets (web/open_sockets.py, web/sio.py): bounded per address and, before a key claims them, per process.
+    Var("NDIF_WEBSOCKETS_PER_ADDRESS", "websockets_per_address", 64, _int,
+        "websockets (`/subscribe` and Socket.IO) one client address may hold open on one web process (0: none)"),
+    Var("NDIF_UNCLAIMED_SOCKETS", "unclaimed_sockets", 512, _int,
+        "Socket.IO sockets no request has claimed yet that one web process holds at once (0: none)"),
+    Var("NDIF_SOCKETIO_CONNECT_S", "socketio_connect_s", 5.0, _positive_float,
+        "seconds a Socket.IO connection has to send its namespace CONNECT before it is closed"),
+    # Request bodies (web/uploads.py): each must begin at once and keep up with a minimum rate
+    # after a grace; a web process reads a bounded number at once, a bounded share per address.
     Var("NDIF_WEB_UPLOADS", "web_uploads", 64, _positive, "request bodies one web process reads at once"),
+    Var("NDIF_UPLOADS_PER_ADDRESS", "uploads_per_address", 8, _int,
+        "request bodies one client address (an IPv6 /64) may be sending to one web process at once (0: none)"),
+    Var("NDIF_UPLOAD_FIRST_BYTE_S", "upload_first_byte_s", 2.0, _positive_float,
+        "seconds a request body may take to begin arriving before it is cut"),
     Var("NDIF_UPLOAD_GRACE_S", "upload_grace_s", 10.0, _positive_float,
         "seconds a request body may lag behind its minimum rate before it is cut"),
     Var("NDIF_UPLOAD_MIN_BYTES_PER_S", "upload_min_bytes_per_s", 64 * 1024, _positive,
@@ -329,6 +347,13 @@ VARIABLES: tuple = (
     Var("NDIF_WORKER_METRICS_PORT", "worker_metrics_port", 9108, _int, "each worker's Prometheus `/metrics` port (0: off)"),
     Var("NDIF_WORKER_METRICS_HOST", "worker_metrics_host", "127.0.0.1", _text, "address the workers' metrics endpoints bind"),
     Var("NDIF_LOG_LEVEL", "log_level", "INFO", _upper, "log level of every process"),
+    # Bounds on what the farm writes to disk (ndif_celery.log_limits, ndif_celery.host.log_rotation).
+    Var("NDIF_LOG_REPEATS", "log_repeats", 5, _non_negative,
+        "records of one source (logger, message, exception type) logged per window; the rest are counted (0: all)"),
+    Var("NDIF_LOG_REPEAT_WINDOW_S", "log_repeat_window_s", 60.0, _positive_float, "the window of NDIF_LOG_REPEATS"),
+    Var("NDIF_LOG_MAX_BYTES", "log_max_bytes", 50 * MiB, _non_negative,
+        "size at which a log under `$NDIF_HOME/logs` is rotated (0: never)"),
+    Var("NDIF_LOG_BACKUPS", "log_backups", 3, _non_negative, "rotated copies kept of each log"),
     # Synthetic health probes and usage (ndif_celery.monitoring.probes, ndif_celery.accounts.usage; docs/monitoring.md).
     Var("NDIF_PROBE_INTERVAL_S", "probe_interval_s", 0.0, _float, "how often the beat probes each HOT model with a real trace (0: off)"),
     Var("NDIF_PROBE_TIMEOUT_S", "probe_timeout_s", 60.0, _float, "a probe that has no answer this long fails"),
@@ -407,6 +432,8 @@ VARIABLES: tuple = (
     Var("NDIF_MAX_QUEUE_DEPTH", "max_queue_depth", 0, _int, "jobs waiting per model (0: none)", auth_on=32),
     Var("NDIF_MAX_WEBSOCKETS_PER_KEY", "max_websockets_per_key", 0, _int, "`/subscribe` websockets per key (0: none)", auth_on=16),
     Var("NDIF_UPLOADS_PER_KEY", "uploads_per_key", 0, _int, "request bodies one key may be sending at once (0: none)", auth_on=16),
+    Var("NDIF_WEB_UPLOADS_PER_KEY", "web_uploads_per_key", 0, _int,
+        "request bodies one key may be sending to one web process at once (0: none)", auth_on=8),
     Var("NDIF_MAX_RUNNING_PER_KEY", "max_running_per_key", 0, _int,
         "jobs of one key running at once on one model, across its replicas (0: none)", auth_on=2),
     Var("NDIF_SOCKET_LEASE_S", "socket_lease_s", 30.0, _socket_lease,

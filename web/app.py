@@ -23,6 +23,7 @@ from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import check_shared
 
 from . import admin, dashboard, results, routes, sio, subscribe, uploads
+from .open_sockets import OpenSockets
 
 
 def refused(error: Refused):
@@ -48,6 +49,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
             app.logger.warning("could not check that the result directory is the workers' (Redis away): %s", error)
     app.config["NDIF_AUTH"] = Authenticator(settings)
     app.config["NDIF_UPLOADS"] = uploads.Watcher(settings.web_uploads)
+    app.config["NDIF_OPEN_SOCKETS"] = OpenSockets(settings)
     app.json.sort_keys = False
     # Refuse absurd uploads before reading them; the exact check is on the blob.
     app.config["MAX_CONTENT_LENGTH"] = settings.max_payload_bytes + 1024 * 1024 if settings.max_payload_bytes else None

@@ -31,28 +31,47 @@ The socket is ``WS /subscribe`` in another wire (``web/subscribe.py``):
   the job after ``NDIF_DISCONNECT_GRACE_S``, as ``/subscribe`` does.
 
 If Redis fails at connect, the connection is refused with a sentence the client
-shows. The sockets of a web process are bounded by gunicorn's
-``worker_connections`` like every other connection. engine.io uses
-simple-websocket, as ``/subscribe`` does.
+shows.
+
+Those clients only listen, so the door takes little (:class:`ListeningServer`):
+
+* **Websocket only.** Their clients connect with ``transports=["websocket"]``;
+  the polling transport is refused.
+* **Messages cut as they arrive.** A message over :data:`MESSAGE_MAX_BYTES`
+  is cut while its fragments arrive (simple-websocket's bound, which
+  engine.io's drivers leave unset); permessage-deflate is declined, as on
+  ``/subscribe``.
+* **One CONNECT, nothing else.** Besides engine.io's pongs, a client sends its
+  namespace CONNECT once and may DISCONNECT. Anything else (an event, a
+  binary packet, a malformed packet, a second CONNECT) closes its connection.
+* **A deadline for the CONNECT.** A connection that has not sent it within
+  ``NDIF_SOCKETIO_CONNECT_S`` is closed; so is one whose namespace the server
+  ends (the namespace alone would leave the connection open).
+* **Counted before the upgrade** (``web/open_sockets.py``): per address, and
+  while unclaimed per process, refused past either bound (401 with a sentence).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from typing import NamedTuple, Optional
 
 import redis
+import simple_websocket
 import socketio
 from flask import Flask
 
 from ndif_celery import socketio_wire, wire
 from ndif_celery.accounts import limits
+from ndif_celery.errors import Refused
 from ndif_celery.state import jobs
 
 from . import subscribe
+from .open_sockets import OpenSockets
 
 log = logging.getLogger("ndif_celery.web.sio")
 
@@ -67,6 +86,148 @@ CLOSE_AFTER_S = 30
 RENEW_S = subscribe.IDLE_WAIT_S
 #: How soon an unclaimed socket's owner is read again when Redis could not answer.
 CLAIM_RETRY_S = 5.0
+#: The largest message a client may send: its CONNECT is a few bytes.
+MESSAGE_MAX_BYTES = 1024
+#: engine.io packets a listening client sends: close, pong, message.
+CLIENT_PACKETS = ("1", "3", "4")
+#: socket.io packets inside its messages: CONNECT and DISCONNECT.
+CONNECT, DISCONNECT = "0", "1"
+#: How often connections late with their CONNECT are looked for.
+REAP_EVERY_S = 1.0
+#: How often a reading thread looks whether its connection closed (``threading`` mode only).
+THREAD_LOOK_EVERY_S = 1.0
+
+
+def _bounded(websocket: type, look_every_s: Optional[float]) -> type:
+    """The driver's websocket class, cut at :data:`MESSAGE_MAX_BYTES` while a
+    message arrives, and read as closed on any packet those clients never send.
+
+    ``look_every_s``: under threads, a read looks at the connection this often.
+    simple-websocket wakes a reader before it marks the connection closed, so
+    a thread may wait on a closed one for good; greenlets do not race."""
+
+    class BoundedWebSocket(websocket):
+        def __init__(self, handler, server):
+            super().__init__(handler, server)
+            self.server_args["max_message_size"] = MESSAGE_MAX_BYTES
+
+        def wait(self):
+            try:
+                data = self.ws.receive(timeout=look_every_s)
+                while data is None and self.ws.connected:
+                    data = self.ws.receive(timeout=look_every_s)
+            except simple_websocket.ConnectionClosed:
+                return None
+            if data is not None and (not isinstance(data, str) or data[:1] not in CLIENT_PACKETS):
+                return None  # engine.io then closes the connection, as if the client had
+            return data
+
+        def close(self):
+            """The close frame, then the TCP connection: a client that never
+            answers the close frame would otherwise hold the connection."""
+            super().close()
+            try:
+                self.ws.sock.shutdown(socket.SHUT_RDWR)
+            except (OSError, AttributeError):
+                pass  # already closed, or never upgraded
+
+    return BoundedWebSocket
+
+
+class ListeningServer(socketio.Server):
+    """Socket.IO for clients that only listen: one CONNECT, in time, and nothing else."""
+
+    def __init__(self, open_sockets: OpenSockets, connect_s: float, **options) -> None:
+        super().__init__(transports=["websocket"], max_http_buffer_size=MESSAGE_MAX_BYTES, **options)
+        look_every_s = None if self.async_mode == "gevent" else THREAD_LOOK_EVERY_S
+        self.eio._async = {**self.eio._async, "websocket": _bounded(self.eio._async["websocket"], look_every_s)}
+        self.open_sockets = open_sockets
+        self.connect_s = connect_s
+        self.connect_due: dict[str, float] = {}  # engine.io sid -> when its CONNECT is late
+        self.lock = threading.Lock()
+        self.reaper_started = False
+
+    def _handle_eio_connect(self, eio_sid, environ):
+        """Before the upgrade: counted by address, or refused with a sentence (401)."""
+        try:
+            self.open_sockets.enter(_counted(eio_sid), environ.get("REMOTE_ADDR") or "", claimed=False)
+        except Refused as refusal:
+            return {"message": refusal.detail}
+        with self.lock:
+            self.connect_due[eio_sid] = time.monotonic() + self.connect_s
+            start, self.reaper_started = not self.reaper_started, True
+        if start:  # in the process that serves (after gunicorn's fork)
+            self.start_background_task(self._reap)
+        return super()._handle_eio_connect(eio_sid, environ)
+
+    def _handle_eio_message(self, eio_sid, data):
+        kind = data[:1] if isinstance(data, str) else None
+        if kind == CONNECT:
+            with self.lock:
+                first = self.connect_due.pop(eio_sid, None) is not None
+            if not first:
+                return self._shut(eio_sid)
+        elif kind != DISCONNECT:
+            return self._shut(eio_sid)
+        try:
+            super()._handle_eio_message(eio_sid, data)
+        except ValueError:  # a malformed packet
+            return self._shut(eio_sid)
+        if kind == CONNECT and self.manager.sid_from_eio_sid(eio_sid, "/") is None:
+            self._shut(eio_sid)  # its CONNECT was refused: nothing more will come of it
+
+    def _handle_eio_disconnect(self, eio_sid, reason):
+        with self.lock:
+            self.connect_due.pop(eio_sid, None)
+        self.open_sockets.leave(_counted(eio_sid))
+        super()._handle_eio_disconnect(eio_sid, reason)
+
+    def disconnect(self, sid, namespace=None, ignore_queue=False):
+        """The namespace, and the connection under it: those clients have only the one."""
+        eio_sid = self.manager.eio_sid_from_sid(sid, namespace or "/")
+        super().disconnect(sid, namespace, ignore_queue)
+        if eio_sid is not None:
+            self._shut(eio_sid)
+
+    def claimed(self, sid: str) -> None:
+        """A request claimed the socket: it counts no more among the unclaimed."""
+        eio_sid = self.manager.eio_sid_from_sid(sid, "/")
+        if eio_sid is not None:
+            self.open_sockets.claim(_counted(eio_sid))
+
+    def _shut(self, eio_sid: str) -> None:
+        try:
+            self.eio.disconnect(eio_sid)
+        except KeyError:
+            pass  # already gone
+
+    def _reap(self) -> None:
+        """Close connections late with their CONNECT; forget counts of
+        connections engine.io dropped without a disconnect (a failed upgrade)."""
+        while True:
+            self.sleep(REAP_EVERY_S)
+            try:
+                now = time.monotonic()
+                with self.lock:
+                    late = [eio_sid for eio_sid, due in self.connect_due.items() if due <= now]
+                for eio_sid in late:
+                    self._shut(eio_sid)
+                live = {_counted(eio_sid) for eio_sid in list(self.eio.sockets)}
+                for counted in self.open_sockets.held() - live:
+                    if counted.startswith(_COUNTED_PREFIX):
+                        with self.lock:
+                            self.connect_due.pop(counted[len(_COUNTED_PREFIX):], None)
+                        self.open_sockets.leave(counted)
+            except Exception:  # noqa: BLE001 - the reaper outlives any one failure
+                log.exception("socket.io: the reaper failed a round")
+
+
+_COUNTED_PREFIX = "socket.io:"
+
+
+def _counted(eio_sid: str) -> str:
+    """An engine.io connection's name among the process's counted sockets."""
+    return _COUNTED_PREFIX + eio_sid
 
 
 class Socket:
@@ -86,9 +247,10 @@ def wrap(app: Flask, worker_class: str) -> socketio.WSGIApp:
 
     ``app`` gives the handlers, which run outside any Flask request, its Redis,
     settings and Celery app, and an app context for the hub."""
-    server = socketio.Server(async_mode="gevent" if worker_class == "gevent" else "threading",
-                             cors_allowed_origins=[], logger=False, engineio_logger=False,
-                             max_http_buffer_size=1024)
+    settings = app.config["NDIF_SETTINGS"]
+    server = ListeningServer(app.config["NDIF_OPEN_SOCKETS"], settings.socketio_connect_s,
+                             async_mode="gevent" if worker_class == "gevent" else "threading",
+                             cors_allowed_origins=[], logger=False, engineio_logger=False)
     client: redis.Redis = app.config["NDIF_REDIS"]
     sockets: dict[str, Socket] = {}
 
@@ -138,7 +300,7 @@ def _refused(error: redis.RedisError) -> socketio.exceptions.ConnectionRefusedEr
         f"submitted, please retry shortly. ({error})")
 
 
-def _relay(server: socketio.Server, client: redis.Redis, sid: str, socket: Socket) -> None:
+def _relay(server: ListeningServer, client: redis.Redis, sid: str, socket: Socket) -> None:
     """The socket's life: relay its job's statuses, renew its owner record,
     close it when nobody claimed it or some time after its job ended."""
     try:
@@ -153,7 +315,7 @@ def _relay(server: socketio.Server, client: redis.Redis, sid: str, socket: Socke
             server.disconnect(sid)
 
 
-def _relay_statuses(server: socketio.Server, client: redis.Redis, sid: str, socket: Socket) -> None:
+def _relay_statuses(server: ListeningServer, client: redis.Redis, sid: str, socket: Socket) -> None:
     """Until the job's final status, the socket's close, or its idle limit while unclaimed."""
     box = socket.box
     renewed = time.monotonic()  # the owner record was written at connect
@@ -168,12 +330,14 @@ def _relay_statuses(server: socketio.Server, client: redis.Redis, sid: str, sock
                 if not client.get(jobs.session_owner_key(sid)):
                     return  # never claimed (or its record is gone): its client connected and never submitted
                 look_at_claim = None
+                server.claimed(sid)
             except redis.RedisError:
                 look_at_claim = now + CLAIM_RETRY_S  # Redis away: asked again, the socket kept meanwhile
         while box.frames and not socket.closed:
             look_at_claim = None  # a status came: a job was submitted with this session
             if box.lease is None:
                 box.lease = _lease(client, sid)
+                server.claimed(sid)
             if _send(server, sid, box.frames.popleft()):
                 socket.ended = True
                 return

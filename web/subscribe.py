@@ -80,7 +80,8 @@ def hub() -> Hub:
 def open_socket():
     """Before the websocket upgrade: everything that needs Redis.
 
-    With auth on, only a valid key may subscribe, and only while it holds fewer
+    The socket counts among its address's (``web/open_sockets.py``). With auth
+    on, only a valid key may subscribe, and only while it holds fewer
     than ``NDIF_MAX_WEBSOCKETS_PER_KEY`` sockets; then the session is recorded
     as the key's and its channel subscribed (confirmed by Redis). A refusal
     raises ``errors.Refused``, an unreachable Redis ``redis.ConnectionError``,
@@ -93,8 +94,10 @@ def open_socket():
     if request.path != "/subscribe":
         return
     client, settings = current_app.config["NDIF_REDIS"], current_app.config["NDIF_SETTINGS"]
-    identity = identify()
     session_id = uuid.uuid4().hex
+    current_app.config["NDIF_OPEN_SOCKETS"].enter(session_id, request.remote_addr or "", claimed=True)
+    g.ndif_counted = session_id
+    identity = identify()
     g.ndif_identity, g.ndif_session_id = identity, session_id
     lease = None
     limits.count_handshake(client, identity, settings)
@@ -113,6 +116,9 @@ def close_socket(_error=None) -> None:
     if g.pop("ndif_box", None) is not None:
         hub().close(g.ndif_session_id)
         _forget_owner(g.ndif_session_id)
+    counted = g.pop("ndif_counted", None)
+    if counted is not None:
+        current_app.config["NDIF_OPEN_SOCKETS"].leave(counted)
     session_id = g.pop("ndif_socket", None)
     if session_id is not None:
         limits.release_socket(current_app.config["NDIF_REDIS"], g.ndif_identity, session_id)

@@ -25,11 +25,11 @@ import types
 import pytest
 import socketio
 import torch
-from werkzeug.serving import make_server
 
 from ndif_celery import wire
 from ndif_celery.state import jobs
 from tests.support import pace
+from tests.support.servers import serving
 from web import hub as hub_module
 from web import sio, subscribe
 
@@ -46,12 +46,8 @@ def app(embedded_settings):
 
 @pytest.fixture(scope="module")
 def url(app):
-    server = make_server("127.0.0.1", 0, app, threaded=True)
-    thread = threading.Thread(target=server.serve_forever, name="sio-test-web", daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    thread.join(timeout=10)
+    with serving(app) as found:
+        yield found
 
 
 @pytest.fixture

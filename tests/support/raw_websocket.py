@@ -33,9 +33,12 @@ def upgrade(url: str, headers: dict | None = None, deflate: bool = False, path: 
     text = head.decode(errors="replace")
     if not text.startswith("HTTP/1.1 101"):  # a refusal: its JSON body too
         length = next((int(line.split(":", 1)[1]) for line in text.splitlines()
-                       if line.lower().startswith("content-length:")), 0)
-        while len(body) < length:
-            chunk = sock.recv(65536)
+                       if line.lower().startswith("content-length:")), None)
+        while length is None or len(body) < length:  # no length: the body ends with the connection
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                break
             if not chunk:
                 break
             body += chunk
@@ -57,3 +60,60 @@ def frame(payload: bytes, opcode: int = 0x1, rsv1: bool = False) -> bytes:
     whole = (mask * (n // 4 + 1))[:n]
     masked = (int.from_bytes(payload, "big") ^ int.from_bytes(whole, "big")).to_bytes(n, "big") if n else b""
     return head + mask + masked
+
+
+SOCKETIO_PATH = "/ws/socket.io/?EIO=4&transport=websocket"
+
+
+class Reply:
+    """What a server sent on a raw socket until it closed it or went quiet."""
+
+    def __init__(self, frames: list, closed: bool) -> None:
+        self.frames = frames  # (opcode, payload) pairs
+        self.closed = closed  # the server closed the TCP connection
+
+    @property
+    def texts(self) -> list:
+        return [payload.decode(errors="replace") for opcode, payload in self.frames if opcode == 0x1]
+
+    @property
+    def close_code(self) -> int | None:
+        return next((int.from_bytes(payload[:2], "big") for opcode, payload in self.frames
+                     if opcode == 0x8 and len(payload) >= 2), None)
+
+
+def read(sock: socket.socket, quiet_s: float = 1.0, within_s: float = 20.0) -> Reply:
+    """The server's frames until it closes the connection, goes ``quiet_s``
+    without a byte, or ``within_s`` passes."""
+    import time
+
+    sock.settimeout(quiet_s)
+    got, closed, deadline = b"", False, time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except socket.timeout:
+            break
+        except (ConnectionResetError, OSError):
+            closed = True
+            break
+        if not chunk:
+            closed = True
+            break
+        got += chunk
+    return Reply(_frames(got), closed)
+
+
+def _frames(data: bytes) -> list:
+    """Unmasked server frames, as (opcode, payload)."""
+    frames, at = [], 0
+    while at + 2 <= len(data):
+        opcode, n = data[at] & 0x0F, data[at + 1] & 0x7F
+        at += 2
+        if n == 126:
+            n, at = int.from_bytes(data[at:at + 2], "big"), at + 2
+        elif n == 127:
+            n, at = int.from_bytes(data[at:at + 8], "big"), at + 8
+        frames.append((opcode, data[at:at + n]))
+        at += n
+    return frames
