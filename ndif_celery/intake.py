@@ -39,7 +39,7 @@ from .farm import deployments
 from .monitoring import probes
 from .policy import client_versions as versions
 from .policy import models as model_policy
-from .state import jobs, queues, registry, turns
+from .state import byte_quotas, jobs, queues, registry, turns
 
 
 def accept(
@@ -101,7 +101,12 @@ def accept(
     else:  # first in, first out: behind every job of its priority or before it
         position = sum(depths[:served_with]) + 1
     job.queued_at = jobs.now()
-    park(client, celery, job, blob, queue, position, settings)
+    limits.reserve_parked(client, identity, job, settings)
+    try:
+        park(client, celery, job, blob, queue, position, settings)
+    except BaseException:
+        byte_quotas.PARKED.release(client, [byte_quotas.payload_entry(job.id)])
+        raise
     # The controller deploys the model if no worker serves it (``ndif_celery.farm.controller``);
     # a model served needs nothing of it now (its ticks tell positions and add replicas).
     if job.model_key not in offer.serving:
@@ -210,6 +215,7 @@ def park(client: redis.Redis, celery: Celery, job: jobs.Job, blob: bytes, queue:
     pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
     pipe.set(jobs.owner_key(job.id), job.owner, ex=settings.job_ttl_s)
     pipe.set(jobs.message_key(job.id), jobs.dumps(job.to_message()), ex=settings.job_ttl_s)
+    byte_quotas.PARKED.add(pipe, job.owner, byte_quotas.records_entry(job.id), byte_quotas.RECORD_BYTES)
     if job.session_id:
         pipe.sadd(jobs.session_jobs_key(job.session_id), job.id)
         pipe.expire(jobs.session_jobs_key(job.session_id), settings.job_ttl_s)

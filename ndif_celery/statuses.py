@@ -24,7 +24,7 @@ from . import output_bounds as bounds
 from . import socketio_wire, wire
 from .accounts import ledger, limits
 from .monitoring import metrics
-from .state import jobs
+from .state import byte_quotas, jobs
 
 # LOG limits per job when the caller names none (the worker passes its settings).
 DEFAULT_LOG_LINES_PER_S = 100.0
@@ -87,7 +87,7 @@ class StatusChannel:
         if status != wire.LOG:
             pipe.set(jobs.status_key(self.job.id), message, ex=self.ttl_s)
         if status in wire.TERMINAL:
-            _release(pipe, self.job, self.ttl_s)
+            _release(pipe, self.job, self.ttl_s, len(message))
             _record(pipe, self.job, status, description, meta, kind)
         if self.job.session_id:
             pipe.publish(jobs.session_channel(self.job.session_id), message)
@@ -106,7 +106,7 @@ class StatusChannel:
             return False
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(jobs.status_key(self.job.id), latest, ex=self.ttl_s)
-        _release(pipe, self.job, self.ttl_s)
+        _release(pipe, self.job, self.ttl_s, len(latest))
         stored = json.loads(latest)
         _record(pipe, self.job, stored["status"], stored.get("description") or "", stored.get("meta"), "")
         pipe.execute()
@@ -147,10 +147,15 @@ def answer_for_worker(client: redis.Redis, job_id: str, ttl_s: int, token: str, 
     return True
 
 
-def _release(pipe, job: jobs.Job, ttl_s: int) -> None:
-    """What a terminal status also does: free the key's concurrency slot, note
-    when the job ended (for the cleanup), and keep its owner as long as its status."""
+def _release(pipe, job: jobs.Job, ttl_s: int, status_bytes: int) -> None:
+    """What a terminal status also does: free the key's concurrency slot and
+    its payload (a job cancelled unrun keeps no bytes), count the stored status
+    among its key's parked bytes, note when the job ended (for the cleanup),
+    and keep its owner as long as its status."""
     limits.release(pipe, job)
+    pipe.delete(jobs.payload_key(job.id))
+    byte_quotas.PARKED.release(pipe, [byte_quotas.payload_entry(job.id)])
+    byte_quotas.PARKED.add(pipe, job.owner, byte_quotas.records_entry(job.id), status_bytes)
     pipe.zadd(jobs.ENDED, {job.id: time.time()})
     pipe.zrem(jobs.OPEN, job.id)
     pipe.expire(jobs.owner_key(job.id), ttl_s)

@@ -23,7 +23,7 @@ import redis
 
 from ndif_celery import config
 from ndif_celery.errors import Refused
-from ndif_celery.state import jobs, queues
+from ndif_celery.state import byte_quotas, jobs, queues
 
 from . import auth
 
@@ -138,6 +138,20 @@ def check_and_count(client: redis.Redis, identity: auth.Identity, queue: str, se
             503,
         )
     return depths
+
+
+def reserve_parked(client: redis.Redis, identity: auth.Identity, job: jobs.Job, settings: config.Settings) -> None:
+    """Count the job's payload among the bytes its key parks in Redis, or
+    refuse it (429) past ``NDIF_MAX_PARKED_BYTES_PER_KEY``: no key can fill the broker."""
+    quota = settings.max_parked_bytes_per_key
+    held = byte_quotas.PARKED.reserve(client, identity.owner, byte_quotas.payload_entry(job.id), job.payload_bytes, quota)
+    if held is not None:
+        raise LimitError(
+            f"This key's jobs hold {held} bytes in the job broker (payloads waiting to run, statuses kept "
+            f"for NDIF_JOB_TTL_S); with this payload of {job.payload_bytes} bytes that is over its "
+            f"{quota} (NDIF_MAX_PARKED_BYTES_PER_KEY). Wait for queued jobs to run, then try again.",
+            429,
+        )
 
 
 def track(pipe, job: jobs.Job) -> None:

@@ -18,7 +18,7 @@ import redis
 
 from ndif_celery import wire
 
-from . import jobs, result_bytes
+from . import byte_quotas, jobs
 
 EXPIRED = "ndif:jobs:expired"  # zset: job id -> when the sweep removed it
 # How long an expired job is remembered as such (a few bytes each).
@@ -47,7 +47,8 @@ def sweep(client: redis.Redis, store, ttl_s: float, now: Optional[float] = None)
             break
         for job_id in ids:
             store.delete(result_key(job_id))
-        result_bytes.release(client, ids)  # each key's quota has room again
+        byte_quotas.RESULTS.release(client, ids)  # each key's quotas have room again
+        byte_quotas.PARKED.release(client, [byte_quotas.records_entry(job_id) for job_id in ids])
         pipe = client.pipeline(transaction=False)
         for job_id in ids:
             pipe.delete(*jobs.job_keys(job_id))

@@ -260,3 +260,40 @@ def test_the_intakes_message_is_the_one_celery_would_send(client, settings, prio
     assert ours == sent
     (entry,) = queues.waiting(client, queue_for(MODEL_KEY))
     assert entry.job == job
+
+
+def test_a_job_cancelled_while_queued_releases_its_payload_at_once(web, client, settings):
+    """The cancel that frees the key's slot deletes its payload and gives its
+    bytes back in the same step; only its small records stay until they expire."""
+    from ndif_celery.farm import actions
+    from ndif_celery.state.byte_quotas import PARKED, RECORD_BYTES
+
+    blob = b"x" * 200_000
+    job_id = submit(web, blob).get_json()["id"]
+    assert client.get(jobs.payload_key(job_id)) == blob
+    assert len(blob) + RECORD_BYTES <= PARKED.used(client, "anonymous") < len(blob) + 2 * RECORD_BYTES
+    assert actions.kill(client, None, job_id, settings.job_ttl_s) == "removed from the queue"
+    assert client.get(jobs.payload_key(job_id)) is None
+    left = PARKED.used(client, "anonymous")
+    assert RECORD_BYTES < left < 2 * RECORD_BYTES, left  # the records and the final status: no payload
+    assert web.get(f"/response/{job_id}").get_json()["status"] == wire.ERROR
+
+
+def test_a_key_cannot_park_more_than_its_bound_in_redis(client, settings):
+    """Payloads of queued jobs count against NDIF_MAX_PARKED_BYTES_PER_KEY;
+    past it a request is refused (429) naming the bound, nothing queued; a
+    cancel gives the bytes back at once."""
+    import dataclasses
+
+    from ndif_celery.farm import actions
+    from web.app import create_app
+
+    web = create_app(dataclasses.replace(settings, max_parked_bytes_per_key=1_000_000)).test_client()
+    accepted = [submit(web, b"p" * 300_000) for _ in range(3)]
+    assert all(answer.status_code == 200 for answer in accepted), [a.get_json() for a in accepted]
+    refused = submit(web, b"p" * 300_000)
+    assert refused.status_code == 429 and "NDIF_MAX_PARKED_BYTES_PER_KEY" in refused.get_json()["detail"], \
+        refused.get_json()
+    assert len(queues.waiting(client, queue_for(MODEL_KEY))) == 3  # nothing queued for the refused one
+    actions.kill(client, None, accepted[0].get_json()["id"], settings.job_ttl_s)
+    assert submit(web, b"p" * 300_000).status_code == 200

@@ -260,19 +260,20 @@ def test_a_keys_stored_bytes_are_reserved_then_given_back_by_the_sweep(fs_store,
     """What ``deliver`` and the expiry sweep do with a key's quota, against a
     real Redis and store: over the quota nothing is counted, and the sweep that
     deletes a result gives its bytes back; another key's count is its own."""
-    from ndif_celery.state import expiry, jobs, result_bytes
+    from ndif_celery.state import expiry, jobs
+    from ndif_celery.state.byte_quotas import RESULTS
 
     try:
-        assert result_bytes.reserve(redis_client, "key:1", "job-a", 600, quota=1000) is None
-        assert result_bytes.reserve(redis_client, "key:1", "job-b", 600, quota=1000) == 600  # would make 1200
-        assert result_bytes.reserve(redis_client, "key:2", "job-c", 900, quota=1000) is None
-        assert (result_bytes.used(redis_client, "key:1"), result_bytes.used(redis_client, "key:2")) == (600, 900)
+        assert RESULTS.reserve(redis_client, "key:1", "job-a", 600, quota=1000) is None
+        assert RESULTS.reserve(redis_client, "key:1", "job-b", 600, quota=1000) == 600  # would make 1200
+        assert RESULTS.reserve(redis_client, "key:2", "job-c", 900, quota=1000) is None
+        assert (RESULTS.used(redis_client, "key:1"), RESULTS.used(redis_client, "key:2")) == (600, 900)
         fs_store.put(expiry.result_key("job-a"), b"x" * 600)
         redis_client.zadd(jobs.ENDED, {"job-a": time.time() - 100})
         assert expiry.sweep(redis_client, fs_store, ttl_s=10)["jobs"] == 1
-        assert (result_bytes.used(redis_client, "key:1"), result_bytes.used(redis_client, "key:2")) == (0, 900)
-        assert result_bytes.reserve(redis_client, "key:1", "job-b", 600, quota=1000) is None
-        result_bytes.release(redis_client, ["job-b", "job-b", "never-counted"])  # an upload failed: once
-        assert result_bytes.used(redis_client, "key:1") == 0
+        assert (RESULTS.used(redis_client, "key:1"), RESULTS.used(redis_client, "key:2")) == (0, 900)
+        assert RESULTS.reserve(redis_client, "key:1", "job-b", 600, quota=1000) is None
+        RESULTS.release(redis_client, ["job-b", "job-b", "never-counted"])  # an upload failed: once
+        assert RESULTS.used(redis_client, "key:1") == 0
     finally:
-        redis_client.delete(result_bytes.TOTALS, result_bytes.SIZES, jobs.ENDED, expiry.EXPIRED)
+        redis_client.delete(RESULTS.totals, RESULTS.sizes, jobs.ENDED, expiry.EXPIRED)

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ndif_celery import messages, statuses, wire
 from ndif_celery.celery_app import queue_for
 from ndif_celery.state import expiry as cleanup
-from ndif_celery.state import jobs, registry, result_bytes, turns
+from ndif_celery.state import byte_quotas, jobs, registry, turns
 from ndif_celery.store import StoreUnavailable
 from workers import metrics, results
 from workers.execute import RequestError, result_over_quota, result_too_big
@@ -228,14 +228,14 @@ def deliver(worker: WorkerState, life: Life, data: bytes) -> None:
         # Nobody listens any more (the client went away): keep the result for a poll.
     key = cleanup.result_key(job.id)
     quota = worker.settings.result_quota_bytes
-    used = result_bytes.reserve(worker.redis, job.owner, job.id, len(data), quota)
+    used = byte_quotas.RESULTS.reserve(worker.redis, job.owner, job.id, len(data), quota)
     if used is not None:
         raise result_over_quota(len(data), used, quota, worker.settings.job_ttl_s)
     upload_started = time.perf_counter()
     try:
         worker.store.put(key, data)
     except BaseException:
-        result_bytes.release(worker.redis, [job.id])  # nothing kept, nothing counted
+        byte_quotas.RESULTS.release(worker.redis, [job.id])  # nothing kept, nothing counted
         raise
     meta["upload_ms"] = ms_since(upload_started)
     meta["inline"] = False
