@@ -31,6 +31,8 @@ ARCHIVE = "archive"
 PICKLE_PROTOCOL = 2  # what torch.save writes by default
 
 MODEL_KEY, COMPRESS, SESSION = "nnsight-model-key", "nnsight-compress", "ndif-session_id"
+#: ``SESSION`` as gunicorn hands it to the app: a name no client header takes (web/gunicorn_conf.py).
+SESSION_AS_READ = "X-Ndif-Socketio-Session"
 #: A Socket.IO session id as engine.io makes them (URL-safe base64 of random bytes).
 SID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 #: The protocol name a job of these clients carries (``jobs.Job.protocol``).
@@ -82,7 +84,7 @@ def envelope(headers: Mapping[str, str]) -> wire.Envelope:
     compress = (headers.get(COMPRESS) or "False").strip()
     if compress not in ("True", "False"):
         raise wire.WireError(f"Header {COMPRESS!r} must be True or False, got {compress[:20]!r}.")
-    session_id = (headers.get(SESSION) or "").strip()
+    session_id = (headers.get(SESSION_AS_READ) or "").strip()
     if session_id and not SID.fullmatch(session_id):
         raise wire.WireError(f"Header {SESSION!r} must be the id of this farm's Socket.IO socket, or empty.")
     return wire.Envelope(model_key=model_key, session_id=session_id, compress=compress == "True")

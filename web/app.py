@@ -33,6 +33,21 @@ def refused(error: Refused):
     return jsonify(detail=error.detail), error.status
 
 
+#: On every answer: a browser never guesses a type, and never sends this farm's URLs (job ids, tokens) elsewhere.
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+#: On every HTML page (the dashboard, its admin forms): no other site may frame it.
+PAGE_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"}
+
+
+def secure_headers(response):
+    """The browser-facing headers (``after_request``): the dashboard's forms post
+    as same-origin, so a page of another site must not frame them."""
+    response.headers.update(SECURITY_HEADERS)
+    if response.mimetype == "text/html":
+        response.headers.update(PAGE_HEADERS)
+    return response
+
+
 def create_app(settings: Optional[config.Settings] = None) -> Flask:
     settings = settings or config.load()
     app = Flask("ndif_celery.web")
@@ -64,6 +79,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.teardown_request(subscribe.close_socket)
 
     app.register_error_handler(Refused, refused)
+    app.after_request(secure_headers)
     # nnsight 0.6/0.7 clients wait on a Socket.IO socket: their job's statuses are relayed there.
     app.wsgi_app = sio.wrap(app, settings.web_worker_class)
 

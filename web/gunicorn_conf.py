@@ -19,6 +19,7 @@ themselves.
 import resource
 
 from ndif_celery import config as _config
+from ndif_celery import socketio_wire
 
 _settings = _config.load()
 
@@ -39,11 +40,11 @@ graceful_timeout = 30
 # Also the most gunicorn waits for a request's headers, and to drain the body of
 # a request refused before it was read (web/uploads.py): a slow client's hold.
 keepalive = 2
-# The nnsight 0.6/0.7 clients send their Socket.IO session in the header
-# `ndif-session_id`. gunicorn drops a header with an underscore by default (one
-# proxy may read `a_b` as `a-b` and another not); "dangerous" maps it as `-`,
-# and no header of ours is told apart from another by `_` against `-`.
-header_map = "dangerous"
+# A header with an underscore is dropped: WSGI names `a_b` and `a-b` alike, so
+# keeping it would merge it with its twin (and a proxy may filter one spelling,
+# not the other). The one the nnsight 0.6/0.7 clients send is kept apart: see
+# keep_socketio_session_header below.
+header_map = "drop"
 accesslog = "-"
 errorlog = "-"
 loglevel = _settings.log_level.lower()
@@ -60,6 +61,34 @@ def raise_open_files_limit() -> tuple:
         except (ValueError, OSError):
             pass
     return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
+def keep_socketio_session_header() -> None:
+    """Keep the header ``ndif-session_id`` under a name of the server's own.
+
+    The 0.6/0.7 clients name their Socket.IO session there. It reaches the
+    app as ``socketio_wire.SESSION_AS_READ``, a name no client header takes:
+    a client's own header of that name is dropped, as is every other
+    header with an underscore. So nothing can merge with it."""
+    from gunicorn.http.message import Message
+
+    policy = Message._apply_header_policy
+    if getattr(policy, "keeps_socketio_session", False):
+        return
+    sent, read = socketio_wire.SESSION.upper(), socketio_wire.SESSION_AS_READ.upper()
+
+    def apply(self, name, value, *args, **kwargs):
+        if name == sent:
+            return read, value
+        if name == read:
+            return None
+        return policy(self, name, value, *args, **kwargs)
+
+    apply.keeps_socketio_session = True
+    Message._apply_header_policy = apply
+
+
+keep_socketio_session_header()
 
 
 def on_starting(server) -> None:

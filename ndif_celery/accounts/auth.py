@@ -30,6 +30,8 @@ MISSING = (
     "NDIF_API_KEY environment variable; ask this server's operator for a key."
 )
 INVALID = "Invalid API key."
+MALFORMED = ("Invalid API key format: the key sent is not one this server issues. API keys must be in the "
+             "format: xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx")
 UNAVAILABLE = "Auth backend unavailable."
 
 
@@ -125,11 +127,7 @@ class Authenticator:
         if not key:
             raise AuthError(MISSING, 401)
         if not _KEY_FORMAT.match(key):
-            raise AuthError(
-                f"Invalid API key format: {key[:64]!r}. API keys must be in the format: "
-                "xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx",
-                400,
-            )
+            raise AuthError(MALFORMED, 400)  # never echoed: behind a proxy it may hold another key
         row = self._lookup(key, address or "")
         if row is None:
             raise AuthError(INVALID, 403)

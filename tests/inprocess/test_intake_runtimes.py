@@ -40,7 +40,7 @@ def client(redis_client):
 
 def submit_old(web, session_id: str = "", key: str = "", body: bytes = b"payload", compress: str = "False"):
     headers = {"nnsight-version": OLD, "nnsight-model-key": OLD_KEY, "nnsight-compress": compress,
-               "ndif-session_id": session_id, "Content-Type": "application/octet-stream"}
+               socketio_wire.SESSION_AS_READ: session_id, "Content-Type": "application/octet-stream"}
     if key:
         headers["ndif-api-key"] = key
     return web.post("/request", data=body, headers=headers)

@@ -43,7 +43,7 @@ def test_statuses_those_clients_do_not_know_are_said_as_ones_they_do():
 
 def test_the_envelope_is_read_from_the_headers():
     key = 'nnsight.modeling.language.LanguageModel:{"repo_id": "org/a", "revision": null}'
-    read = socketio_wire.envelope({"nnsight-model-key": key, "nnsight-compress": "True", "ndif-session_id": "s1"})
+    read = socketio_wire.envelope({"nnsight-model-key": key, "nnsight-compress": "True", socketio_wire.SESSION_AS_READ: "s1"})
     assert read == wire.Envelope(model_key=key, compress=True, session_id="s1")
     assert socketio_wire.envelope({"nnsight-model-key": key}).compress is False
     with pytest.raises(ValueError, match="Missing header 'nnsight-model-key'"):
@@ -55,6 +55,6 @@ def test_the_envelope_is_read_from_the_headers():
 def test_a_session_id_that_is_no_socket_id_is_refused():
     key = 'nnsight.modeling.language.LanguageModel:{"repo_id": "org/a", "revision": null}'
     with pytest.raises(wire.WireError, match="must be the id of this farm's Socket.IO socket"):
-        socketio_wire.envelope({"nnsight-model-key": key, "ndif-session_id": "ndif:queue:x"})
+        socketio_wire.envelope({"nnsight-model-key": key, socketio_wire.SESSION_AS_READ: "ndif:queue:x"})
     with pytest.raises(wire.WireError, match="Unknown model class"):
         socketio_wire.envelope({"nnsight-model-key": 'os.system:{"repo_id": "org/a"}'})
