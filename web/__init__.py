@@ -6,6 +6,7 @@
 - ``routes``: the HTTP API (``POST /request``, ``GET /response``, ``/status``...).
 - ``subscribe``: ``WS /subscribe``, a blocking client's status stream.
 - ``sio``: Socket.IO at ``/ws/socket.io``, where the nnsight 0.6/0.7 clients wait: their job's statuses in their frames.
+- ``open_sockets``: the websockets of one web process, counted per address and while unclaimed.
 - ``hub``: one Redis pub/sub connection per process for all its websockets.
 - ``results``: downloads of results kept in the filesystem store.
 - ``dashboard``: ``/metrics`` and ``/dashboard``.
@@ -13,4 +14,5 @@
 - ``operators``: who the operator is (an admin key by HTTP Basic), the HTML refusal, the database handle.
 - ``charts``: the dashboard's SVG charts and the schedule's calendar, drawn on the server.
 - ``gunicorn_conf``: gunicorn's settings from the ``NDIF_*`` environment.
+- ``gunicorn_logging``: gunicorn's logger, with repeated records bounded in every web process.
 """

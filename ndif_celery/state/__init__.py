@@ -10,8 +10,8 @@ name and read them one way. Bottom first:
   deployments, operator wishes, the jobs each worker runs, ``/status``.
 - ``queues``: what waits in each per-model queue, read from the broker;
   ``take`` removes a co-batch's jobs and records them as the worker's, in one Lua step.
-- ``result_bytes``: the bytes each key keeps in the result store, against
-  its quota (reserved by a worker before it uploads, released by the sweep).
+- ``byte_quotas``: the bytes each key holds in a shared place, against its
+  quota: stored results, and what its jobs park in Redis (payloads, records).
 - ``expiry``: the sweep the beat schedules (results and job state past
   ``NDIF_JOB_TTL_S``) and the "has expired" answer a late poll gets.
 
