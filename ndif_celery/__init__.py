@@ -11,6 +11,7 @@ enforces; each imports only its own layer or those below:
    ``exit_codes`` (exit statuses a service and its supervisor agree on);
    ``output_bounds`` (caps on the status texts and LOG output user code can make);
    ``notices`` (a repeating warning logged once per change, then as a rare reminder);
+   ``log_limits`` (repeated log records of every farm process: a few per source per window, then a count);
 2. the protocol and pure rules:
    ``wire`` (the nnsight client's envelope and status frames, without torch);
    ``messages`` (status texts two processes write, kept once so they cannot drift);
@@ -24,7 +25,7 @@ enforces; each imports only its own layer or those below:
 8. ``statuses``: ``StatusChannel``, the one writer of a job's statuses, above all a final status touches;
 9. ``intake`` (``POST /request`` as named steps, the web's door), ``farm/`` (who holds
    which model, operator actions, the beat's watchdog) and ``beat`` (the ``ndif-celery beat`` process);
-10. ``host/``: this host's processes: the single-host stack, its supervisor, doctor, logs;
+10. ``host/``: this host's processes: the single-host stack, its supervisor, doctor, logs and their rotation;
 11. ``cli/``: the ``ndif-celery`` command, each command's module imported only when it runs.
 
 Each subpackage's ``__init__`` opens with its own map. The worker and the code

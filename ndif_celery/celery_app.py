@@ -16,9 +16,9 @@ import re
 import socket
 from typing import Optional
 
-from celery import Celery
+from celery import Celery, signals
 
-from . import config
+from . import config, log_limits
 
 RUN_JOB = "ndif.run_job"
 LOAD_MODEL = "ndif.load_model"
@@ -69,6 +69,9 @@ def lazy_app() -> Celery:
     configured from the environment when Celery first needs it, not when its
     module is imported (Celery's ``add_defaults`` promise)."""
     app = Celery("ndif_celery")
+    # Celery sets up the logging of the worker and beat; Flower imports the app's modules.
+    signals.after_setup_logger.connect(_limit_log_repeats, weak=False, dispatch_uid="ndif-log-limits")
+    signals.import_modules.connect(_limit_log_repeats, weak=False, dispatch_uid="ndif-log-limits-import")
 
     def configure() -> dict:
         settings = config.load()
@@ -76,6 +79,12 @@ def lazy_app() -> Celery:
 
     app.add_defaults(configure)
     return app
+
+
+def _limit_log_repeats(**_) -> None:
+    """Every process of a ``celery -A`` command line bounds its repeated log records."""
+    settings = config.load()
+    log_limits.install(settings.log_repeats, settings.log_repeat_window_s)
 
 
 def celery_conf(settings: config.Settings) -> dict:

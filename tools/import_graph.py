@@ -46,7 +46,7 @@ FORBIDDEN = {
 # it may import modules of its own layer or of the layers below, never above.
 LAYERS = {
     "ndif_celery": (
-        ("errors", "exit_codes", "output_bounds", "notices"),  # leaves
+        ("errors", "exit_codes", "output_bounds", "notices", "log_limits"),  # leaves
         ("wire", "socketio_wire", "messages", "policy"),  # the protocols and pure rules
         ("config", "celery_app"),  # settings and the broker app
         ("state",),  # what every process reads and writes in Redis

@@ -9,6 +9,7 @@ Bottom first:
   ``up`` and for ``ndif-celery web|worker|beat|flower|redis`` in the foreground.
 - ``stack``: ``up``'s stack: state file, ports, launch, readiness, stop.
 - ``supervisor``: ``up``'s supervisor: a service that dies is restarted with backoff.
+- ``log_rotation``: the logs under ``NDIF_HOME/logs`` kept to a size, rotated in place by the supervisor.
 - ``logs``: ``ndif-celery logs``, the tail of a service's log file.
 - ``versions``: ``ndif-celery version``, what this host has installed. Not
   ``policy.client_versions``, the gate on the client's versions.

@@ -45,7 +45,7 @@ import redis
 from ndif_celery import config
 from ndif_celery.state import registry
 
-from . import processes
+from . import log_rotation, processes
 from .embedded_redis import RedisServerNotFound, redis_dir
 from .services import ROOT, SERVICES, StackError, child_env, command, default_services, known
 
@@ -207,10 +207,12 @@ def log_tail(settings: config.Settings, service: str, lines: int = 40, entry: Op
     path = log_path(settings, service)
     try:
         with open(path, "rb") as f:
-            if entry and entry.get("log_offset") is not None:
-                f.seek(int(entry["log_offset"]))
-            else:
-                f.seek(max(0, path.stat().st_size - 256 * 1024))
+            size = f.seek(0, os.SEEK_END)
+            offset = int(entry["log_offset"]) if entry and entry.get("log_offset") is not None else None
+            if offset is not None and offset <= size:
+                f.seek(offset)
+            else:  # no start recorded, or the log was rotated since
+                f.seek(max(0, size - 256 * 1024))
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return f"(no log at {path})"
@@ -283,6 +285,10 @@ def start(settings: config.Settings, services: Optional[Iterable[str]] = None) -
 
 def _launch(settings: config.Settings, service: str, argv: list[str], env: dict) -> dict:
     path = log_path(settings, service)
+    try:
+        log_rotation.rotate(path, settings.log_max_bytes, settings.log_backups)  # left over its size before
+    except OSError:
+        pass  # the service starts all the same; the supervisor says why at its next rotation
     started = datetime.datetime.now(datetime.timezone.utc)
     with open(path, "ab") as log:
         offset = log.tell()

@@ -15,7 +15,9 @@ killed it). A service that dies is restarted after a backoff that starts at
 :data:`BACKOFF_START_S` and doubles to :data:`BACKOFF_MAX_S`, and goes back
 to the start once the service stayed up :data:`STABLE_S`, so a crash loop
 costs little and a rare crash is repaired at once. Each exit and restart is
-logged, in the service's own log and the supervisor's.
+logged, in the service's own log and the supervisor's. At each look it also
+keeps the logs under ``NDIF_HOME/logs`` to their size
+(:mod:`ndif_celery.host.log_rotation`), for as long as the stack runs.
 
 A service that exits with :data:`REPLACE_EXIT_CODE` asked to be replaced (a
 worker whose user code would not unwind from a deadline): it is
@@ -40,7 +42,7 @@ from typing import Callable, Optional
 from ndif_celery import config
 from ndif_celery.exit_codes import REPLACE_EXIT_CODE
 
-from . import processes, stack
+from . import log_rotation, processes, stack
 
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
@@ -126,6 +128,7 @@ class Supervisor:
         self.state = state
         self.say = say
         self.stop_requested = False
+        self.rotation_failed = False  # said once, until a rotation works again
         self.services = {
             name: {"restarts": 0, "last_exit": None, "restart_at": None, "backoff": BACKOFF_START_S}
             for name in state
@@ -166,7 +169,20 @@ class Supervisor:
                     self.check(name)
                 except Exception as exc:  # noqa: BLE001 - the supervisor must outlive one bad restart
                     self.note(name, f"supervising {name} failed ({type(exc).__name__}: {exc}); trying again")
+            self.rotate_logs()
             time.sleep(POLL_S)
+
+    def rotate_logs(self) -> None:
+        """Keep every log under ``$NDIF_HOME/logs`` within its budget (``log_rotation``):
+        no other process of the stack is sure to live as long as the services."""
+        try:
+            log_rotation.rotate_all(self.settings)
+        except OSError as exc:
+            if not self.rotation_failed:
+                self.say(f"supervisor: could not rotate the logs in {self.settings.home / 'logs'}: {exc}")
+            self.rotation_failed = True
+        else:
+            self.rotation_failed = False
 
     def check(self, name: str) -> None:
         service = self.services[name]
