@@ -23,7 +23,7 @@ STACK_KINDS = ("fs", "s3", "isolated", "zygote", "auth")
 JAIL_TIMEOUT_S = 10
 AUTH_LIMITS_OFF = {"NDIF_MAX_CONCURRENT_JOBS": "0", "NDIF_MAX_WEBSOCKETS_PER_KEY": "0", "NDIF_RATE_LIMIT_PER_MIN": "0",
                    "NDIF_MAX_QUEUE_DEPTH": "0", "NDIF_EXECUTION_TIMEOUT_S": "300", "NDIF_UPLOADS_PER_KEY": "0",
-                   "NDIF_MAX_RUNNING_PER_KEY": "0", "NDIF_RESULT_QUOTA_BYTES": "0",
+                   "NDIF_WEB_UPLOADS_PER_KEY": "0", "NDIF_MAX_RUNNING_PER_KEY": "0", "NDIF_RESULT_QUOTA_BYTES": "0",
                    "NDIF_MAX_PARKED_BYTES_PER_KEY": "0"}
 SECRETS = {
     "NDIF_SECRET_KEY": "ndif-signing-secret-4f1d2a9c7e",

@@ -61,6 +61,8 @@ def stack(tmp_path_factory, hf_home):
         "NDIF_EXECUTION_TIMEOUT_S": str(timeout_s), "NDIF_MAX_QUEUE_DEPTH": "2",
         "NDIF_MIN_NNSIGHT_VERSION": INSTALLED, "NDIF_MIN_PYTHON_VERSION": HERE,
         "NDIF_UPLOAD_GRACE_S": str(UPLOAD_GRACE_S), "NDIF_WEB_CONNECTIONS": str(WEB_CONNECTIONS),
+        # A key's uploads across every web are the subject here, not its share of one web process.
+        "NDIF_WEB_UPLOADS_PER_KEY": "0",
     }
     with client_on_stack(tmp_path_factory.mktemp("limits"), hf_home, env) as stack:
         stack.timeout_s = timeout_s
@@ -285,15 +287,17 @@ def test_client_at_the_minimum_works(stack, model, trusted_key):
 # -- request bodies --
 
 
-def _start_upload(stack, key: str, length: int, chunked: bool = False) -> socket.socket:
-    """A ``POST /request`` whose headers are sent and whose body is not: its socket."""
+def _start_upload(stack, key: str, length: int, chunked: bool = False, source: str = "127.0.0.1",
+                  begin: bool = False) -> socket.socket:
+    """A ``POST /request`` from ``source`` whose headers are sent and whose body
+    is not (``begin``: but its first KiB, so it is not cut at NDIF_UPLOAD_FIRST_BYTE_S): its socket."""
     where = urlparse(stack.url)
-    sock = socket.create_connection((where.hostname, where.port), timeout=30)
+    sock = socket.create_connection((where.hostname, where.port), timeout=30, source_address=(source, 0))
     size = "Transfer-Encoding: chunked" if chunked else f"Content-Length: {length}"
     head = ["POST /request HTTP/1.1", f"Host: {where.netloc}", f"ndif-api-key: {key}",
             *(f"{name}: {value}" for name, value in VERSION_HEADERS.items()),
             "Content-Type: multipart/form-data; boundary=xyz", size]
-    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + (b"--xyz\r\n" + b"x" * 1017 if begin else b""))
     return sock
 
 
@@ -338,24 +342,25 @@ def test_a_body_is_refused_unread_when_its_key_may_not_send_it(stack, model, mon
 
 def test_slow_bodies_are_cut_at_their_deadline_and_bounded_per_key(stack, model, monkeypatch):
     """NDIF_UPLOADS_PER_KEY (its auth-on default) bodies in flight per key: the
-    next is refused at once. Those in flight are cut at their deadline, a trickled
-    one too (ten bytes a second), and the key's uploads are counted no longer."""
+    next is refused at once. Those in flight, begun and then stalled, are cut at
+    their deadline, a trickled one too (ten bytes a second), and the key's uploads
+    are counted no longer. They come from two addresses, and the next from a
+    third: NDIF_UPLOADS_PER_ADDRESS is tests/e2e/api/test_upload_slots.py's."""
     in_flight = config.AUTH_ON_DEFAULTS["NDIF_UPLOADS_PER_KEY"]
     key = make_key(stack)
     started = time.monotonic()
-    uploads = [_start_upload(stack, key, 100_000) for _ in range(in_flight)]
+    uploads = [_start_upload(stack, key, 100_000, source=f"127.0.1.{n % 2 + 1}", begin=True) for n in range(in_flight)]
     client = redis.Redis.from_url(stack.redis_url)
     try:  # all admitted (each counted in its key's uploads) before the next is sent
         wait_until(lambda: [client.zcard(name) for name in client.keys("ndif:uploads:*")] == [in_flight],
                    pace.bound(5), "the uploads to be admitted")
     finally:
         client.close()
-    status, body = _answer(_start_upload(stack, key, 100_000), within_s=pace.bound(5))
+    status, body = _answer(_start_upload(stack, key, 100_000, source="127.0.1.3"), within_s=pace.bound(5))
     assert status == 429 and "NDIF_UPLOADS_PER_KEY" in body, (status, body)
 
     def trickle(sock):
         try:
-            sock.sendall(b"--xyz\r\n")
             while True:
                 sock.sendall(b"x")
                 time.sleep(0.1)
@@ -383,9 +388,10 @@ def _ping_s(stack) -> float:
 
 
 def test_thousands_of_stalled_uploads_from_one_key_leave_the_web_to_everyone(stack, model, monkeypatch):
-    """One key starts thousands of uploads and never sends their bodies,
-    holding every socket the server leaves open (WEB_CONNECTIONS are the web's
-    slots). /ping stays at its usual latency and another key's trace is exact."""
+    """One key starts thousands of uploads from its own address and never sends
+    their bodies, holding every socket the server leaves open (WEB_CONNECTIONS
+    are the web's slots). /ping stays at its usual latency and another key's
+    trace is exact."""
     attacker = make_key(stack)
     monkeypatch.setattr(nnsight.CONFIG.API, "APIKEY", make_key(stack, "--trusted"))
     _works(model)
@@ -396,7 +402,7 @@ def test_thousands_of_stalled_uploads_from_one_key_leave_the_web_to_everyone(sta
         held = selectors.DefaultSelector()
         try:
             while opened[0] < ATTACK_UPLOADS:
-                held.register(_start_upload(stack, attacker, 100_000), selectors.EVENT_READ)
+                held.register(_start_upload(stack, attacker, 100_000, source="127.0.0.2"), selectors.EVENT_READ)
                 opened[0] += 1
                 for ready, _ in held.select(timeout=0):  # held until the server closes it
                     try:
