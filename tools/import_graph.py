@@ -60,7 +60,7 @@ LAYERS = {
     ),
     "workers": (
         ("adapters",),  # what differs per nnsight version
-        ("execute", "results", "cuda", "metrics"),  # leaves shared by the worker and the child
+        ("execute", "baseline", "results", "cuda", "metrics"),  # leaves shared by the worker and the child
         ("isolation",),  # untrusted jobs' processes and the jail
         ("models",),  # resident models
         ("cobatch",),  # shared forwards

@@ -8,6 +8,7 @@ and Flower too, which must load no torch. Bottom layer first, as
 1. ``adapters/``: what differs per nnsight version a worker runs (the farm's own, or a runtime's);
 2. leaves shared by the worker and the jailed child:
    ``execute`` (deserialize a request, run its block, collect the saves, the hygiene around them);
+   ``baseline`` (a resident model's user-changeable state as loaded, put back after each trusted request);
    ``results`` (result bytes as the nnsight client reads them, and the pickled COMPLETED frame);
    ``cuda`` (what this process did with CUDA: a process that initialised it cannot fork);
    ``metrics`` (this worker's own Prometheus endpoint; not ``ndif_celery.monitoring.metrics``, the farm's);

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import linecache
+import logging
 import os
 import site
 import sysconfig
@@ -22,7 +23,10 @@ import torch
 
 from ndif_celery import output_bounds as bounds
 
+from . import baseline
 from .adapters import current as adapter
+
+log = logging.getLogger("ndif_celery.worker")
 
 
 class RequestError(Exception):
@@ -62,16 +66,22 @@ def payload_error(error: BaseException) -> RequestError:
 
 @contextlib.contextmanager
 def request_scope(model: Any):
-    """Leave no trace of a request in process-global state.
+    """Leave no trace of a request in process-global state, nor on the model.
 
     nnsight memoizes compiled blocks by (filename, line) and the payload
     registers its source in ``linecache``; none of it is re-validated, so a
-    later request from the same trace site would run this one's block. Grads
-    left on the shared weights by a backward are dropped as well.
+    later request from the same trace site would run this one's block. What
+    the block changed on the shared model (its configs, tokenizer, modules'
+    and envoys' attributes) is put back as loaded (``workers.baseline``).
+    Grads left on the shared weights by a backward are dropped as well.
     """
     saved_linecache = dict(linecache.cache)
     caches = adapter().caches(model)
     saved_caches = [dict(cache) for cache in caches]
+    kept = baseline.of(model)
+    if kept.dirty:  # the last request was interrupted while its changes were being put back
+        _log_put_back(kept.restore())
+    kept.dirty = True
     try:
         yield
     finally:
@@ -80,8 +90,14 @@ def request_scope(model: Any):
             _restore(cache, saved)
         adapter().after_run()
         adapter().unwind(model)  # anything a failed or cancelled run left parked
+        _log_put_back(baseline.of(model).restore())  # (a PEFT swap retook it: the current one)
         # The live tree, not a kept list: a parameter a block swapped in keeps no grad into the next job.
         model._module.zero_grad(set_to_none=True)
+
+
+def _log_put_back(changed: list[str]) -> None:
+    if changed:
+        log.info("a request changed the shared model; put back as loaded: %s", "; ".join(changed[:20]))
 
 
 # A loaded model's persistent objects (every module by path, for the payload's
@@ -105,7 +121,10 @@ def persistent_objects(model: Any, env: Optional[dict]) -> dict:
     """The model's persistent objects under ``env`` (applied here), the caller's own copy."""
     if (env or {}).get("peft"):
         _PERSISTENT[model._module] = LAYERED
+    layered = model.__dict__.get("peft")
     adapter().set_env(model, env)
+    if model.__dict__.get("peft") != layered and baseline.ATTRIBUTE in model.__dict__:
+        baseline.take(model)  # the farm swapped the adapter: the tree as it now is is the one to keep
     kept = _PERSISTENT.get(model._module)
     if kept is LAYERED:
         return model._remoteable_persistent_objects()

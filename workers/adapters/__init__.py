@@ -15,7 +15,8 @@ behind one small interface per minor:
 Each module gives: ``load(model_key, **kwargs)`` (a canonical key, from
 ``ndif_celery.policy.models``), ``set_env(model, env)``, ``deserialize(model,
 blob, compress, persistent)``, ``run(prepared)``, ``caches(model)`` (the
-process-global dicts a request may fill, restored after it), ``after_run()``,
+process-global dicts a request may fill, restored after it; what it changes
+on the model itself is ``workers.baseline``'s), ``after_run()``,
 ``unwind(model)`` (cancel what a failed run left parked),
 ``clean_traceback(tb)``, ``unknown_module(error)`` (the module path a payload
 named that this model lacks, or None) and ``COBATCH`` (whether co-batching

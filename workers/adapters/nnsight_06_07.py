@@ -91,24 +91,11 @@ def run(request: Any) -> dict:
 
 
 def caches(model: Any) -> list:
-    """What a request may leave behind, restored after it: compiled blocks and
-    their sources, memoized by (filename, line); every module's and every
-    envoy's attributes, and the hooks on the modules. These versions change the
-    shared model for good: 0.7's ``tracer.cache()`` leaves its hooks on the
-    modules (they would record every later user's values), and 0.6's ``.source``
-    swaps in an instrumented forward (every later user's cache would hold its
-    operations)."""
-    kept = [Globals.cache.cache, Globals.cache.code_cache]
-    for module in model._module.modules():
-        kept.append(module.__dict__)
-        kept.extend(getattr(module, name) for name in _HOOKS if isinstance(getattr(module, name, None), dict))
-    kept.extend(envoy.__dict__ for envoy in model.modules())
-    return kept
-
-
-# torch.nn.Module's per-module hook tables.
-_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+    """Compiled blocks and their sources, memoized by (filename, line). These
+    versions also change the shared model for good (0.7's ``tracer.cache()``
+    leaves its hooks on the modules, 0.6's ``.source`` swaps in an instrumented
+    forward): ``workers.baseline`` puts the modules and envoys back as loaded."""
+    return [Globals.cache.cache, Globals.cache.code_cache]
 
 
 def unwind(model: Any) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from ndif_celery import config
 from ndif_celery.policy import models as model_policy
 from ndif_celery.wire import repo_fields
-from workers import adapters, cuda
+from workers import adapters, baseline, cuda
 from workers.execute import RequestError, forget_tree, no_grad_weights
 from workers.isolation import parent as isolate
 from workers.isolation import shared_weights
@@ -56,6 +56,8 @@ class Resident:
     made on the zygote's first start. ``zygote``: the model's ``zygote.Zygote``.
     ``size_bytes``: as placed, for re-registering the deployment.
     ``threads``: torch's intra-op threads for its forward (``workers.models.threads``).
+    Its baseline (``workers.baseline``, what trusted requests' changes are put
+    back to) is kept on the model itself, so it goes with the model.
     """
 
     def __init__(self, model_key: str, model: Any, dtype: Optional[str], size_bytes: int = 0,
@@ -76,6 +78,7 @@ class Resident:
             self.keyed = (key, key.fingerprint(model._module))
         self.shared: Any = None
         self.zygote: Optional[Zygote] = None
+        baseline.take(model)  # what each trusted request's changes are put back to
 
     def share(self) -> Any:
         """The weights in shared memory (moved there on first call)."""
@@ -83,6 +86,7 @@ class Resident:
             self.shared = shared_weights.share(self.model._module)
             self.fingerprint = integrity.PlainFingerprint(self.model._module)  # same values, new storage
             self.stamps = integrity.Stamps(self.model._module)
+            baseline.take(self.model)  # the buffers are new objects: they are the ones to keep
         return self.shared
 
     def start_zygote(self, fork_server: Any = None) -> Zygote:
