@@ -45,6 +45,8 @@ keepalive = 2
 # not the other). The one the nnsight 0.6/0.7 clients send is kept apart: see
 # keep_socketio_session_header below.
 header_map = "drop"
+# Repeated warnings and errors written a few times a window, then counted (ndif_celery/log_limits.py).
+logger_class = "web.gunicorn_logging.Logger"
 accesslog = "-"
 errorlog = "-"
 loglevel = _settings.log_level.lower()

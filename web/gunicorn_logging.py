@@ -3,8 +3,8 @@
 gunicorn builds its logger in the master before it forks the workers, so the
 limit installed here (``ndif_celery.log_limits``) is in every web process, on
 gunicorn's loggers and on those of the app and its libraries (engine.io logs
-a traceback per malformed Socket.IO packet). Named by ``--logger-class`` on
-the web's command line (``ndif_celery.host.services``).
+a traceback per malformed Socket.IO packet). Named by ``logger_class`` in
+``web/gunicorn_conf.py``, so an operator's own gunicorn gets it too.
 """
 
 from __future__ import annotations

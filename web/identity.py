@@ -10,6 +10,7 @@ the app's one ``errors.Refused`` handler answers.
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Optional
 
 from flask import current_app, request
@@ -22,3 +23,19 @@ def identify(key: Optional[str] = None) -> auth.Identity:
     if key is None:
         key = request.headers.get(auth.HEADER)
     return current_app.config["NDIF_AUTH"].identify(key, request.remote_addr)
+
+
+def client_network(address: Optional[str]) -> str:
+    """The party a client address counts as: an IPv4 address, or an IPv6 /64.
+
+    One host is usually given a whole /64, so counting its addresses one by
+    one would give it billions of shares."""
+    try:
+        ip = ipaddress.ip_address(address or "")
+    except ValueError:
+        return address or ""
+    if ip.version == 4:
+        return str(ip)
+    if ip.ipv4_mapped is not None:  # an IPv4 client of a dual-stack socket
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False))

@@ -1,7 +1,7 @@
 """The websockets one web process holds, counted by client address.
 
 Both socket doors (``/subscribe`` and Socket.IO) enter here before their
-upgrade. An address holds at most ``NDIF_WEBSOCKETS_PER_ADDRESS`` of a
+upgrade. An address (an IPv6 /64: ``identity.client_network``) holds at most ``NDIF_WEBSOCKETS_PER_ADDRESS`` of a
 process's sockets: with auth off every client is "anonymous", so the address
 is the only party there is to count. Socket.IO sockets carry no key until a
 request claims them; at most ``NDIF_UNCLAIMED_SOCKETS`` may wait unclaimed, so

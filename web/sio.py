@@ -71,6 +71,7 @@ from ndif_celery.errors import Refused
 from ndif_celery.state import jobs
 
 from . import subscribe
+from .identity import client_network
 from .open_sockets import OpenSockets
 
 log = logging.getLogger("ndif_celery.web.sio")
@@ -150,7 +151,7 @@ class ListeningServer(socketio.Server):
     def _handle_eio_connect(self, eio_sid, environ):
         """Before the upgrade: counted by address, or refused with a sentence (401)."""
         try:
-            self.open_sockets.enter(_counted(eio_sid), environ.get("REMOTE_ADDR") or "", claimed=False)
+            self.open_sockets.enter(_counted(eio_sid), client_network(environ.get("REMOTE_ADDR")), claimed=False)
         except Refused as refusal:
             return {"message": refusal.detail}
         with self.lock:

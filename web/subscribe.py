@@ -36,7 +36,7 @@ from ndif_celery.farm import actions
 from ndif_celery.state import jobs
 
 from .hub import Hub
-from .identity import identify
+from .identity import client_network, identify
 
 log = logging.getLogger("ndif_celery.web.subscribe")
 sock = Sock()
@@ -95,7 +95,7 @@ def open_socket():
         return
     client, settings = current_app.config["NDIF_REDIS"], current_app.config["NDIF_SETTINGS"]
     session_id = uuid.uuid4().hex
-    current_app.config["NDIF_OPEN_SOCKETS"].enter(session_id, request.remote_addr or "", claimed=True)
+    current_app.config["NDIF_OPEN_SOCKETS"].enter(session_id, client_network(request.remote_addr), claimed=True)
     g.ndif_counted = session_id
     identity = identify()
     g.ndif_identity, g.ndif_session_id = identity, session_id

@@ -28,7 +28,6 @@ request refused unread, within its keepalive (``web/gunicorn_conf.py``).
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 import threading
 import time
@@ -45,6 +44,8 @@ from ndif_celery import config
 from ndif_celery.accounts import auth, limits
 from ndif_celery.errors import Refused
 
+from .identity import client_network
+
 WATCH_S = 0.25  # how often the watcher looks at the bodies being read
 FORM_OVERHEAD_BYTES = 1024 * 1024  # the multipart envelope around the payload (as MAX_CONTENT_LENGTH)
 
@@ -53,22 +54,6 @@ class UploadTooSlow(Refused):
     """A request body that did not begin in time or fell behind the minimum rate: cut, answered 408."""
 
     status = 408
-
-
-def client_network(address: Optional[str]) -> str:
-    """The party a client address counts as: an IPv4 address, or an IPv6 /64.
-
-    One host is usually given a whole /64, so counting its addresses one by
-    one would give it billions of shares."""
-    try:
-        ip = ipaddress.ip_address(address or "")
-    except ValueError:
-        return address or ""
-    if ip.version == 4:
-        return str(ip)
-    if ip.ipv4_mapped is not None:  # an IPv4 client of a dual-stack socket
-        return str(ip.ipv4_mapped)
-    return str(ipaddress.ip_network(f"{ip}/64", strict=False))
 
 
 class Upload:

@@ -29,8 +29,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SERVICES = ("redis", "web", "worker", "beat", "flower")
 CELERY_APP = "workers.tasks:app"
-# gunicorn's logger with the farm's limit on repeated records (ndif_celery.log_limits).
-WEB_LOGGER = "web.gunicorn_logging.Logger"
 BEAT_APP = "ndif_celery.beat:app"
 
 
@@ -88,8 +86,7 @@ def command(settings: config.Settings, service: str, worker_name: Optional[str] 
     if service == "redis":
         return redis_argv(settings)
     if service == "web":
-        return [sys.executable, "-m", "gunicorn", "-c", "python:web.gunicorn_conf",
-                f"--logger-class={WEB_LOGGER}", "web.app:create_app()"]
+        return [sys.executable, "-m", "gunicorn", "-c", "python:web.gunicorn_conf", "web.app:create_app()"]
     if service == "worker" or runtime_of(service) is not None:
         settings = service_settings(settings, service)
         return [str(worker_python(settings)), "-m", "celery", "-A", CELERY_APP, *worker_argv(settings, worker_name)]

@@ -74,7 +74,7 @@ def let_go(app, uploads: list) -> None:
 
 
 def test_an_address_counts_as_itself_and_an_ipv6_one_by_its_64():
-    from web.uploads import client_network
+    from web.identity import client_network
 
     assert client_network("192.0.2.7") == "192.0.2.7"
     assert client_network("2001:db8:1:2:aaaa::1") == client_network("2001:db8:1:2:ffff::9") == "2001:db8:1:2::/64"
