@@ -31,7 +31,7 @@ from flask_sock import ConnectionClosed, Sock
 from wsproto.extensions import PerMessageDeflate
 
 from ndif_celery import messages, wire
-from ndif_celery.accounts import limits
+from ndif_celery.accounts import auth, limits
 from ndif_celery.farm import actions
 from ndif_celery.state import jobs
 
@@ -50,6 +50,10 @@ SESSION_OWNER_TTL_S = int(2 * IDLE_WAIT_S + 30)
 # The most a client's message may be before it is cut (it should send none).
 INBOUND_MAX_BYTES = 1024
 SERVER_OPTIONS = {"max_message_size": INBOUND_MAX_BYTES}  # flask-sock's SOCK_SERVER_OPTIONS
+# A missing (401), malformed (400) or unknown key (403) at the handshake.
+KEY_REFUSALS = (400, 401, 403)
+# How long a socket opened with a refused key waits for its client's POST.
+KEY_REFUSED_HOLD_S = 10.0
 
 
 class DeflateDeclined(PerMessageDeflate):
@@ -97,8 +101,15 @@ def open_socket():
     session_id = uuid.uuid4().hex
     current_app.config["NDIF_OPEN_SOCKETS"].enter(session_id, client_network(request.remote_addr), claimed=True)
     g.ndif_counted = session_id
-    identity = identify()
-    g.ndif_identity, g.ndif_session_id = identity, session_id
+    g.ndif_session_id = session_id
+    try:
+        identity = identify()
+    except auth.AuthError as refusal:
+        if refusal.status not in KEY_REFUSALS:
+            raise
+        g.ndif_key_refused = True  # see subscribe(): its client reads the refusal at its POST
+        return
+    g.ndif_identity = identity
     lease = None
     limits.count_handshake(client, identity, settings)
     if limits.claim_socket(client, identity, session_id, settings):
@@ -181,8 +192,30 @@ def _cancel_gone(client, celery, settings, job_ids: list) -> None:
             log.exception("job %s: could not cancel it after its client went away", job_id)
 
 
+def _hold_key_refused(ws) -> None:
+    """A handshake whose key was refused: a session id that leads nowhere.
+
+    Refused at the handshake, the nnsight client would raise a
+    ``WebSocketBadStatusException`` with the sentence lost in a header dump. So
+    the socket opens, names a session nothing is published to, and the
+    client's POST, refused with the same key, shows ``RemoteError: Failed to
+    send request: <why>``. Such a socket holds no Redis state, counts among
+    its address's sockets, and closes within :data:`KEY_REFUSED_HOLD_S`."""
+    ws.send('{"session_id": "%s"}' % g.ndif_session_id)
+    deadline = time.monotonic() + KEY_REFUSED_HOLD_S
+    while ws.connected and (left := deadline - time.monotonic()) > 0:
+        ws.event.wait(left)
+        ws.event.clear()
+        if ws.input_buffer:
+            break
+    if ws.connected:
+        ws.close(reason=1008, message="API key refused")
+
+
 @sock.route("/subscribe")
 def subscribe(ws) -> None:
+    if g.get("ndif_key_refused"):
+        return _hold_key_refused(ws)
     box = g.ndif_box
     # simple-websocket sets ws.event when the client closes (or sends): the
     # mailbox wakes the same event when a frame arrives, so one wait serves

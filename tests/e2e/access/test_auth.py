@@ -14,6 +14,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
+from tests.support import raw_websocket
 from tests.support.remote import client_pointed_at, poll
 from tests.support.servers import postgres_database
 from tests.support.stack import client_on_stack
@@ -62,10 +63,37 @@ def _trace(model):
     return hidden, tracer.backend.meta
 
 
+@pytest.mark.parametrize("key, said", [
+    (None, "Failed to send request: Missing or invalid API key. Set one with"),
+    ("not-a-uuid", "Failed to send request: Invalid API key format: the key sent is not one this server issues"),
+    ("0b0e6f3c-9d2a-4f6e-8a51-3c2d1e0f9a7b", "Failed to send request: Invalid API key."),
+], ids=["missing", "malformed", "wrong"])
+def test_a_blocking_trace_with_a_bad_key_reads_one_clean_sentence(stack, model, use_key, key, said):
+    """The first error every researcher meets on an auth farm: a RemoteError
+    with the server's sentence, not a websocket handshake's header dump. The
+    socket its handshake opened closes within seconds, holding nothing."""
+    use_key(key)
+    with pytest.raises(RemoteError) as refused:
+        _trace(model)
+    assert str(refused.value).startswith(said), str(refused.value)
+    assert "\n" not in str(refused.value) and "Handshake" not in str(refused.value)
+
+
+def test_a_socket_opened_with_a_refused_key_closes_within_seconds(stack):
+    from web.subscribe import KEY_REFUSED_HOLD_S
+
+    sock, head = raw_websocket.upgrade(stack.url, headers={"ndif-api-key": "not-a-uuid"})
+    try:
+        assert head.startswith("HTTP/1.1 101"), head
+        reply = raw_websocket.read(sock, quiet_s=KEY_REFUSED_HOLD_S + 10, within_s=KEY_REFUSED_HOLD_S + 10)
+        assert reply.closed and reply.close_code == 1008, (reply.closed, reply.close_code)
+        assert len(reply.texts) == 1 and '"session_id"' in reply.texts[0], reply.texts
+    finally:
+        sock.close()
+
+
 def test_no_key_is_refused(stack, model, use_key):
     use_key(None)
-    with pytest.raises(Exception, match="Missing or invalid API key"):
-        _trace(model)  # refused at the websocket handshake
     with pytest.raises(RemoteError, match="Missing or invalid API key"):
         with model.trace(PROMPT, remote=True, blocking=False):
             model.output.logits.save()
@@ -191,10 +219,13 @@ def test_no_error_echoes_any_part_of_a_key(stack):
             httpx.post(f"{stack.url}/request", headers=headers, data={"data": envelope},
                        files={"blob": ("request", b"x", "application/octet-stream")}, timeout=30),
             httpx.get(f"{stack.url}/response/{uuid.uuid4().hex}", headers=headers, timeout=30),
-            httpx.get(f"{stack.url}/subscribe", headers={**headers, "Connection": "Upgrade", "Upgrade": "websocket",
-                                                        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
-                                                        "Sec-WebSocket-Version": "13"}, timeout=30),
         ]
         for answer in answers:
             assert answer.status_code in (400, 401), (headers, answer.status_code, answer.text)
             assert not [piece for piece in pieces if piece in answer.text], (headers, answer.text)
+        sock, head = raw_websocket.upgrade(stack.url, headers=headers)  # the handshake opens, says nothing of keys
+        try:
+            said = head + "".join(raw_websocket.read(sock, quiet_s=1).texts)
+        finally:
+            sock.close()
+        assert not [piece for piece in pieces if piece in said], (headers, said)
