@@ -15,7 +15,7 @@ from typing import Iterable, Optional
 from markupsafe import Markup
 
 WIDTH, HEIGHT = 640, 130
-PAD_LEFT, PAD_BOTTOM, PAD_TOP = 48, 18, 8
+PAD_LEFT, PAD_BOTTOM, PAD_TOP = 68, 18, 8  # room at the left for the top value and its unit
 OK_COLOUR, BAD_COLOUR, LINE_COLOUR, GRID_COLOUR = "#17702f", "#b3261e", "#1f5fbf", "#ddd"
 
 
@@ -90,7 +90,7 @@ def uptime_chart(buckets: Iterable[tuple[float, int, int]], start: float, end: f
         for count, colour, kind in ((ok, OK_COLOUR, "ok"), (failed, BAD_COLOUR, "failed")):
             if not count:
                 continue
-            height = base - _y(count, top)
+            height = HEIGHT - PAD_BOTTOM - _y(count, top)  # the count's own height, stacked on what is below
             parts.append(f'<rect class="bar {kind}" x="{x:.1f}" y="{base - height:.1f}" width="{width:.1f}" '
                          f'height="{height:.1f}" fill="{colour}"><title>{_when(at)}: {count} {kind}</title></rect>')
             base -= height

@@ -349,7 +349,7 @@ PAGE = """<!doctype html>
  table.calendar td { width: 14%; height: 4.2em; font-size: 12px; } table.calendar td.today { background: #eef5ff; }
  table.calendar td.past { color: #999; } .window { display: block; background: #e3f1e6; margin: .1em 0; padding: 0 .2em; }
  form.action { display: inline-block; border: 1px solid #ddd; padding: .5em .7em; margin: 0 .5em .5em 0; vertical-align: top; }
- form.action h3 { font-size: 1em; margin: 0 0 .3em; } form.action input { width: 11em; }
+ form.action h3 { font-size: 1em; margin: 0 0 .3em; } form.action input { width: 11em; } form.action input[size] { width: auto; }
  form.inline { display: inline; } .said { padding: .4em .6em; } .said.done { background: #e3f1e6; }
  .said.refused, .said.failed { background: #fbe3e1; }
 </style>
@@ -472,7 +472,7 @@ probes passed: {{ h.get("uptime_" + period, "-") }}</span></td>
 {% set csrf %}<input type="hidden" name="csrf" value="{{ token }}">{% endset %}
 <form class="action" id="deploy" method="post" action="dashboard/actions/deploy"><h3>Deploy</h3>{{ csrf }}
 <label>model <input name="model" required></label><br><label>replicas <input name="replicas" value="1"></label><br>
-<label>dtype <input name="dtype" placeholder="the checkpoint's"></label><br><label><input type="checkbox" name="pin" value="1" style="width:auto"> pin</label>
+<label>dtype <input name="dtype" placeholder="the checkpoint's" size="18"></label><br><label><input type="checkbox" name="pin" value="1" style="width:auto"> pin</label>
 <button type="submit">deploy</button></form>
 <form class="action" id="scale" method="post" action="dashboard/actions/scale"><h3>Scale</h3>{{ csrf }}
 <label>model <input name="model" required></label><br><label>replicas <input name="replicas" value="1"></label>
@@ -483,7 +483,7 @@ probes passed: {{ h.get("uptime_" + period, "-") }}</span></td>
 <label>job id <input name="job_id" required></label> <button type="submit">kill</button></form>
 <form class="action" id="schedule-add" method="post" action="dashboard/actions/schedule-add"><h3>Schedule a pin</h3>{{ csrf }}
 <label>model <input name="model" required></label><br><label>from <input name="start" value="now"></label><br>
-<label>to <input name="end" placeholder="+2h or 2026-12-24T09:00"></label><br><label>replicas <input name="replicas" value="1"></label>
+<label>to <input name="end" placeholder="+2h or 2026-12-24T09:00" size="26"></label><br><label>replicas <input name="replicas" value="1"></label>
 <button type="submit">schedule</button></form>
 <form class="action" id="schedule-remove" method="post" action="dashboard/actions/schedule-remove"><h3>Remove a window</h3>{{ csrf }}
 <label>id <input name="id" required></label> <button type="submit">remove</button></form>

@@ -217,9 +217,38 @@ def test_history_charts_and_a_failing_probe_in_the_deployments_table(farm):
         "Array.from(document.querySelectorAll('#deployments tr')).find(r => r.cells[0].innerText === 'dash/a')"
         ".cells[2].className")
     assert farm.browser.evaluate("document.querySelectorAll('#history svg.uptime .bar.failed').length") >= 2
+    _bars_are_drawn_to_scale(farm.browser)
     farm.browser.screenshot(SHOTS / "probe-failing.png")
     reference["values"] = [v / 3.0 for v in reference["values"]]
     farm.redis.hset(probes.REFERENCES, field, json.dumps(reference))
+
+
+# Each probe bar as the browser laid it out: its kind, its count (from its title), its drawn box.
+_BARS = """Array.from(document.querySelectorAll('#history svg.uptime')).map(svg => ({
+  labels: Array.from(svg.querySelectorAll('text')).map(t => t.getBBox().x),
+  bars: Array.from(svg.querySelectorAll('.bar')).map(b => {
+    const box = b.getBBox();
+    return {failed: b.classList.contains('failed'), count: parseInt(b.querySelector('title').textContent.split(': ')[1]),
+            x: box.x, y: box.y, height: box.height};
+  })}))"""
+
+
+def _bars_are_drawn_to_scale(browser) -> None:
+    """What the browser drew: every bar a positive height in proportion to its
+    count (one scale per chart), a failed bar stacked on its period's passed
+    one, and no axis label cut at the chart's left edge."""
+    charts = browser.evaluate(_BARS)
+    assert charts and any(bar["failed"] for chart in charts for bar in chart["bars"]), charts
+    for chart in charts:
+        assert min(chart["labels"]) >= 0, f"a label starts left of the chart: {chart['labels']}"
+        scales = [bar["height"] / bar["count"] for bar in chart["bars"]]
+        assert all(bar["height"] > 0 for bar in chart["bars"]), chart["bars"]
+        assert max(scales) - min(scales) < 0.2, f"bars not in proportion to their counts: {chart['bars']}"
+        passed = {round(bar["x"], 1): bar for bar in chart["bars"] if not bar["failed"]}
+        for bar in chart["bars"]:
+            below = passed.get(round(bar["x"], 1))
+            if bar["failed"] and below is not None:
+                assert abs(bar["y"] + bar["height"] - below["y"]) < 0.2, (bar, below)
 
 
 def test_a_schedule_added_shows_in_the_calendar_and_is_removed(farm):
