@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hmac
 import uuid
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import redis
 import zstandard
@@ -114,7 +114,8 @@ def accept(
     return job
 
 
-def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mapping[str, str]) -> str:
+def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mapping[str, str],
+                  added_here: Callable[[], set] = set) -> str:
     """Before the body is read: the client's nnsight is one this farm runs
     (``policy.client_versions``); the live workers are read only for a version
     other than the farm's own. A client below NDIF_MIN_NNSIGHT_VERSION reads
@@ -124,7 +125,7 @@ def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mappi
     if reported:
         versions.check_nnsight(reported, settings.min_nnsight_version)
     versions.check_runtime(reported, versions.MAIN,
-                           lambda: versions.served(registry.live_workers(client), versions.MAIN))
+                           lambda: versions.served(registry.live_workers(client), versions.MAIN), added_here)
     return versions.as_runtime(reported)
 
 

@@ -19,7 +19,7 @@ from ndif_celery import intake, messages, socketio_wire, wire
 from ndif_celery.accounts import auth
 from ndif_celery.errors import Refused
 from ndif_celery.farm import actions
-from ndif_celery.host import environment
+from ndif_celery.host import environment, runtimes
 from ndif_celery.policy import client_versions
 from ndif_celery.state import expiry as cleanup
 from ndif_celery.state import jobs, registry
@@ -38,6 +38,11 @@ def _settings():
     return current_app.config["NDIF_SETTINGS"]
 
 
+def _added_runtimes() -> set:
+    """The runtimes added on this web's host: a refused client is told whether to add one or start its worker."""
+    return {runtime.version for runtime in runtimes.listing(_settings().home)}
+
+
 @bp.get("/ping")
 def ping():
     return jsonify("pong")
@@ -48,7 +53,7 @@ def submit():
     arrived = jobs.now()
     identity = identify()
     # The key, the client's nnsight, its limits and the body's size are checked before the body is read.
-    runtime = intake.check_runtime(_redis(), _settings(), request.headers)
+    runtime = intake.check_runtime(_redis(), _settings(), request.headers, _added_runtimes)
     pinned = port_runtime()
     if pinned and pinned != (runtime or client_versions.MAIN):
         raise Refused(f"This port serves nnsight {pinned} clients, and yours is nnsight "

@@ -118,23 +118,29 @@ def served(workers: dict, main: str) -> set:
     return {main} | {info["nnsight"] for info in workers.values() if info.get("nnsight")}
 
 
-def check_runtime(client_version: Optional[str], main: str, served_now: Callable[[], set]) -> None:
+def check_runtime(client_version: Optional[str], main: str, served_now: Callable[[], set],
+                  added_here: Callable[[], set] = set) -> None:
     """A request runs only under its client's own nnsight: the farm's (``main``),
     or a version a live worker serves (``served_now``, read only for another
     version). A client from a source tree sends ``""``: taken as the farm's.
     The refusal names the client's version and the versions served, in the
-    ``detail`` every client shows."""
+    ``detail`` every client shows, and what the operator is to do: add the
+    runtime, or start a worker of one already added (``added_here``)."""
     if not client_version or client_version == main:
         return
     versions = served_now()
     if client_version in versions:
         return
     listed = ", ".join(sorted(versions, key=_order))
+    if client_version in added_here():
+        operator = (f"ask the farm's operator to start a worker of it: its runtime is added but no worker of it "
+                    f"runs (`ndif-celery worker --nnsight {client_version}`, or NDIF_RUNTIMES)")
+    else:
+        operator = f"ask the farm's operator to add {client_version} (`ndif-celery runtime add {client_version}`)"
     raise VersionRefused(
         f"This farm does not serve nnsight {client_version}: a request runs only under the client's own "
         f"nnsight version, and this farm serves nnsight {listed}. Install one of those "
-        f"(`pip install nnsight=={sorted(versions, key=_order)[-1]}`), or ask the farm's operator to add "
-        f"{client_version} (`ndif-celery runtime add {client_version}`)."
+        f"(`pip install nnsight=={sorted(versions, key=_order)[-1]}`), or {operator}."
     )
 
 

@@ -187,6 +187,11 @@ def test_another_version_is_refused_naming_it_and_the_versions_served():
     versions.check_runtime("", "0.8.1", lambda: asked.append(1) or set())
     assert asked == [], "the farm's own version (or a source tree's empty one) reads nothing"
     versions.check_runtime("0.6.3", "0.8.1", lambda: {"0.8.1", "0.6.3"})
+    # Its runtime added on this host, but no worker of it live: start one, not add it again.
+    said = refusal(versions.check_runtime, "0.7.0", "0.8.1", lambda: {"0.8.1"}, lambda: {"0.7.0"})
+    assert said.endswith("or ask the farm's operator to start a worker of it: its runtime is added but no worker "
+                         "of it runs (`ndif-celery worker --nnsight 0.7.0`, or NDIF_RUNTIMES).") and \
+        "runtime add" not in said, said
 
 
 def test_the_versions_served_are_the_farms_and_each_live_workers(redis_client, embedded_settings):
