@@ -101,10 +101,10 @@ def read(sock: socket.socket, quiet_s: float = 1.0, within_s: float = 20.0) -> R
             closed = True
             break
         got += chunk
-    return Reply(_frames(got), closed)
+    return Reply(frames(got), closed)
 
 
-def _frames(data: bytes) -> list:
+def frames(data: bytes) -> list:
     """Unmasked server frames, as (opcode, payload)."""
     frames, at = [], 0
     while at + 2 <= len(data):

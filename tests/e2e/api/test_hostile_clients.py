@@ -59,19 +59,8 @@ def _closed(sock: socket.socket, within_s: float = 20.0) -> bytes:
 
 
 def _close_code(received: bytes) -> int | None:
-    """The status code of the close frame among the server's frames (unmasked), if any."""
-    at = 0
-    while at + 2 <= len(received):
-        opcode, n = received[at] & 0x0F, received[at + 1] & 0x7F
-        at += 2
-        if n == 126:
-            n, at = int.from_bytes(received[at:at + 2], "big"), at + 2
-        elif n == 127:
-            n, at = int.from_bytes(received[at:at + 8], "big"), at + 8
-        if opcode == 0x8:
-            return int.from_bytes(received[at:at + 2], "big") if n >= 2 else None
-        at += n
-    return None
+    """The status code of the close frame among the server's frames, if any."""
+    return raw_websocket.Reply(raw_websocket.frames(received), closed=True).close_code
 
 
 @pytest.fixture
