@@ -46,9 +46,9 @@ MALFORMED = ((b"4", 0x1), (b"x", 0x1), (b"\x00", 0x1), (b"4", 0x2))
 COUNTED = re.compile(r"repeated ([\d,]+) more times? in the last")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    env = {"NDIF_LOG_MAX_BYTES": MAX_BYTES, "NDIF_LOG_BACKUPS": BACKUPS,
+@pytest.fixture(scope="module", params=["0", "1"], ids=["auth off", "auth on"])
+def stack(tmp_path_factory, request):
+    env = {"NDIF_LOG_MAX_BYTES": MAX_BYTES, "NDIF_LOG_BACKUPS": BACKUPS, "NDIF_AUTH": request.param,
            "NDIF_LOG_REPEATS": REPEATS, "NDIF_LOG_REPEAT_WINDOW_S": WINDOW_S}
     with Stack(tmp_path_factory.mktemp("log-flood"), env, warm=True) as running:
         yield running
