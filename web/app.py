@@ -34,7 +34,7 @@ def refused(error: Refused):
 
 
 #: On every answer: a browser never guesses a type, and never sends this farm's URLs (job ids, tokens) elsewhere.
-SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer"}
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "same-origin"}
 #: On every HTML page (the dashboard, its admin forms): no other site may frame it.
 PAGE_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"}
 

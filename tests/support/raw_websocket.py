@@ -24,8 +24,8 @@ def upgrade(url: str, headers: dict | None = None, deflate: bool = False, path: 
     lines += [f"{name}: {value}" for name, value in (headers or {}).items()]
     sock.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
     got = b""
-    while b"\r\n\r\n" not in got:
-        chunk = sock.recv(4096)
+    while not got.endswith(b"\r\n\r\n"):  # byte by byte: a frame sent right after the 101 stays unread
+        chunk = sock.recv(1)
         if not chunk:
             break
         got += chunk
