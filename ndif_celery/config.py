@@ -305,6 +305,12 @@ VARIABLES: tuple = (
         "seconds a request body may lag behind its minimum rate before it is cut"),
     Var("NDIF_UPLOAD_MIN_BYTES_PER_S", "upload_min_bytes_per_s", 64 * 1024, _positive,
         "the slowest a request body may arrive, after the grace (bytes per second)"),
+    # Model metadata for clients without the hub (web/model_files.py): config and tokenizer files only.
+    Var("NDIF_MODEL_FILES", "model_files", True, _bool,
+        "serve cached models' config and tokenizer files under /hub (HF_ENDPOINT), never weights"),
+    Var("NDIF_MODEL_FILE_MAX_MB", "model_file_max_bytes", 64, _mb, "the largest model file /hub serves (MiB)"),
+    Var("NDIF_MODEL_FILES_PER_ADDRESS", "model_files_per_address", 8, _int,
+        "model files one client address may be downloading from one web process at once (0: none)"),
     Var("NDIF_EMBEDDED_REDIS_PORT", "embedded_redis_port", 6380, _int, "port of the embedded Redis"),
     Var("NDIF_EMBEDDED_REDIS_MAX_MEMORY_MB", "embedded_redis_max_memory_mb", 4096, _positive,
         "the embedded Redis's memory bound (MiB); when full it refuses writes and evicts nothing"),

@@ -22,7 +22,7 @@ from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import check_shared
 
-from . import admin, dashboard, results, routes, sio, subscribe, uploads
+from . import admin, dashboard, model_files, results, routes, sio, subscribe, uploads
 from .open_sockets import OpenSockets
 
 
@@ -73,6 +73,7 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.register_blueprint(results.bp)
     app.register_blueprint(dashboard.bp)  # /metrics, /dashboard, and every request counted
     app.register_blueprint(admin.bp)  # the dashboard's admin actions
+    app.register_blueprint(model_files.bp)  # /hub: config and tokenizer files for clients without the hub
     app.config.setdefault("SOCK_SERVER_OPTIONS", subscribe.SERVER_OPTIONS)
     subscribe.sock.init_app(app)
     app.before_request(subscribe.open_socket)
