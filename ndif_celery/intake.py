@@ -39,7 +39,7 @@ from .farm import deployments
 from .monitoring import probes
 from .policy import client_versions as versions
 from .policy import models as model_policy
-from .state import byte_quotas, jobs, queues, registry, turns
+from .state import byte_quotas, jobs, queues, registry, run_times, turns
 
 
 def accept(
@@ -66,9 +66,11 @@ def accept(
     reads = client.pipeline(transaction=False)
     repo = wire.repo_id(envelope.model_key)
     registry.read_offer(reads, repo)
+    run_times.read(reads, envelope.model_key)
     reads.get(jobs.session_owner_key(envelope.session_id or "-"))
     answers = reads.execute()
     offer = registry.decode_offer(answers, repo)
+    per_job = run_times.per_job_s(answers[-2])
     admit_model(client, settings, identity, envelope, offer, runtime)
     check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
     owner = answers[-1]
@@ -101,9 +103,12 @@ def accept(
     else:  # first in, first out: behind every job of its priority or before it
         position = sum(depths[:served_with]) + 1
     job.queued_at = jobs.now()
+    job.queued_position = position
+    wait = run_times.wait_s(position, per_job, registry.lanes(offer.workers, offer.deployments, job.model_key,
+                                                                job.queued_at))
     limits.reserve_parked(client, identity, job, settings)
     try:
-        park(client, celery, job, blob, queue, position, settings)
+        park(client, celery, job, blob, messages.queued(job.model_key, position, wait), settings)
     except BaseException:
         byte_quotas.PARKED.release(client, [byte_quotas.payload_entry(job.id)])
         raise
@@ -206,12 +211,13 @@ def zstd_problem(blob: bytes) -> str:
     return ""
 
 
-def park(client: redis.Redis, celery: Celery, job: jobs.Job, blob: bytes, queue: str, position: int,
+def park(client: redis.Redis, celery: Celery, job: jobs.Job, blob: bytes, queued: str,
          settings: config.Settings) -> None:
-    """One round trip for the job's state, its QUEUED status (the first the
-    client sees after RECEIVED), the queue's registration, and last the
+    """One round trip for the job's state, its QUEUED status (the text
+    ``queued``: the first the client sees after RECEIVED), the queue's registration, and last the
     Celery message (``queues.job_message``) moved to its turn: a worker
     sees the job only once everything it reads is written."""
+    queue = queue_for(job.model_key)
     pipe = client.pipeline(transaction=False)
     pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)
     pipe.set(jobs.owner_key(job.id), job.owner, ex=settings.job_ttl_s)
@@ -225,7 +231,7 @@ def park(client: redis.Redis, celery: Celery, job: jobs.Job, blob: bytes, queue:
     pipe.sadd(registry.QUEUES, queue)
     pipe.hset(registry.QUEUE_MODELS, queue, job.model_key)
     statuses.StatusChannel(client, job, settings.job_ttl_s).send(
-        wire.QUEUED, messages.queued(job.model_key, position), pipe=pipe)
+        wire.QUEUED, queued, pipe=pipe)
     pipe.lpush(*queues.job_message(celery, job))
     if settings.fair_turns:
         turns.place(pipe, job, queue, settings.job_ttl_s)

@@ -10,6 +10,8 @@ Torch-free: the web and the workers import it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from . import wire
 
 # One small function per text, alike in shape on purpose (tools/duplicates
@@ -17,9 +19,20 @@ from . import wire
 # change in exactly one place.
 
 
-def queued(model_key: str, position: int) -> str:
-    """QUEUED: where the job waits (``position`` 1 is next)."""
-    return f"Your job is queued for {wire.repo_id(model_key)} (position {position})."
+def queued(model_key: str, position: int, wait_s: Optional[float] = None) -> str:
+    """QUEUED: where the job waits (``position`` 1 is next) and, when the model
+    ran jobs lately, about how long (``state.run_times``)."""
+    wait = f", {spoken(wait_s)}" if wait_s is not None else ""
+    return f"Your job is queued for {wire.repo_id(model_key)} (position {position}{wait})."
+
+
+def spoken(seconds: float) -> str:
+    """A wait as a person says it: about 40 s, about 3 min, about 2 h."""
+    if seconds < 90:
+        return f"about {max(round(seconds), 1)} s"
+    if seconds < 90 * 60:
+        return f"about {round(seconds / 60)} min"
+    return f"about {round(seconds / 3600)} h"
 
 
 def timed_out(timeout_s: float) -> str:

@@ -42,7 +42,7 @@ from ndif_celery.monitoring import probes
 from ndif_celery.notices import Notices
 from ndif_celery.policy import client_versions
 from ndif_celery.policy import models as model_policy
-from ndif_celery.state import queues, registry
+from ndif_celery.state import queues, registry, run_times
 
 from . import placement, sizing
 
@@ -129,7 +129,7 @@ class Controller(threading.Thread):
             waiting_ids.update(entry.job.id for entry in entries)
             if not entries:
                 continue
-            self.tell_positions(entries, now)
+            self.tell_positions(entries, now, farm)
             model_key = entries[0].job.model_key
             wish = wishes.get(model_key, {})
             holders = farm.holders(model_key)
@@ -227,17 +227,27 @@ class Controller(threading.Thread):
             and now - self.last_scaled.get(model_key, 0) > self.settings.autoscale_backoff_s
         )
 
-    def tell_positions(self, entries: list[queues.Waiting], now: float) -> None:
-        """QUEUED again when a waiting job's position changed (the web told the
-        first), at most every :data:`POSITION_EVERY_S` per job."""
+    def tell_positions(self, entries: list[queues.Waiting], now: float, farm: "Farm") -> None:
+        """QUEUED again when a waiting job's position changed since it was last
+        told (first by the web: ``Job.queued_position``), at most every
+        :data:`POSITION_EVERY_S` per job, with the wait the model's recent run
+        times give (``state.run_times``)."""
+        model_key = entries[0].job.model_key
+        per_job = run_times.per_job_s(self.redis.lrange(run_times.key(model_key), 0, run_times.RECENT - 1))
+        lanes = registry.lanes(farm.workers, farm.holders(model_key), model_key, now)
         for position, entry in enumerate(entries, start=1):
             known = self.positions.get(entry.job.id)
+            if known is None and entry.job.queued_position:  # what the web told it
+                known = (entry.job.queued_position, entry.job.queued_at)
             if known is None:
                 self.positions[entry.job.id] = (position, now)
             elif known[0] != position and now - known[1] >= POSITION_EVERY_S:
                 self.positions[entry.job.id] = (position, now)
                 channel = statuses.StatusChannel(self.redis, entry.job, self.settings.job_ttl_s)
-                channel.send(wire.QUEUED, messages.queued(entry.job.model_key, position))
+                wait = run_times.wait_s(position, per_job, lanes)
+                channel.send(wire.QUEUED, messages.queued(entry.job.model_key, position, wait))
+            else:
+                self.positions[entry.job.id] = known
 
     # -- decisions -------------------------------------------------------------
 

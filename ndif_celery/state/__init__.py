@@ -10,6 +10,8 @@ name and read them one way. Bottom first:
   deployments, operator wishes, the jobs each worker runs, ``/status``.
 - ``queues``: what waits in each per-model queue, read from the broker;
   ``take`` removes a co-batch's jobs and records them as the worker's, in one Lua step.
+- ``run_times``: how long each model's jobs took lately; a waiting job's
+  estimate (``position 3, about 40 s``).
 - ``byte_quotas``: the bytes each key holds in a shared place, against its
   quota: stored results, and what its jobs park in Redis (payloads, records).
 - ``expiry``: the sweep the beat schedules (results and job state past

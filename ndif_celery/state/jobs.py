@@ -129,6 +129,7 @@ class Job:
     owner: str = "anonymous"
     attempt: int = 1  # 2 when re-run after its first worker died
     priority: bool = False  # the key is tagged ``priority``: served before the others
+    queued_position: int = 0  # the place its first QUEUED told (the controller tells a change)
     protocol: str = ""  # how its client waits: "" the farm's own (/subscribe), "socketio" the 0.6/0.7 clients'
 
     def to_message(self) -> dict:

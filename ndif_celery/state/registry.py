@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import redis
@@ -351,6 +351,8 @@ class Offer:
     desired: dict
     refs: dict
     repo_id: str = ""
+    workers: dict = field(default_factory=dict)  # the live workers' entries, by name
+    deployments: list = field(default_factory=list)  # the live workers' deployment entries
 
     def refs_of(self, client: redis.Redis, repo_id: str) -> dict:
         return self.refs if repo_id == self.repo_id else refs(client, repo_id)
@@ -383,7 +385,20 @@ def decode_offer(answers: list, repo_id: str = "") -> Offer:
                  serving={entry["model_key"] for entry in entries if entry.get("state") == RUNNING},
                  desired=desired,
                  refs={name.decode(): sha.decode() for name, sha in (raw_refs[0] if raw_refs else {}).items()},
-                 repo_id=repo_id)
+                 repo_id=repo_id, workers=live, deployments=entries)
+
+
+def lanes(workers: dict, deployments: list[dict], model_key: str, now: float) -> list[Optional[float]]:
+    """Each live replica of ``model_key`` serving now, as a waiting job's
+    estimate needs it (``run_times.wait_s``): how long its worker's job has run
+    (since the deployment was last used), or None for an idle worker."""
+    found = []
+    for entry in deployments:
+        info = workers.get(entry["worker"])
+        if entry["model_key"] != model_key or entry.get("state") != RUNNING or info is None:
+            continue
+        found.append(max(now - entry.get("last_used", now), 0.0) if info.get("current_job") else None)
+    return found
 
 
 def offered_keys(redis_client) -> set:

@@ -105,22 +105,24 @@ def test_a_waiting_job_hears_its_new_position_at_most_once_a_second(web, client,
     """The controller's QUEUED updates: a job that moved up is told so, but not
     twice within ``POSITION_EVERY_S``; the last move reaches it once that passed."""
     from ndif_celery.celery_app import make_app
-    from ndif_celery.farm.controller import POSITION_EVERY_S, Controller
+    from ndif_celery.farm.controller import POSITION_EVERY_S, Controller, Farm
 
     queue = queue_for(MODEL_KEY)
     ids = [submit(web).get_json()["id"] for _ in range(3)]
     entries = [e for e in queues.waiting(client, queue) if e.job.id in ids]
-    controller = Controller("w0", client, make_app(settings), settings)
+    controller, farm = Controller("w0", client, make_app(settings), settings), Farm({}, [])
 
     def told(job_id):
         return web.get(f"/response/{job_id}").get_json()["description"]
 
-    start = 1000.0
-    controller.tell_positions(entries, start)  # first sight: the web told each its position
+    start = max(entry.job.queued_at for entry in entries)  # when the web told the last of them
     was = [told(i) for i in ids]
-    controller.tell_positions(entries[1:], start + POSITION_EVERY_S / 2)  # the head left, too soon to tell
+    assert [w.endswith(f"(position {n}).") for n, w in enumerate(was, 1)] == [True] * 3, was
+    controller.tell_positions(entries, start, farm)  # first sight: what the web told, nothing new
     assert [told(i) for i in ids] == was
-    controller.tell_positions(entries[2:], start + POSITION_EVERY_S)  # and the next: the last one hears once
+    controller.tell_positions(entries[1:], start + POSITION_EVERY_S / 2, farm)  # the head left, too soon to tell
+    assert [told(i) for i in ids] == was
+    controller.tell_positions(entries[2:], start + POSITION_EVERY_S, farm)  # and the next: the last one hears once
     assert told(ids[1]) == was[1], "it left the queue: nobody tells it a position"
     assert told(ids[2]).endswith("(position 1).") and told(ids[2]) != was[2]
     queues.drain(client, queue)
@@ -205,6 +207,88 @@ def test_keys_take_turns_on_a_models_queue(web, client, settings):
     first = _accept_as(settings, client, 8, priority=True)
     assert queues.waiting(client, queue)[0].job.id == first
     assert flood[0] not in [entry.job.id for entry in queues.waiting(client, queue)]
+    queues.drain(client, queue)
+
+
+def test_a_waiting_jobs_place_never_grows_while_only_later_turns_arrive(client, settings):
+    """Four keys and the health probe queue jobs at random while the model
+    starts the job at the head now and then, and the controller tells places.
+    Every job is told its true place (the web first, the controller after each
+    change); an arrival lands ahead of a waiting job only when the fair-turn
+    rules put it there (an earlier turn, or a list served first), so a place
+    grows only by the arrivals ahead of it since it was last told."""
+    import dataclasses
+    import random
+    import re
+    import time
+
+    from ndif_celery import intake
+    from ndif_celery.accounts import auth
+    from ndif_celery.celery_app import make_app
+    from ndif_celery.farm.controller import POSITION_EVERY_S, Controller, Farm
+    from ndif_celery.state import turns
+
+    assert settings.fair_turns
+    settings = dataclasses.replace(settings, probe_api_key="probe-key-for-places")
+    celery, queue = make_app(settings), queue_for(MODEL_KEY)
+    registry.register_worker(client, {"name": "w@places"})  # the model is served: the probe may send
+    registry.set_deployment(client, "w@places", MODEL_KEY, registry.RUNNING)
+    controller = Controller("w@places", client, celery, settings)
+    envelope = json.dumps({"model_key": MODEL_KEY, "session_id": "", "compress": False, "env": {}})
+    rank = {name: n for n, name in enumerate(queues.lists(queue))}
+
+    def order() -> list:
+        """Every waiting job as the model will take them: (job, the list it is in, its turn score)."""
+        entries = queues.waiting(client, queue)
+        pipe = client.pipeline()
+        for entry in entries:
+            pipe.zscore(f"ndif:turns:{entry.list_name}", entry.job.id)
+        return [(entry, entry.list_name, score) for entry, score in zip(entries, pipe.execute())]
+
+    def told(job_id: str) -> int:
+        described = json.loads(jobs.latest_status(client, job_id))["description"]
+        return int(re.search(r"\(position (\d+)", described).group(1))
+
+    def ahead_by_rule(first, then) -> bool:
+        (_, first_list, first_score), (_, then_list, then_score) = first, then
+        return rank[first_list] < rank[then_list] or (first_list == then_list and first_score < then_score)
+
+    chance, now, last_told = random.Random(7), time.time(), {}
+    ahead_since = {}  # job id -> arrivals the rules put ahead of it since it was last told
+    for step in range(160):
+        event = chance.random()
+        if event < 0.55:  # an arrival: one of four keys (one a priority key), or the probe
+            key_id = chance.choice([1, 1, 1, 2, 3, 4, 9])
+            identity = auth.Identity(key_id=key_id, tags=("priority",) if key_id == 4 else ())
+            headers = {auth.HEADER: "probe-key-for-places"} if key_id == 9 else {}
+            before = {entry.job.id: (entry, name, score) for entry, name, score in order()}
+            job = intake.accept(client, celery, settings, identity, envelope, b"blob", headers)
+            after = order()
+            ids = [entry.job.id for entry, _, _ in after]
+            mine = after[ids.index(job.id)]
+            assert told(job.id) == ids.index(job.id) + 1, "the web told a new job another place than its own"
+            last_told[job.id] = told(job.id)
+            for other_id, other in before.items():  # where it landed, by the rules only
+                landed_ahead = ids.index(job.id) < ids.index(other_id)
+                assert landed_ahead == ahead_by_rule(mine, other), (step, job.owner, other[0].job.owner)
+                ahead_since[other_id] = ahead_since.get(other_id, 0) + landed_ahead
+        elif event < 0.8 and order():  # the model starts the job at the head
+            head, _, _ = order()[0]
+            pipe = client.pipeline()
+            turns.started(pipe, head.job, queue, settings.job_ttl_s)
+            pipe.execute()
+            assert queues.remove(client, queue, head.job.id) is not None
+            last_told.pop(head.job.id)
+        else:  # a controller tick, late enough to tell every change
+            now = max(now, time.time()) + POSITION_EVERY_S  # a second after anything was told
+            entries = [entry for entry, _, _ in order()]
+            if entries:
+                controller.tell_positions(entries, now, Farm({}, []))
+            for place, entry in enumerate(entries, 1):
+                job_id = entry.job.id
+                assert told(job_id) == place, (step, "told", told(job_id), "is at", place)
+                assert told(job_id) <= last_told[job_id] + ahead_since.pop(job_id, 0), (step, job_id)
+                last_told[job_id] = told(job_id)
     queues.drain(client, queue)
 
 

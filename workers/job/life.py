@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from ndif_celery import messages, statuses, wire
 from ndif_celery.celery_app import queue_for
 from ndif_celery.state import expiry as cleanup
-from ndif_celery.state import byte_quotas, jobs, registry, turns
+from ndif_celery.state import byte_quotas, jobs, registry, run_times, turns
 from ndif_celery.store import StoreUnavailable
 from workers import metrics, results
 from workers.execute import RequestError, result_over_quota, result_too_big
@@ -316,6 +316,12 @@ def finish(worker: WorkerState, life: Life) -> None:
     """However the job ended, after its answer and before the next job (after
     every job of its co-batch): the worker free, the weight checks, then :func:`close`."""
     worker.end()
+    try:  # how long this model's jobs take: the waiting clients' estimate (ndif_celery.state.run_times)
+        pipe = worker.redis.pipeline(transaction=False)
+        run_times.record(pipe, life.job.model_key, time.time() - life.started, life.jobs_run)
+        pipe.execute()
+    except Exception:  # noqa: BLE001 - an estimate never fails a job
+        log.warning("could not record job %s's run time", life.job.id, exc_info=True)
     life.executor.after(life.job, life.jobs_run)  # the weight checks, before the next job's forward
     if not life.handed:  # else the delivery thread closes it, once delivered
         close(worker, life)
