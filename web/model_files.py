@@ -22,6 +22,7 @@ missing optional file is "not found", as on the hub) and shows our sentence.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import threading
@@ -194,16 +195,36 @@ def _inside(path: Path, repo_dir: Path) -> Optional[Path]:
     return real
 
 
-def listing(folder: Path) -> list[str]:
-    """The served files of a snapshot, sorted."""
+def listing(folder: Path, under: str = "", recursive: bool = True) -> list[tuple[str, Path]]:
+    """The served files of a snapshot (``under`` one of its folders), sorted, as
+    ``(path in the repo, real path)``; a file over NDIF_MODEL_FILE_MAX_MB is left out."""
+    cap = _settings().model_file_max_bytes
+    top = folder / under if under else folder
     names = []
-    for path in sorted(folder.iterdir()):
-        name = path.name
+    for path in sorted(top.iterdir()) if top.is_dir() else ():
+        name = f"{under}/{path.name}" if under else path.name
         if name == TEMPLATES_DIR and path.is_dir():
-            names.extend(f"{name}/{p.name}" for p in sorted(path.iterdir()) if served(f"{name}/{p.name}"))
-        elif served(name):
+            if recursive:
+                names.extend(f"{name}/{p.name}" for p in sorted(path.iterdir()))
+        else:
             names.append(name)
-    return [name for name in names if _inside(folder / name, folder.parent.parent) is not None]
+    out = []
+    for name in names:
+        real = _inside(folder / name, folder.parent.parent) if served(name) else None
+        if real is not None and not (cap and real.stat().st_size > cap):
+            out.append((name, real))
+    return out
+
+
+def _pipeline_tag(folder: Path) -> Optional[str]:
+    """``text-generation`` for a causal LM (what transformers' ``get_task`` asks of
+    ``model_info``); None otherwise (a client then names its task)."""
+    try:
+        architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return None
+    causal = any(isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures)
+    return "text-generation" if causal else None
 
 
 def etag(real: Path, size: int) -> str:
@@ -217,14 +238,13 @@ def etag(real: Path, size: int) -> str:
     return digest.hexdigest()
 
 
-def _split(path: str) -> tuple[str, list[str]]:
-    """``org/name/rest...`` or ``name/rest...`` into the repo id and the rest,
-    by where ``marker`` (``resolve``, ``revision``) stands."""
+def _split(path: str, markers: tuple) -> tuple[str, list[str]]:
+    """``org/name/<marker>/...`` or ``name/<marker>/...`` into the repo id and
+    the rest from the marker on (a two-part id first, as the hub's ids mostly are)."""
     parts = path.split("/")
-    for marker in ("resolve", "revision"):
-        for at in (1, 2):
-            if len(parts) > at and parts[at] == marker:
-                return "/".join(parts[:at]), parts[at:]
+    for at in (2, 1):
+        if len(parts) > at and parts[at] in markers:
+            return "/".join(parts[:at]), parts[at:]
     return "/".join(parts[:2]), parts[2:]
 
 
@@ -256,27 +276,46 @@ def _enabled() -> None:
 
 @bp.get("/api/models/<path:path>")
 def model_info(path: str):
-    """The hub's ``model_info``: the id, the cached commit, the served files."""
+    """The hub's ``model_info`` (the id, the cached commit, the served files) and
+    ``list_repo_tree`` (``.../tree/<rev>[/<folder>]``) of the served files."""
     _enabled()
     identity = _identity()
-    repo_id, rest = _split(path)
-    if rest and rest[0] == "revision":
+    repo_id, rest = _split(path, ("revision", "tree"))
+    if rest and rest[0] in ("revision", "tree"):
         revision, tail = _revision(rest[1:])
-        if not revision or tail:
+        if not revision or (tail and rest[0] == "revision"):
             raise NotServed(f"Not a model_info URL: /hub/api/models/{path[:200]}", 404, "RepoNotFound")
     elif rest:
-        raise NotServed(f"This farm answers model_info and files only, not /hub/api/models/{path[:200]}.", 404,
-                        "EntryNotFound")
+        raise NotServed(f"This farm answers model_info, tree and files only, not /hub/api/models/{path[:200]}.",
+                        404, "EntryNotFound")
     else:
-        revision = model_policy.DEFAULT_BRANCH
+        revision, tail = model_policy.DEFAULT_BRANCH, []
     check_repo(repo_id, revision, identity)
     commit, folder = snapshot(repo_id, revision)
-    files = listing(folder)
-    return jsonify({
+    if rest and rest[0] == "tree":
+        return _tree(folder, "/".join(tail), request.args.get("recursive", "").lower() == "true")
+    info = {
         "_id": repo_id, "id": repo_id, "modelId": repo_id, "sha": commit, "private": False, "gated": False,
         "disabled": False, "downloads": 0, "likes": 0, "tags": [], "library_name": "transformers",
-        "siblings": [{"rfilename": name} for name in files],
-    })
+        "siblings": [{"rfilename": name} for name, _ in listing(folder)],
+    }
+    tag = _pipeline_tag(folder)
+    if tag:
+        info["pipeline_tag"] = tag
+    return jsonify(info)
+
+
+def _tree(folder: Path, under: str, recursive: bool):
+    """The served files (and the templates folder) of a snapshot, as the hub's tree entries."""
+    if under not in ("", TEMPLATES_DIR) or not (folder / under).is_dir():
+        raise NotServed(f"No folder {under[:200]!r} served in this repo.", 404, "EntryNotFound")
+    entries = []
+    if not under and any(name.startswith(TEMPLATES_DIR + "/") for name, _ in listing(folder)):
+        entries.append({"type": "directory", "path": TEMPLATES_DIR, "oid": "0" * 40})
+    for name, real in listing(folder, under, recursive):
+        size = real.stat().st_size
+        entries.append({"type": "file", "path": name, "size": size, "oid": etag(real, size)})
+    return jsonify(entries)
 
 
 @bp.route("/<path:path>", methods=["GET", "HEAD"])
@@ -284,7 +323,7 @@ def resolve(path: str):
     """One served file of a cached snapshot, with the hub's headers."""
     _enabled()
     identity = _identity()
-    repo_id, rest = _split(path)
+    repo_id, rest = _split(path, ("resolve",))
     if not rest or rest[0] != "resolve":
         raise NotServed(f"Not a file URL (<repo>/resolve/<revision>/<file>): /hub/{path[:200]}", 404,
                         "RepoNotFound")
@@ -294,6 +333,9 @@ def resolve(path: str):
         raise NotServed(f"Not a file URL (<repo>/resolve/<revision>/<file>): /hub/{path[:200]}", 404,
                         "EntryNotFound")
     check_repo(repo_id, revision, identity)
+    if not all(_FILE_PART.match(part) for part in file_parts):
+        raise NotServed(f"{filename[:200]!r} is not a file name in a repo (letters, digits, '.', '_', '-'; "
+                        "no '..').", 400)
     if not served(filename):
         raise NotServed(f"{filename[:200]!r} is not served: this farm serves configuration, tokenizer and processor "
                         "files of its models only, never weights.", 404, "EntryNotFound")
