@@ -18,10 +18,15 @@ import redis as redis_py
 
 from ndif_celery.celery_app import make_app
 from ndif_celery.farm import actions as farm
+from ndif_celery.farm import capacity
 from ndif_celery.policy import models as model_policy
-from ndif_celery.state import jobs, queues
+from ndif_celery.state import jobs, queues, registry
 
 from .common import echo_rows, from_ledger, settings
+
+
+WAIT_FOR_WORKERS_HELP = ("Record it even when the live workers cannot meet it now (a worker is starting) and "
+                         "wait up to --timeout; without it, such a wish is refused at once, saying why.")
 
 
 def connect():
@@ -50,9 +55,11 @@ def connect():
 @click.option("--nnsight", "nnsight_version", default="", metavar="VERSION",
               help="For the clients of this nnsight runtime (repo ids only; docs/versions.md).")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until every replica runs.")
+@click.option("--wait-for-workers", is_flag=True, help=WAIT_FOR_WORKERS_HELP)
 @click.option("--timeout", default=600.0, show_default=True, type=float)
 def deploy(model: Optional[str], path: Optional[str], sync: bool, dry_run: bool, force: bool, pin: bool,
-           replicas: int, dtype: Optional[str], task: str, nnsight_version: str, wait: bool, timeout: float) -> None:
+           replicas: int, dtype: Optional[str], task: str, nnsight_version: str, wait: bool,
+           wait_for_workers: bool, timeout: float) -> None:
     """Deploy MODEL (a repo id or a full model key) and keep it deployed; or,
     with -f FILE, every entry of a deployments file (docs/farm.md)."""
     if (model is None) == (path is None):
@@ -60,12 +67,15 @@ def deploy(model: Optional[str], path: Optional[str], sync: bool, dry_run: bool,
     if (sync or dry_run or force) and path is None:
         raise click.UsageError("--sync, --dry-run and --force go with -f FILE")
     if path is not None:
-        return _deploy_file(path, sync, dry_run, force, wait, timeout)
+        return _deploy_file(path, sync, dry_run, force, wait, timeout, wait_for_workers)
     current, client, _ = connect()
     try:
         key = farm.model_key_for(model, task=task, nnsight=nnsight_version)
         # The operator may deploy any hub id, but not outside NDIF_MODELS, nor remote code outside NDIF_TRUST_REMOTE_CODE.
         model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
+        if not wait_for_workers:
+            capacity.check(client, [capacity.demand(client, current, key, replicas, dtype, label=model)],
+                           lambda n: f"deploy --replicas {n}")
         asked = time.time()
         farm.deploy(client, key, pin, replicas, dtype)
         if wait:
@@ -77,7 +87,8 @@ def deploy(model: Optional[str], path: Optional[str], sync: bool, dry_run: bool,
         raise click.ClickException(str(exc)) from None
 
 
-def _deploy_file(path: str, sync: bool, dry_run: bool, force: bool, wait: bool, timeout: float) -> None:
+def _deploy_file(path: str, sync: bool, dry_run: bool, force: bool, wait: bool, timeout: float,
+                 wait_for_workers: bool = False) -> None:
     from ndif_celery.farm import deployments
 
     current = settings()
@@ -88,9 +99,14 @@ def _deploy_file(path: str, sync: bool, dry_run: bool, force: bool, wait: bool, 
     for warning in deployments.warnings(entries, current.auth):
         click.echo(f"warning: {warning}", err=True)
     _, client, app = connect()
+    plan = deployments.plan(client, entries, sync=sync)
+    unmeetable = [] if wait_for_workers else deployments.capacity_problems(client, current, entries, plan)
     if dry_run:
-        _print_plan(deployments.plan(client, entries, sync=sync), entries, sync, force)
+        _print_plan(plan, entries, sync, force, unmeetable)
         return
+    if unmeetable:
+        raise click.ClickException(f"{path}: the live workers cannot meet it: {'; '.join(unmeetable)}. "
+                                   "Nothing was changed (give --wait-for-workers to apply it and wait).")
     asked = time.time()
     try:
         applied = deployments.apply(client, entries, sync=sync, celery_app=app, force=force)
@@ -116,8 +132,9 @@ def _deploy_file(path: str, sync: bool, dry_run: bool, force: bool, wait: bool, 
         raise click.ClickException(str(exc)) from None
 
 
-def _print_plan(plan, entries: list, sync: bool, force: bool) -> None:
-    """``deploy -f --dry-run``: each change the file would make, then nothing done."""
+def _print_plan(plan, entries: list, sync: bool, force: bool, unmeetable: list) -> None:
+    """``deploy -f --dry-run``: each change the file would make, what would refuse
+    it (capacity, ``--force``), then nothing done."""
     for repo in plan.added:
         click.echo(f"{repo}: would add")
     for repo in plan.changed:
@@ -132,6 +149,8 @@ def _print_plan(plan, entries: list, sync: bool, force: bool) -> None:
     refusal = plan.refusal(entries) if sync and not force else None
     if refusal:
         click.echo(f"refused without --force: {refusal}")
+    for why in unmeetable:
+        click.echo(f"refused, the live workers cannot meet it: {why}")
     click.echo("dry run: nothing was changed")
 
 
@@ -140,8 +159,9 @@ def _print_plan(plan, entries: list, sync: bool, force: bool) -> None:
 @click.argument("replicas", type=int)
 @click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until REPLICAS workers hold it.")
+@click.option("--wait-for-workers", is_flag=True, help=WAIT_FOR_WORKERS_HELP)
 @click.option("--timeout", default=600.0, show_default=True, type=float)
-def scale(model: str, replicas: int, task: str, wait: bool, timeout: float) -> None:
+def scale(model: str, replicas: int, task: str, wait: bool, wait_for_workers: bool, timeout: float) -> None:
     """Keep MODEL on REPLICAS workers: more are loaded, the extra ones evicted now."""
     from ndif_celery.farm import deployments
 
@@ -149,6 +169,10 @@ def scale(model: str, replicas: int, task: str, wait: bool, timeout: float) -> N
     try:
         key = farm.model_key_for(model, task=task)
         model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
+        if not wait_for_workers:
+            dtype = (registry.desired(client).get(key) or {}).get("dtype")
+            capacity.check(client, [capacity.demand(client, current, key, replicas, dtype, label=model)],
+                           capacity.scale_to)
         asked = time.time()
         evicted = deployments.scale(client, app, key, replicas)
         if evicted:
@@ -240,15 +264,25 @@ def deployments_command(as_json: bool) -> None:
     from ndif_celery.farm import wanted
 
     _, client, _ = connect()
-    echo_rows(wanted.rows(client), as_json, _wanted_line, empty="nothing wanted, nothing running")
+    rows = wanted.rows(client)
+    if rows and not as_json:
+        click.echo(WANTED_HEADER)
+    echo_rows(rows, as_json, _wanted_line, empty="nothing wanted, nothing running")
+
+
+def _wanted_columns(model: str, source: str, pinned: str, want: str, run: str, state: str, workers: str) -> str:
+    return f"{model[:40]:<40} {source:<18} {pinned:<6} {want:>4} {run:>4}  {state:<9} {workers}"
+
+
+WANTED_HEADER = _wanted_columns("MODEL", "SOURCE", "PIN", "WANT", "RUN", "STATE", "RUNNING ON")
 
 
 def _wanted_line(row: dict) -> str:
     source = row["source"] + (f" (over {row['over']})" if row["over"] else "")
     target = "-" if row["target"] is None else str(row["target"])
     running = ", ".join(row["running"]) or "-"
-    line = (f"{row['model'][:40]:<40} {source:<18} {'pinned' if row['pinned'] else '':<6} "
-            f"want {target:>2}  run {len(row['running']):>2}  {row['state']:<9} {running}")
+    line = _wanted_columns(row["model"], source, "pinned" if row["pinned"] else "", target,
+                           str(len(row["running"])), row["state"], running)
     return line + (f"\n    {row['reason']}" if row["reason"] else "")
 
 

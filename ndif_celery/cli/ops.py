@@ -30,16 +30,20 @@ def schedule() -> None:
 @click.option("--to", "end", required=True, help="+2h (from now) or an ISO date/time (UTC unless it says).")
 @click.option("--replicas", default=1, show_default=True, type=int, help="Workers that hold it during the window.")
 @click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
-def schedule_add(model: str, start: str, end: str, replicas: int, task: str) -> None:
+@click.option("--wait-for-workers", is_flag=True,
+              help="Record it even when the live workers cannot meet it (workers will be started before it opens).")
+def schedule_add(model: str, start: str, end: str, replicas: int, task: str, wait_for_workers: bool) -> None:
     """Keep MODEL loaded and pinned from --from to --to; the controller evicts it
-    after, unless a deployment keeps it."""
+    after, unless a deployment keeps it. A window the live workers cannot meet
+    (beside the windows it overlaps) is refused, saying why."""
     current, client, _ = connect()
     try:
         key = farm.model_key_for(model, task=task)
         parsed = model_policy.parse(key)
         model_policy.ModelPolicy.from_settings(current).check_model(parsed)
         entry = schedules.add(client, key, parsed.repo_id, schedules.parse_when(start, option="--from"),
-                              schedules.parse_when(end, option="--to"), replicas)
+                              schedules.parse_when(end, option="--to"), replicas,
+                              settings=None if wait_for_workers else current)
     except (schedules.ScheduleError, model_policy.PolicyError, ValueError) as exc:
         raise click.ClickException(str(getattr(exc, "detail", exc))) from None
     click.echo(f"{entry['id']}: {entry['repo']} pinned from {schedules.iso(entry['start'])} "

@@ -93,9 +93,20 @@ def holders(client: redis.Redis, model_key: str) -> list[dict]:
 def evict(client: redis.Redis, celery_app, model_key: str) -> list[str]:
     """Forget the wish and tell every worker holding the model to let it go."""
     pipe = client.pipeline()
+    forget_wish(client, pipe, model_key)
+    pipe.execute()
+    return send_evictions(client, celery_app, model_key)
+
+
+def forget_wish(client: redis.Redis, pipe, model_key: str) -> None:
+    """Queue on ``pipe`` the removal of the model's wish and failed loads (a file's
+    ``--sync`` removes several in one transaction with its other writes)."""
     registry.forget_load_failures(client, pipe, [model_key])
     pipe.hdel(registry.DESIRED, model_key)
-    pipe.execute()
+
+
+def send_evictions(client: redis.Redis, celery_app, model_key: str) -> list[str]:
+    """Tell every worker holding the model to let it go; the workers told."""
     workers = [d["worker"] for d in holders(client, model_key)]
     for worker in workers:
         celery_app.send_task(EVICT_MODEL, kwargs={"model_key": model_key}, queue=worker_queue(worker))
@@ -132,12 +143,17 @@ def kill(client: redis.Redis, celery_app, job_id: str, ttl_s: int, text: str = m
     # co-batch), and return on its answer: a broadcast waits out its whole reply timeout.
     runners = [name for name, info in registry.all_workers(client).items() if job_id in registry.running_jobs(info)]
     destination = runners or None  # not reported yet (the job just started): every worker
+    started = _running(client, job_id)
     replies = celery_app.control.broadcast("ndif_kill", arguments={"job_id": job_id, "text": text},
                                            destination=destination,
                                            reply=True, timeout=KILL_REPLY_S, limit=len(runners) or None)
     for reply in replies or []:
         for worker, answer in reply.items():
             if answer.get("ok") == "cancelling":
+                if not started:
+                    # Taken off the queue by a worker as its next job, not begun: that worker
+                    # answered its client, and skips it when it comes to it; nothing is interrupted.
+                    return f"cancelled before it started: {worker} had taken it from the queue and skips it"
                 return f"cancelling on {worker}"
     # Nobody replied. A job still RUNNING has a worker held by its code (or one
     # the beat already buried for its silence): answer for it.

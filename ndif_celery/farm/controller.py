@@ -370,18 +370,5 @@ class Farm:
         self.by_worker[worker].pop(model_key, None)
 
     def views(self, wishes: dict) -> list[placement.WorkerView]:
-        views = []
-        for name, info in self.workers.items():
-            holdings = [
-                placement.Holding(
-                    model_key=key,
-                    size_bytes=entry.get("size_bytes", 0),
-                    pinned=bool(wishes.get(key, {}).get("pinned")),
-                    loading=entry["state"] != registry.RUNNING,
-                    last_used=_last_activity(entry),
-                )
-                for key, entry in self.by_worker.get(name, {}).items()
-            ]
-            views.append(placement.WorkerView(name, info.get("memory_bytes", 0), holdings,
-                                              client_versions.as_runtime(info.get("nnsight", ""))))
-        return views
+        return placement.views_of(self.workers, self.by_worker, wishes,
+                                  lambda info: client_versions.as_runtime(info.get("nnsight", "")))

@@ -346,30 +346,53 @@ def apply(client: redis.Redis, entries: list[Entry], sync: bool = False, celery_
     """Write each entry's wish (and, with ``sync``, evict the file-made wishes it
     no longer lists: ``celery_app`` sends the evictions); wake the controller.
     A sync that would evict a pinned model, or everything, raises unless ``force``.
-    Every listed model's failed loads are forgotten: applying again retries them."""
+    Every listed model's failed loads are forgotten: applying again retries them.
+
+    All or nothing: every refusal is raised before anything is written, and
+    the wishes (written, rewritten, removed) change in one Redis transaction;
+    only then are the evictions sent, to the workers that hold the removed
+    models (a model whose eviction could not be sent is left loaded with no
+    wish, as if a request had loaded it)."""
     done = plan(client, entries, sync, source)
     refusal = done.refusal(entries) if sync and not force else None
     if refusal:
         raise DeploymentsError(f"{refusal}; nothing was changed. Give --force to do it.")
     wishes = registry.desired(client)
-    pipe = client.pipeline()
+    evicted, done.evicted = done.evicted, []
+    to_send = [model_key for _, model_key, _ in evicted if not wishes[model_key].get("schedule")]
+    if to_send and celery_app is None:
+        raise ValueError("sync needs the celery app to send evictions")
+    pipe = client.pipeline(transaction=True)
     registry.forget_load_failures(client, pipe, [entry.model_key for entry in entries])
     for model_key, wish in done.writes.items():
         pipe.hset(registry.DESIRED, model_key, json.dumps(wish))
-    pipe.execute()
-    evicted, done.evicted = done.evicted, []
-    for repo, model_key, _ in evicted:
+    for _, model_key, _ in evicted:
         wish = wishes[model_key]
         if wish.get("schedule"):
             # Pinned by a schedule now: let it go when the window ends, not before.
-            client.hset(registry.DESIRED, model_key, json.dumps({**wish, "before": None}))
-            done.evicted.append((repo, model_key, []))
-            continue
-        if celery_app is None:
-            raise ValueError("sync needs the celery app to send evictions")
-        done.evicted.append((repo, model_key, farm.evict(client, celery_app, model_key)))
+            pipe.hset(registry.DESIRED, model_key, json.dumps({**wish, "before": None}))
+        else:
+            farm.forget_wish(client, pipe, model_key)
+    pipe.execute()
+    for repo, model_key, _ in evicted:
+        sent = farm.send_evictions(client, celery_app, model_key) if model_key in to_send else []
+        done.evicted.append((repo, model_key, sent))
     registry.wake_controller(client, "deployments")
     return done
+
+
+def capacity_problems(client: redis.Redis, settings, entries: list[Entry],
+                      plan_: Optional[Applied] = None) -> list[str]:
+    """Why the live workers cannot meet the file's entries (each alone, then all
+    at once), as ``deploy -f`` refuses it before writing anything; [] if they can.
+    ``plan_``: the sync's plan, whose evictions free their pinned room."""
+    from . import capacity
+
+    wishes = registry.desired(client)
+    for _, model_key, _ in (plan_.evicted if plan_ is not None else []):
+        wishes.pop(model_key, None)
+    needs = [capacity.demand(client, settings, entry.model_key, entry.replicas, entry.dtype) for entry in entries]
+    return capacity.problems(needs, capacity.live_views(client, wishes), lambda n: f"set `replicas: {n}`")
 
 
 def _difference(old: dict, new: dict) -> str:

@@ -51,6 +51,32 @@ class WorkerView:
         return any(h.model_key == model_key for h in self.holdings)
 
 
+def views_of(workers: dict, by_worker: dict, wishes: dict,
+             runtime_of=lambda info: info.get("nnsight", "")) -> list[WorkerView]:
+    """The placement view of live ``workers`` (name -> registry entry) holding
+    ``by_worker`` (name -> model key -> deployment entry); a holding is pinned
+    when its wish is. The controller places with it, and an operator's command
+    checks capacity with the same picture."""
+    views = []
+    for name, info in workers.items():
+        holdings = [
+            Holding(
+                model_key=key,
+                size_bytes=entry.get("size_bytes", 0),
+                pinned=bool(wishes.get(key, {}).get("pinned")),
+                loading=entry["state"] != "RUNNING",
+                last_used=last_activity(entry),
+            )
+            for key, entry in by_worker.get(name, {}).items()
+        ]
+        views.append(WorkerView(name, info.get("memory_bytes", 0), holdings, runtime_of(info)))
+    return views
+
+
+def last_activity(entry: dict) -> float:
+    return entry.get("last_used") or entry.get("loaded_at") or entry.get("created_at") or 0.0
+
+
 @dataclass
 class Placement:
     worker: str

@@ -28,6 +28,7 @@ from typing import Optional
 
 import redis
 
+from ndif_celery import wire
 from ndif_celery.state import registry
 
 SCHEDULES = "ndif:schedules"
@@ -86,11 +87,18 @@ def state(entry: dict, now: Optional[float] = None) -> str:
 
 
 def add(client: redis.Redis, model_key: str, repo: str, start: float, end: float, replicas: int = 1,
-        now: Optional[float] = None) -> dict:
-    """Store a window (checked); wake the controller. Returns the entry."""
+        now: Optional[float] = None, settings=None) -> dict:
+    """Store a window (checked); wake the controller. Returns the entry.
+    ``settings``: also refuse a window the live workers cannot meet
+    (:func:`capacity_problems`); None records it anyway (``--wait-for-workers``)."""
     check_window(start, end, now)
     if not 1 <= replicas <= 64:
         raise ScheduleError(f"--replicas must be from 1 to 64, got {replicas}")
+    if settings is not None:
+        found = capacity_problems(client, settings, model_key, repo, start, end, replicas, now)
+        if found:
+            raise ScheduleError(f"the live workers cannot meet this window: {'; '.join(found)}. Nothing was "
+                                "scheduled (give --wait-for-workers if workers will be started before it opens).")
     if client.hlen(SCHEDULES) >= MAX_SCHEDULES:
         raise ScheduleError(f"{MAX_SCHEDULES} schedules are stored already; remove some (`ndif-celery schedule remove`)")
     entry = {"id": uuid.uuid4().hex[:8], "model_key": model_key, "repo": repo, "start": start, "end": end,
@@ -98,6 +106,46 @@ def add(client: redis.Redis, model_key: str, repo: str, start: float, end: float
     client.hset(SCHEDULES, entry["id"], json.dumps(entry))
     registry.wake_controller(client, "schedule")
     return entry
+
+
+def capacity_problems(client: redis.Redis, settings, model_key: str, repo: str, start: float, end: float,
+                      replicas: int, now: Optional[float] = None) -> list[str]:
+    """Why the live workers cannot keep the window's pins beside every window it
+    overlaps, at any moment of it; [] if they can. Pins never yield, so windows
+    of other models that are open at once must fit side by side (windows on the
+    same model take the most replicas of them, as :func:`reconcile` pins it).
+    The moments to look at are its start and each start of another window
+    inside it: only there does the set of open windows grow."""
+    from . import capacity
+
+    now = time.time() if now is None else now
+    new = {"id": "", "model_key": model_key, "repo": repo, "start": start, "end": end, "replicas": replicas}
+    others = [entry for entry in entries(client, now)
+              if entry["state"] != ENDED and entry["start"] < end and entry["end"] > max(start, now)]
+    wishes = registry.desired(client)
+    # A schedule's pin now is its window's, counted as a window; the wish under it is what stays.
+    lasting = {key: (wish.get("before") if wish.get("schedule") else wish) or {} for key, wish in wishes.items()}
+    views = capacity.live_views(client, lasting)
+    moments = sorted({max(start, now)} | {entry["start"] for entry in others if start < entry["start"] < end})
+    sized: dict = {}
+    for moment in moments:
+        open_now = [new] + [entry for entry in others if entry["start"] <= moment < entry["end"]]
+        wanted: dict = {}
+        for entry in open_now:
+            wanted.setdefault(entry["model_key"], []).append(entry)
+        needs = []
+        for key, windows in wanted.items():
+            count = max([w["replicas"] for w in windows] + [lasting.get(key, {}).get("replicas", 1)])
+            if key not in sized:
+                sized[key] = capacity.demand(client, settings, key, 1, lasting.get(key, {}).get("dtype"))
+            ids = ", ".join(w["id"] for w in windows if w["id"])
+            label = wire.repo_id(key) + (f" (window {ids})" if ids else "")
+            needs.append(capacity.Demand(key, count, sized[key].size_bytes, sized[key].nnsight, label))
+        found = capacity.problems(needs, views, lambda n: f"ask for --replicas {n}")
+        if found:
+            when = "" if len(needs) == 1 else f"from {iso(moment)}, with the windows it overlaps: "
+            return [when + why for why in found]
+    return []
 
 
 def remove(client: redis.Redis, schedule_id: str) -> Optional[dict]:

@@ -31,21 +31,40 @@ def padded(size_bytes: int, factor: float, extra: int) -> int:
 def weight_bytes(model_key: str, dtype: Optional[str], redis_client=None) -> int:
     """Bytes of the weights as they will be held (``dtype``, or the checkpoint's).
     A runtime's deployment holds the same weights as the farm's own key."""
-    try:
-        model_key = model_policy.parse(model_key).main_key
-    except model_policy.PolicyError:
-        pass  # sized as given: the loader refuses it anyway
-    cache_field = f"{model_key}|{dtype or ''}"
+    model_key = _main_key(model_key)
+    size = known_weight_bytes(model_key, dtype, redis_client)
+    if size is None:
+        size = _from_nnsight(model_key, dtype or "float32")
+        if redis_client is not None:
+            redis_client.hset(registry.SIZES, _cache_field(model_key, dtype), size)
+    return size
+
+
+def known_weight_bytes(model_key: str, dtype: Optional[str], redis_client=None) -> Optional[int]:
+    """:func:`weight_bytes` from what is at hand only (the farm's cache of sizes,
+    this host's checkpoint), else None: an operator's command checks capacity
+    with it and must not wait on the hub."""
+    model_key = _main_key(model_key)
+    cache_field = _cache_field(model_key, dtype)
     if redis_client is not None:
         cached = redis_client.hget(registry.SIZES, cache_field)
         if cached is not None:
             return int(cached)
     size = _from_local_checkpoint(model_key, dtype)
-    if size is None:
-        size = _from_nnsight(model_key, dtype or "float32")
-    if redis_client is not None:
+    if size is not None and redis_client is not None:
         redis_client.hset(registry.SIZES, cache_field, size)
     return size
+
+
+def _main_key(model_key: str) -> str:
+    try:
+        return model_policy.parse(model_key).main_key
+    except model_policy.PolicyError:
+        return model_key  # sized as given: the loader refuses it anyway
+
+
+def _cache_field(model_key: str, dtype: Optional[str]) -> str:
+    return f"{model_key}|{dtype or ''}"
 
 
 def _from_local_checkpoint(model_key: str, dtype: Optional[str]) -> Optional[int]:

@@ -193,11 +193,19 @@ def model_queues(client: redis.Redis) -> list[str]:
 
 
 def summary(client: redis.Redis, now: Optional[float] = None) -> list[dict]:
-    """Depth and head wait of every model queue, for ``ndif-celery queue``."""
+    """Depth and head wait of every model queue that has jobs waiting or a live
+    worker consuming it, for ``ndif-celery queue``. A queue's name stays in
+    ``registry.QUEUES`` once a job used it (the intake adds it, nothing may
+    remove it without racing the next job's push); an empty queue of a model
+    nobody holds (its jobs failed, or it was evicted) is left out, not shown
+    as a row that never goes away."""
     now = time.time() if now is None else now
+    served = {queue_for(entry["model_key"]) for entry in registry.live_deployments(client)}
     rows = []
     for queue in model_queues(client):
         entries = waiting(client, queue)
+        if not entries and queue not in served:
+            continue
         rows.append(
             {
                 "queue": queue,
