@@ -72,7 +72,7 @@ def accept(
     offer = registry.decode_offer(answers, repo)
     per_job = run_times.per_job_s(answers[-2])
     admit_model(client, settings, identity, envelope, offer, runtime)
-    check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
+    probe = check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
     owner = answers[-1]
     unclaimed = bool(protocol and envelope.session_id and owner == b"")  # a Socket.IO socket no key claimed yet
     if not unclaimed:
@@ -99,7 +99,7 @@ def accept(
     depths = limits.check_and_count(client, identity, queue, settings)  # of the queue's lists, in serving order
     served_with = len(queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL))
     if settings.fair_turns:  # its turn among the keys waiting: behind the lists served first, and its turn's place
-        position = sum(depths[:served_with - 1]) + turns.plan(client, job, queue, settings.job_ttl_s) + 1
+        position = sum(depths[:served_with - 1]) + turns.plan(client, job, queue, settings.job_ttl_s, first=probe) + 1
     else:  # first in, first out: behind every job of its priority or before it
         position = sum(depths[:served_with]) + 1
     job.queued_at = jobs.now()
@@ -112,6 +112,8 @@ def accept(
     except BaseException:
         byte_quotas.PARKED.release(client, [byte_quotas.payload_entry(job.id)])
         raise
+    if probe:  # the beat finds its probe in the line by this id (probes.queued_behind)
+        probes.note_sent(client, job.model_key, job.id)
     # The controller deploys the model if no worker serves it (``ndif_celery.farm.controller``);
     # a model served needs nothing of it now (its ticks tell positions and add replicas).
     if job.model_key not in offer.serving:
@@ -161,21 +163,24 @@ def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.I
 
 
 def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
-                headers: Mapping[str, str], model_key: str, offered: set) -> None:
-    """The health probe (``ndif_celery.monitoring.probes``, its key ``NDIF_PROBE_API_KEY``) never
-    deploys a model: a probe sent just as the model was evicted would load it again.
+                headers: Mapping[str, str], model_key: str, offered: set) -> bool:
+    """Whether the request is the health probe's (``ndif_celery.monitoring.probes``, its key
+    ``NDIF_PROBE_API_KEY``), which takes a turn of its own at the front of the line
+    (``turns.plan``'s ``first``). It never deploys a model: a probe sent just as the
+    model was evicted would load it again.
     Refused here when the model is not deployed; its owner is recorded
     (``probes.OWNER``) for the controller, which fails a probe's job left waiting
     for a model evicted after it was accepted instead of loading the model again."""
     if not settings.probe_api_key:
-        return
+        return False
     sent = headers.get(auth.HEADER) or ""
     if not hmac.compare_digest(sent.encode(), settings.probe_api_key.encode()):
-        return
+        return False
     if identity.key_id is not None:
         client.set(probes.OWNER, identity.owner, ex=86400)
     if model_key not in offered:
         raise Refused("The health probe does not deploy models, and this one is not deployed now.", 409)
+    return True
 
 
 def check_session(identity: auth.Identity, session_id: str, owner: Optional[bytes]) -> None:

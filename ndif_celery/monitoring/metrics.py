@@ -15,14 +15,15 @@ current shape (queues, workers, deployments) through :class:`FarmCollector`.
 Series (all prefixed ``ndif_``): ``ndif_http_requests_total{route,method,status}``,
 ``ndif_jobs_total{outcome,kind}``, ``ndif_job_phase_seconds{phase}`` (histogram:
 queue, deserialize, run, upload, total), ``ndif_result_bytes_total``,
-``ndif_payload_bytes_total``, ``ndif_queue_depth{model}``,
-``ndif_queue_head_wait_seconds{model}``, ``ndif_workers``,
+``ndif_payload_bytes_total``, ``ndif_queue_depth{model,nnsight,model_key}``,
+``ndif_queue_head_wait_seconds{model,nnsight,model_key}``, ``ndif_workers``,
 ``ndif_deployments{state}``, ``ndif_ledger_pending``,
 ``ndif_worker_replacements_total{worker}`` (workers that replaced themselves
 because a job's code would not unwind from its deadline or a kill; counted
 here, since the process that would count it exits: ``workers.job.deadline``),
-the health probes' ``ndif_probe_ok{model}``, ``ndif_probe_latency_seconds{model}``,
-``ndif_probe_last_run_timestamp_seconds{model}``, ``ndif_probe_runs_total{model,result}``
+the health probes' ``ndif_probe_ok``, ``ndif_probe_queued``, ``ndif_probe_latency_seconds``,
+``ndif_probe_last_run_timestamp_seconds`` (each ``{model,nnsight,model_key}``: one series per
+deployment, a runtime's apart) and ``ndif_probe_runs_total{model,nnsight,model_key,result}``
 (``ndif_celery.monitoring.probes``), and usage per key, bounded to the top keys plus
 ``other``: ``ndif_usage_{jobs,errors,gpu_seconds,run_seconds,bytes_in,bytes_out}_total{key}``
 (``ndif_celery.accounts.usage``).
@@ -57,6 +58,25 @@ NO_KIND = "none"
 ERROR_KINDS = ("user", "timeout", "cancelled", "store", "server", "deploy", "worker_lost", "error")
 
 log = logging.getLogger("ndif_celery.metrics")
+
+
+#: The labels of a series per deployment: the repo, the nnsight that serves it (a
+#: runtime's deployment of a repo is another one) and the model key, which tells
+#: apart any two deployments (a revision, a task), so no label set comes twice.
+DEPLOYMENT_LABELS = ["model", "nnsight", "model_key"]
+
+
+def deployment_labels(model_key: str, model: Optional[str] = None) -> tuple[str, str, str]:
+    """``(model, nnsight, model_key)`` of a deployment; ``model`` when the key is unknown (a queue's own name)."""
+    from ndif_celery.policy import models as model_policy
+
+    from .probes import runtime_of
+
+    try:
+        repo = model_policy.parse(model_key).repo_id
+    except Exception:  # noqa: BLE001 - a key written before the policy, or none
+        repo = model or model_key
+    return repo, runtime_of(model_key) if model_key else "", model_key
 
 
 def bucket_of(seconds: float) -> str:
@@ -170,20 +190,21 @@ class FarmCollector:
             histogram.add_metric([phase], buckets, by_phase.get(f"{phase}|sum", 0.0))
         yield histogram
 
-        depth = GaugeMetricFamily("ndif_queue_depth", "Jobs waiting per model (repo id).", labels=["model"])
+        depth = GaugeMetricFamily("ndif_queue_depth", "Jobs waiting per deployment (repo id, the nnsight "
+                                  "runtime that serves it, its model key).", labels=DEPLOYMENT_LABELS)
         wait = GaugeMetricFamily(
-            "ndif_queue_head_wait_seconds", "How long the oldest waiting job of each model has waited.",
-            labels=["model"],
+            "ndif_queue_head_wait_seconds", "How long the oldest waiting job of each deployment has waited.",
+            labels=DEPLOYMENT_LABELS,
         )
-        per_model: dict[str, list] = {}
+        per_model: dict[tuple, list] = {}
         for row in queues.summary(self.redis):
-            model = queues.model_name(row)
-            entry = per_model.setdefault(model, [0, 0.0])
+            labels = deployment_labels(row["model_key"] or "", queues.model_name(row))
+            entry = per_model.setdefault(labels, [0, 0.0])
             entry[0] += row["depth"]
             entry[1] = max(entry[1], row["head_wait_s"])
-        for model, (count, head) in sorted(per_model.items()):
-            depth.add_metric([model], count)
-            wait.add_metric([model], head)
+        for labels, (count, head) in sorted(per_model.items()):
+            depth.add_metric(list(labels), count)
+            wait.add_metric(list(labels), head)
         yield depth
         yield wait
 
@@ -226,25 +247,31 @@ class FarmCollector:
 
         from . import probes
 
-        ok = GaugeMetricFamily("ndif_probe_ok", "1 when the last health probe of the model answered correct "
-                               "values, 0 when it failed.", labels=["model"])
-        latency = GaugeMetricFamily("ndif_probe_latency_seconds", "Seconds the last health probe of the model took.",
-                                    labels=["model"])
+        ok = GaugeMetricFamily("ndif_probe_ok", "1 when the last health probe of the deployment answered correct "
+                               "values (or waits behind users' jobs), 0 when it failed.", labels=DEPLOYMENT_LABELS)
+        queued = GaugeMetricFamily("ndif_probe_queued", "1 while the deployment's probe waits behind users' jobs.",
+                                   labels=DEPLOYMENT_LABELS)
+        latency = GaugeMetricFamily("ndif_probe_latency_seconds",
+                                    "Seconds the last answered health probe of the deployment took.",
+                                    labels=DEPLOYMENT_LABELS)
         last = GaugeMetricFamily("ndif_probe_last_run_timestamp_seconds",
-                                 "When the model was last probed (Unix time).", labels=["model"])
+                                 "When the deployment was last probed (Unix time).", labels=DEPLOYMENT_LABELS)
         for row in probes.results(self.redis):
-            ok.add_metric([row["repo"]], 1 if row.get("ok") else 0)
-            latency.add_metric([row["repo"]], float(row.get("latency_s") or 0.0))
-            last.add_metric([row["repo"]], float(row.get("at") or 0.0))
+            labels = list(deployment_labels(row["model_key"], row.get("repo")))
+            ok.add_metric(labels, 1 if row.get("ok") else 0)
+            queued.add_metric(labels, 1 if row.get("state") == probes.QUEUED else 0)
+            latency.add_metric(labels, float(row.get("latency_s") or 0.0))
+            last.add_metric(labels, float(row.get("at") or 0.0))
         yield ok
+        yield queued
         yield latency
         yield last
-        runs = CounterMetricFamily("ndif_probe_runs", "Health probes run, by model and result (ok, failed).",
-                                   labels=["model", "result"])
+        runs = CounterMetricFamily("ndif_probe_runs", "Health probes judged, by deployment and result (ok, failed).",
+                                   labels=[*DEPLOYMENT_LABELS, "result"])
         for field, count in sorted(self.redis.hgetall(probes.RUNS).items()):
             parts = _split(field, 2)
-            if parts:
-                runs.add_metric(parts, int(count))
+            if parts and ":" in parts[0]:  # "<model key>|<result>"; a repo's count from before runtimes is left out
+                runs.add_metric([*deployment_labels(parts[0]), parts[1]], int(count))
         yield runs
 
     def usage_families(self):

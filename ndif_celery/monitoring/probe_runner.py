@@ -6,7 +6,11 @@ the probe's traces run here, in a child the beat starts once and keeps: one
 torch import per beat, not one per probe. It is exactly a user's client:
 ``nnsight.CONFIG.API.HOST`` is the farm's public endpoint (``NDIF_API_URL``,
 from ``NDIF_PROBE_HOST``), the key is ``NDIF_PROBE_API_KEY``, and the model is
-built from the key the farm deployed (``to_model_key()`` must give it back).
+built from the key the farm deployed (``to_model_key()``, read as the web reads
+it, must give it back). A runtime's deployments are probed by this module run
+under that runtime's interpreter (its venv sees this package through its
+``.pth``): the client is then that nnsight's, a 0.6/0.7 ``LanguageModel``
+speaking their protocol, and nothing here needs the farm's own nnsight.
 
 Protocol: one JSON line out when ready (``{"ready": true}``), then for each
 JSON line in (``{"model_key", "timeout_s"}``) one JSON line out: ``ok``
@@ -73,22 +77,42 @@ class Output:
 
 
 def _model(cache: dict, model_key: str):
-    """The client model for ``model_key`` (built once), as a user would make it."""
+    """The client model for ``model_key`` (built once), as a user of this process's
+    nnsight would make it: a 0.8 client's TransformersModel, or for a 0.6/0.7
+    runtime's deployment their LanguageModel. The key the client sends must be
+    read by the farm (as the web reads it) as exactly the deployed one."""
     if model_key in cache:
         return cache[model_key]
+    import nnsight
     import nnsight.modeling.huggingface as hf
-    from nnsight.modeling.transformers import TransformersModel
     from transformers import AutoTokenizer
 
+    from ndif_celery.policy import client_versions
     from ndif_celery.policy import models as model_policy
 
     key = model_policy.parse(model_key)
     # The farm's key is canonical already: no hub call to canonicalise the id (offline hosts).
-    hf._ID_CACHE[key.repo_id] = key.repo_id
+    ids = getattr(hf, "_ID_CACHE", None)
+    ids = getattr(hf, "ID_CACHE", {}) if ids is None else ids  # 0.6/0.7 name it without the underscore
+    ids[key.repo_id] = key.repo_id
     tokenizer = AutoTokenizer.from_pretrained(key.repo_id, revision=key.revision)
-    model = TransformersModel(key.repo_id, revision=key.revision, task=key.task, tokenizer=tokenizer)
-    if model.to_model_key() != model_key:
-        raise RuntimeError(f"the client builds {model.to_model_key()!r}, not the deployed key")
+    runtime = client_versions.as_runtime(nnsight.__version__)
+    if runtime and client_versions.protocol_of(runtime):
+        from nnsight import LanguageModel
+
+        model = LanguageModel(key.repo_id, tokenizer=tokenizer, **({"revision": key.revision} if key.revision else {}))
+    else:
+        from nnsight.modeling.transformers import TransformersModel
+
+        model = TransformersModel(key.repo_id, revision=key.revision, task=key.task, tokenizer=tokenizer)
+    sent = model.to_model_key()
+    try:
+        read = model_policy.parse_client_key(sent, runtime).key
+    except model_policy.PolicyError as error:
+        raise RuntimeError(f"the farm refuses the key the client builds, {sent!r}: {error.detail}") from None
+    if read != model_key:
+        raise RuntimeError(f"the nnsight {nnsight.__version__} client builds {sent!r}, read as {read!r}, "
+                           "not the deployed key")
     cache[model_key] = model
     return model
 
@@ -101,6 +125,7 @@ def probe(cache: dict, model_key: str) -> dict:
     with model.trace(PROMPT, remote=True) as tracer:
         logits = model.output.logits.save()
     latency = time.monotonic() - started
+    logits = getattr(logits, "value", logits)  # an older client's saved proxy
     logits = logits.detach().to(torch.float64)
     last = logits[0, -1] if logits.dim() == 3 else logits.reshape(-1)
     vocab = getattr(model.config, "vocab_size", None)
@@ -177,7 +202,7 @@ def serve(output: Output) -> None:
         thread.join(timeout_s)
         if thread.is_alive():
             late = {"model_key": model_key, "ok": False, "latency_s": round(time.monotonic() - started, 3),
-                    "error": f"no answer within {timeout_s:.0f} s (NDIF_PROBE_TIMEOUT_S)"}
+                    "timed_out": True, "error": f"no answer within {timeout_s:.0f} s (NDIF_PROBE_TIMEOUT_S)"}
             _report_failure(late, output)
             _emit(late)
             os._exit(3)

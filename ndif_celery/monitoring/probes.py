@@ -17,11 +17,24 @@ model loaded later from corrupted weights (a bad copy in the model cache, a
 flipped bit) answers other logits and goes red. ``ndif-celery probes --reset
 MODEL`` forgets a reference (a branch that moved on purpose).
 
+A deployment is a model key, and a runtime's deployment of a model has a key
+of its own (``"nnsight": "0.7.0"``, ``policy.models``): its probe runs under
+that runtime's interpreter (its venv's ``python -m
+ndif_celery.monitoring.probe_runner``, so the client is that nnsight's, as its
+users' is), and its results, references and alerts are its own.
+
 Results (``ndif:probes``: model key -> the last result) feed ``/metrics``
-(``ndif_probe_ok{model}``, ``ndif_probe_latency_seconds{model}``,
-``ndif_probe_last_run_timestamp_seconds{model}``, counted in
-``ndif_probe_runs_total{model,result}``), the dashboard and the ``NdifProbeFailing``
-alert in deploy/prometheus-rules.yml.
+(``ndif_probe_ok{model,nnsight,model_key}`` and the rest, one series per
+deployment), the dashboard and the ``NdifProbeFailing`` alert in
+deploy/prometheus-rules.yml.
+
+A probe that waits behind users' jobs is no failure: the intake gives it a
+turn of its own at the front of its model's line (``state.turns``), and one
+that still waits when its time is up is recorded as ``queued behind N
+jobs`` (state ``QUEUED``; the model is busy, not broken) and is not sent again
+while it waits, so probes never pile up in a line. A probe judged red turns
+the alert on only after failing for :data:`ALERT_AFTER_S` (consecutive
+failures a minute apart or more), as docs/monitoring.md promises.
 
 Alerts (``NDIF_ALERT_WEBHOOK_URL``, when set): the webhook is told the current
 state of every model, not a stream of events. ``ndif:probes:delivered`` holds,
@@ -56,10 +69,14 @@ from urllib.parse import urlsplit
 
 import redis
 
+from pathlib import Path
+
 from ndif_celery import config
+from ndif_celery.celery_app import queue_for
 from ndif_celery.notices import Notices
+from ndif_celery.policy import client_versions
 from ndif_celery.policy import models as model_policy
-from ndif_celery.state import jobs, registry
+from ndif_celery.state import jobs, queues, registry
 
 from . import history
 
@@ -80,11 +97,31 @@ WEBHOOK_TIMEOUT_S = 5.0  # one POST; only the courier's thread waits on it
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 60.0
 ALERT = "NdifProbeFailing"
+# A red probe alerts once it has failed this long (its first and latest failure
+# this far apart): one probe lost to a restart or a blip does not page anyone.
+ALERT_AFTER_S = 60.0
+SENT = "ndif:probes:sent"  # model key -> the job id of its last probe, as the intake parked it
+SENT_TTL_S = 86400
+OK, FAILING, QUEUED = "ok", "FAILING", "QUEUED"  # a result's state
+
+
+def runtime_of(model_key: str) -> str:
+    """The nnsight version that serves ``model_key``: its runtime's, or the farm's own."""
+    try:
+        return model_policy.parse(model_key).nnsight or client_versions.MAIN
+    except Exception:  # noqa: BLE001 - a key from before the policy, or a queue's own name: shown as the farm's
+        return client_versions.MAIN
+
+
+def runtime_interpreter(home: Path, runtime: str) -> Path:
+    """Where ``ndif-celery runtime add`` puts the runtime's interpreter (``host.runtimes.folder``;
+    the beat's layer cannot import ``host``, a test holds the two equal)."""
+    return Path(home) / "runtimes" / f"nnsight-{runtime}" / "bin" / "python"
 
 
 def targets(client: redis.Redis) -> list[dict]:
-    """``{model_key, dtype}`` of every model to probe: RUNNING on a live worker,
-    or pinned and held by no worker at all (none is loading it either)."""
+    """``{model_key, dtype, nnsight}`` of every deployment to probe: RUNNING on a live
+    worker, or pinned and held by no worker at all (none is loading it either)."""
     held: dict[str, list] = {}
     for entry in registry.live_deployments(client):
         held.setdefault(entry["model_key"], []).append(entry)
@@ -92,10 +129,10 @@ def targets(client: redis.Redis) -> list[dict]:
     for key, entries in held.items():
         running = [e for e in entries if e["state"] == registry.RUNNING]
         if running:
-            out[key] = {"model_key": key, "dtype": running[0].get("dtype")}
+            out[key] = {"model_key": key, "dtype": running[0].get("dtype"), "nnsight": runtime_of(key)}
     for key, wish in registry.desired(client).items():
         if wish.get("pinned") and key not in held:
-            out[key] = {"model_key": key, "dtype": wish.get("dtype")}
+            out[key] = {"model_key": key, "dtype": wish.get("dtype"), "nnsight": runtime_of(key)}
     return [out[key] for key in sorted(out)]
 
 
@@ -134,9 +171,46 @@ def _ago(epoch) -> str:
 
 
 def results(client: redis.Redis) -> list[dict]:
-    """The last result of every probed model, by repo id."""
+    """The last result of every probed deployment, by repo id and runtime."""
     rows = [json.loads(raw) for raw in client.hvals(PROBES)]
-    return sorted(rows, key=lambda row: (row.get("repo") or "", row.get("model_key") or ""))
+    for row in rows:  # results written before runtimes were told apart
+        row.setdefault("nnsight", runtime_of(row.get("model_key") or ""))
+        row.setdefault("state", OK if row.get("ok") else FAILING)
+    return sorted(rows, key=lambda row: (row.get("repo") or "", row["nnsight"], row.get("model_key") or ""))
+
+
+def alerting(row: dict) -> bool:
+    """Whether a result's alert is on: red, its failures spanning :data:`ALERT_AFTER_S`."""
+    if row.get("ok"):
+        return False
+    failed_at = row.get("failed_at", row.get("at")) or 0.0
+    return failed_at - (row.get("since") or failed_at) >= ALERT_AFTER_S
+
+
+def note_sent(client: "redis.Redis | redis.client.Pipeline", model_key: str, job_id: str) -> None:
+    """The intake parked a probe's job: the beat looks for it in the line (:func:`queued_behind`)."""
+    client.hset(SENT, model_key, job_id)
+    client.expire(SENT, SENT_TTL_S)
+
+
+def queued_behind(client: redis.Redis, model_key: str) -> Optional[int]:
+    """How many jobs the deployment's last probe waits behind (those ahead in its
+    line and those its workers run), or None when it waits no more."""
+    job_id = client.hget(SENT, model_key)
+    if not job_id:
+        return None
+    job_id = job_id.decode()
+    ahead = None
+    for index, entry in enumerate(queues.waiting(client, queue_for(model_key))):
+        if entry.job.id == job_id:
+            ahead = index
+            break
+    if ahead is None:
+        return None
+    workers = registry.live_workers(client)
+    holders = {e["worker"] for e in registry.live_deployments(client, workers) if e["model_key"] == model_key}
+    running = sum(1 for name in holders if workers[name].get("current_job"))
+    return ahead + running
 
 
 def reset(client: redis.Redis, model_key: str) -> int:
@@ -156,17 +230,29 @@ def post_json(url: str, payload: dict, timeout_s: float = WEBHOOK_TIMEOUT_S) -> 
 
 class Runner:
     """The probe's client process (``python -m ndif_celery.monitoring.probe_runner``), started
-    on first use and again after it died or gave up on a stuck trace."""
+    on first use and again after it died or gave up on a stuck trace. ``runtime``: the
+    nnsight version whose deployments it probes; another than the farm's own runs under
+    that runtime's interpreter, so the client is the one its users run."""
 
-    def __init__(self, settings: config.Settings) -> None:
+    def __init__(self, settings: config.Settings, runtime: str = "") -> None:
         self.settings = settings
+        self.runtime = "" if runtime == client_versions.MAIN else runtime
         self.proc: Optional[subprocess.Popen] = None
         self.lines: "queue.Queue[Optional[str]]" = queue.Queue()
+
+    def interpreter(self) -> str:
+        if not self.runtime:
+            return sys.executable
+        python = runtime_interpreter(self.settings.home, self.runtime)
+        if not python.exists():
+            raise OSError(f"the beat's host has no nnsight {self.runtime} runtime to probe with "
+                          f"(`ndif-celery runtime add {self.runtime}` there)")
+        return str(python)
 
     def _start(self) -> None:
         env = dict(os.environ, NDIF_PROBE_HOST=self.settings.api_url,
                    NDIF_PROBE_API_KEY=self.settings.probe_api_key)
-        self.proc = subprocess.Popen([sys.executable, "-m", "ndif_celery.monitoring.probe_runner"], env=env,
+        self.proc = subprocess.Popen([self.interpreter(), "-m", "ndif_celery.monitoring.probe_runner"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.lines = queue.Queue()
         threading.Thread(target=self._read, args=(self.proc, self.lines), daemon=True,
@@ -200,7 +286,8 @@ class Runner:
         line = self._line(timeout_s + 30)
         if not line:
             self.stop()
-            return {"model_key": model_key, "ok": False, "error": f"no answer within {timeout_s:.0f} s"}
+            return {"model_key": model_key, "ok": False, "timed_out": True,
+                    "error": f"no answer within {timeout_s:.0f} s"}
         return json.loads(line)
 
     def stop(self) -> None:
@@ -214,12 +301,15 @@ class Prober(threading.Thread):
     """One per beat process; the lease makes one of them probe (and its courier deliver)."""
 
     def __init__(self, settings: config.Settings, redis_client=None, runner=None,
-                 post: Callable[[str, dict], None] = post_json, name: Optional[str] = None) -> None:
+                 post: Callable[[str, dict], None] = post_json, name: Optional[str] = None,
+                 clock: Callable[[], float] = time.time) -> None:
         super().__init__(name="ndif-prober", daemon=True)
         self.settings = settings
         self.redis = redis_client or jobs.connect(settings.redis_url, settings.redis_outage_s)
-        self.runner = runner or Runner(settings)
+        self.runner = runner  # one for every runtime (the tests'); else one per runtime, made on first use
+        self.runners: dict[str, Runner] = {}
         self.post = post
+        self.clock = clock
         self.me = name or f"prober-{id(self):x}@{time.time():.0f}"
         self.stopping = threading.Event()
         self.notices = Notices(log)
@@ -239,7 +329,17 @@ class Prober(threading.Thread):
                 log.exception("probe round failed")
             self.stopping.wait(max(0.0, self.settings.probe_interval_s - (time.monotonic() - started)))
         self.courier.wake.set()
-        self.runner.stop()
+        for runner in [self.runner, *self.runners.values()]:
+            if runner is not None:
+                runner.stop()
+
+    def runner_for(self, runtime: str):
+        """The client process that probes ``runtime``'s deployments."""
+        if self.runner is not None:
+            return self.runner
+        if runtime not in self.runners:
+            self.runners[runtime] = Runner(self.settings, runtime)
+        return self.runners[runtime]
 
     def lead(self) -> bool:
         """Take or renew the lease. On taking it, the models red now are sent again (:meth:`resend`)."""
@@ -256,7 +356,7 @@ class Prober(threading.Thread):
         """Forget that the webhook took the alerts of the models red now, so the courier sends
         them again. Called when this beat starts leading: a beat restarted, or took over from
         one that stopped, and the receiver may have lost what it was told meanwhile."""
-        red = [row["model_key"] for row in results(self.redis) if not row.get("ok")]
+        red = [row["model_key"] for row in results(self.redis) if alerting(row)]
         if red:
             self.redis.hdel(DELIVERED, *red)
 
@@ -267,9 +367,15 @@ class Prober(threading.Thread):
         for target in wanted:
             if target not in targets(self.redis):
                 continue  # evicted since the round began (and the web refuses a probe of a model not deployed)
-            result = self.runner.probe(target["model_key"], self.settings.probe_timeout_s)
-            if not result.get("ok") and target not in targets(self.redis):
-                continue  # evicted while it was probed: not a failure of the model
+            behind = queued_behind(self.redis, target["model_key"])
+            if behind is None:  # the last probe's job waits no more: send another
+                result = self.runner_for(target["nnsight"]).probe(target["model_key"], self.settings.probe_timeout_s)
+                if not result.get("ok") and target not in targets(self.redis):
+                    continue  # evicted while it was probed: not a failure of the model
+                if not result.get("ok") and result.get("timed_out"):
+                    behind = queued_behind(self.redis, target["model_key"])
+            if behind is not None:  # busy, not broken: its job still waits its turn
+                result = {"model_key": target["model_key"], "queued_behind": behind}
             recorded.append(self.record(target, result))
             self.redis.pexpire(LEADER, self.lease_ms)
         keys = {t["model_key"] for t in wanted}
@@ -277,40 +383,60 @@ class Prober(threading.Thread):
             if field.decode() not in keys:
                 gone = json.loads(self.redis.hget(PROBES, field) or "{}")
                 self.redis.hdel(PROBES, field)
-                if gone and not gone.get("ok"):
+                if gone and alerting(gone):
                     log.warning("%s", alert_text(gone, "resolved", NOT_DEPLOYED))
         self.courier.wake.set()
         return recorded
 
     def record(self, target: dict, result: dict) -> dict:
+        """Judge ``result`` and keep it as the deployment's last; a result with
+        ``queued_behind`` (its job still waits) keeps the verdict it had."""
         model_key = target["model_key"]
+        now = self.clock()
+        previous_raw = self.redis.hget(PROBES, model_key)
+        previous = json.loads(previous_raw) if previous_raw else None
+        repo = model_policy.parse(model_key).repo_id
+        was_alerting = previous is not None and alerting(previous)
+        base = {"model_key": model_key, "repo": repo, "nnsight": target.get("nnsight") or runtime_of(model_key),
+                "dtype": target.get("dtype"), "at": now}
+        if "queued_behind" in result:
+            behind = result["queued_behind"]
+            entry = {"ok": True, "error": "", "failures": 0, "since": now, "latency_s": None, "worker": None,
+                     **(previous or {}), **base, "state": QUEUED, "queued_behind": behind,
+                     "note": f"queued behind {behind} job{'' if behind == 1 else 's'}"}
+            self.redis.hset(PROBES, model_key, json.dumps(entry))
+            return entry
         field = reference_field(model_key, target.get("dtype"))
         raw = self.redis.hget(REFERENCES, field)
         reference = json.loads(raw) if raw else None
         ok, why = judge(result, reference)
         if ok and reference is None:
             self.redis.hset(REFERENCES, field, json.dumps(
-                {"values": result["values"], "shape": result["shape"], "recorded_at": time.time(),
+                {"values": result["values"], "shape": result["shape"], "recorded_at": now,
                  "worker": result.get("worker")}))
-        previous_raw = self.redis.hget(PROBES, model_key)
-        previous = json.loads(previous_raw) if previous_raw else None
-        repo = model_policy.parse(model_key).repo_id
+        same = previous is not None and bool(previous.get("ok")) == ok
         entry = {
-            "model_key": model_key, "repo": repo, "dtype": target.get("dtype"), "ok": ok, "error": why,
-            "latency_s": result.get("latency_s"), "worker": result.get("worker"), "at": time.time(),
+            **base, "ok": ok, "state": OK if ok else FAILING, "error": why,
+            "latency_s": result.get("latency_s"), "worker": result.get("worker"),
             "failures": 0 if ok else (previous or {}).get("failures", 0) + 1,
-            "since": (previous or {}).get("since") if previous and previous.get("ok") == ok else time.time(),
+            "since": previous.get("since", now) if same else now,
         }
+        if not ok:
+            entry["failed_at"] = now
         pipe = self.redis.pipeline()
         pipe.hset(PROBES, model_key, json.dumps(entry))
-        pipe.hincrby(RUNS, f"{repo}|{'ok' if ok else 'failed'}", 1)
+        pipe.hincrby(RUNS, f"{model_key}|{'ok' if ok else 'failed'}", 1)
         pipe.execute()
-        history.record_probe(self.redis, model_key, ok, entry["latency_s"], entry["at"])  # the dashboard's charts
+        history.record_probe(self.redis, model_key, ok, entry["latency_s"], now)  # the dashboard's charts
         # The log says each change; the webhook hears of it from the courier (deliver).
         if not ok and (previous is None or previous.get("ok")):
+            log.warning("the health probe of %s failed (the alert waits %.0f s for it to go on failing): %s",
+                        shown_deployment(entry), ALERT_AFTER_S, why)
+        if alerting(entry) and not was_alerting:
             log.warning("%s", alert_text(entry, "firing"))
         elif ok and previous is not None and not previous.get("ok"):
-            log.warning("%s", alert_text(entry, "resolved"))
+            log.warning("%s", alert_text(entry, "resolved") if was_alerting else
+                        f"the health probe of {shown_deployment(entry)} answers correctly again")
         self.courier.wake.set()
         return entry
 
@@ -336,7 +462,7 @@ class Prober(threading.Thread):
                 return False
             if status == "firing":
                 told = {"url": url_hash(url), "at": time.time(),
-                        "entry": {k: entry.get(k) for k in ("model_key", "repo", "dtype")}}
+                        "entry": {k: entry.get(k) for k in ("model_key", "repo", "nnsight", "dtype")}}
                 self.redis.hset(DELIVERED, entry["model_key"], json.dumps(told))
             else:
                 self.redis.hdel(DELIVERED, entry["model_key"])
@@ -389,15 +515,15 @@ NOT_DEPLOYED = "no longer deployed"
 
 def pending(client: redis.Redis, url: str) -> list[tuple[dict, str, str]]:
     """``(entry, status, note)`` of every alert the webhook at ``url`` has not taken: ``firing``
-    for a red model it was not told of, ``resolved`` for a model it was told of that is green
-    now or no longer probed. Marks left by another URL, of models not red now, are dropped:
+    for a model red for a minute (:func:`alerting`) it was not told of, ``resolved`` for a
+    model it was told of that is green now or no longer probed. Marks left by another URL, of models not red now, are dropped:
     that receiver is no longer ours, and this one never heard of them."""
     token = url_hash(url)
     current = {row["model_key"]: row for row in results(client)}
     told = {field.decode(): json.loads(raw) for field, raw in client.hgetall(DELIVERED).items()}
     out = []
     for key, row in current.items():
-        if not row.get("ok") and told.get(key, {}).get("url") != token:
+        if alerting(row) and told.get(key, {}).get("url") != token:
             out.append((row, "firing", ""))
     for key, mark in sorted(told.items()):
         row = current.get(key)
@@ -411,19 +537,27 @@ def pending(client: redis.Redis, url: str) -> list[tuple[dict, str, str]]:
     return out
 
 
+def shown_deployment(entry: dict) -> str:
+    """A deployment as people read it: its repo and the nnsight that serves it."""
+    return f"{entry.get('repo')} (nnsight {entry.get('nnsight') or runtime_of(entry.get('model_key') or '')})"
+
+
 def alert_text(entry: dict, status: str, note: str = "") -> str:
     """One line for the log and for a chat webhook."""
     if status == "firing":
-        return f"{ALERT}: the health probe of {entry.get('repo')} failed: {entry.get('error')}"
-    return f"{ALERT} resolved: {entry.get('repo')} {note or 'answers its probe correctly again'}"
+        return f"{ALERT}: the health probe of {shown_deployment(entry)} failed: {entry.get('error')}"
+    return f"{ALERT} resolved: {shown_deployment(entry)} {note or 'answers its probe correctly again'}"
 
 
 def alert_payload(entry: dict, status: str, note: str, farm: str) -> dict:
     """The JSON the webhook gets (docs/monitoring.md shows one)."""
     return {
-        "alert": ALERT, "status": status, "model": entry.get("repo"), "model_key": entry.get("model_key"),
-        "error": entry.get("error") or None, "latency_s": entry.get("latency_s"),
-        "worker": entry.get("worker"), "at": entry.get("at"), "farm": farm, "text": alert_text(entry, status, note),
+        "alert": ALERT, "status": status, "model": entry.get("repo"),
+        "nnsight": entry.get("nnsight") or runtime_of(entry.get("model_key") or ""),
+        "model_key": entry.get("model_key"), "error": entry.get("error") or None,
+        "latency_s": entry.get("latency_s"), "worker": entry.get("worker"), "at": entry.get("at"),
+        "failing_since": None if status != "firing" else entry.get("since"),
+        "farm": farm, "text": alert_text(entry, status, note),
     }
 
 

@@ -21,6 +21,7 @@ import pytest
 from ndif_celery.farm import actions as farm
 from ndif_celery.monitoring import probes
 from ndif_celery.state import registry
+from tests.support.clocks import StepClock
 from tests.support.webhook import Hook
 
 KEY = farm.model_key_for("org/alerted")
@@ -50,9 +51,11 @@ def hook():
     server.stop()
 
 
-def _prober(settings, client, url, runner, post=probes.post_json, name="test-prober") -> probes.Prober:
+def _prober(settings, client, url, runner, post=probes.post_json, name="test-prober", clock=None) -> probes.Prober:
+    """Each probe a minute after the last (a clock of its own unless given): two red rounds in a row alert."""
     settings = dataclasses.replace(settings, alert_webhook_url=url, probe_interval_s=0.2, probe_timeout_s=5.0)
-    return probes.Prober(settings, client, runner, post=post, name=name)
+    return probes.Prober(settings, client, runner, post=post, name=name,
+                         clock=clock or StepClock(step_s=probes.ALERT_AFTER_S))
 
 
 def _serve(client, *keys: str) -> None:
@@ -79,7 +82,9 @@ def test_an_alert_lost_to_a_down_receiver_arrives_once_it_is_back(redis_client, 
     hook.stop()
     runner.answers[KEY] = RED
     prober.round()
-    assert not prober.deliver(), "connection refused: not taken"
+    assert prober.deliver(), "red for no time yet: nothing to send"
+    prober.round()
+    assert not prober.deliver(), "red for a minute, connection refused: not taken"
     prober.round()
     assert not prober.deliver()
 
@@ -106,6 +111,7 @@ def test_a_model_that_went_red_and_green_while_the_receiver_was_down_is_not_news
     hook.stop()
     runner.answers[KEY] = RED
     prober.round()
+    prober.round()
     assert not prober.deliver()
     runner.answers[KEY] = GOOD
     prober.round()
@@ -121,6 +127,7 @@ def test_a_receiver_that_does_not_answer_in_time_is_retried(redis_client, embedd
     prober = _prober(embedded_settings, redis_client, hook.url, runner, post=hurried)
     hook.hang_s, hook.status = 2.0, 504  # stuck, then gives up on it (one it took late would come twice)
     prober.round()
+    prober.round()
     assert not prober.deliver()
     hook.hang_s, hook.status = 0.0, 200
     assert prober.deliver()
@@ -131,15 +138,17 @@ def test_a_restarted_beat_and_a_changed_url_get_every_red_model_again(redis_clie
     _serve(redis_client, KEY, OTHER)
     runner = Scripted()
     runner.answers[KEY] = RED
-    first = _prober(embedded_settings, redis_client, hook.url, runner, name="beat-1")
+    clock = StepClock(step_s=probes.ALERT_AFTER_S)  # one time for the three beats
+    first = _prober(embedded_settings, redis_client, hook.url, runner, name="beat-1", clock=clock)
     assert first.lead()
+    first.round()
     first.round()
     assert first.deliver() and first.deliver()
     assert _statuses(hook.received) == [("org/alerted", "firing")]
 
     # The beat restarts (its lease gone with it), same URL: what is red now is sent again, once.
     redis_client.delete(probes.LEADER)
-    restarted = _prober(embedded_settings, redis_client, hook.url, runner, name="beat-2")
+    restarted = _prober(embedded_settings, redis_client, hook.url, runner, name="beat-2", clock=clock)
     assert restarted.lead()
     assert restarted.deliver() and restarted.deliver()
     assert _statuses(hook.received) == [("org/alerted", "firing")] * 2
@@ -149,7 +158,7 @@ def test_a_restarted_beat_and_a_changed_url_get_every_red_model_again(redis_clie
     # A new URL was never told: it gets every red model; the old one hears nothing more.
     other_hook = Hook().start()
     try:
-        moved = _prober(embedded_settings, redis_client, other_hook.url, runner, name="beat-2")
+        moved = _prober(embedded_settings, redis_client, other_hook.url, runner, name="beat-2", clock=clock)
         moved.round()
         assert moved.deliver() and moved.deliver()
         assert _statuses(other_hook.received) == [("org/alerted", "firing")]
@@ -196,6 +205,7 @@ def test_what_goes_wrong_is_logged_without_the_urls_path_or_query(redis_client, 
     runner = Scripted()
     runner.answers[KEY] = RED
     prober = _prober(embedded_settings, redis_client, hook.url, runner)
+    prober.round()
     prober.round()
     assert not prober.deliver()
     # urllib repeats the whole URL in some errors (a control character in the path, say).

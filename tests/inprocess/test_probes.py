@@ -20,6 +20,8 @@ import pytest
 from ndif_celery.farm import actions as farm
 from ndif_celery.monitoring import metrics, probes
 from ndif_celery.state import registry
+from tests.support.clocks import StepClock
+from tests.support.metrics import Scrape
 from tests.support.servers import Receiver
 
 KEY = farm.model_key_for("org/probed")
@@ -47,9 +49,11 @@ class Scripted:
         pass
 
 
-def _prober(settings, client, url: str = "", runner=None) -> probes.Prober:
+def _prober(settings, client, url: str = "", runner=None, clock=None) -> probes.Prober:
+    """Each probe a minute after the last unless ``clock`` says otherwise: two red rounds in a row alert."""
     settings = dataclasses.replace(settings, alert_webhook_url=url, probe_interval_s=1.0, probe_timeout_s=5.0)
-    return probes.Prober(settings, client, runner or Scripted(), name="test-prober")
+    return probes.Prober(settings, client, runner or Scripted(), name="test-prober",
+                         clock=clock or StepClock(step_s=probes.ALERT_AFTER_S))
 
 
 def _serve(client, key: str = KEY) -> None:
@@ -80,8 +84,10 @@ def test_targets_are_running_models_and_pinned_models_nobody_holds(redis_client)
     registry.set_deployment(redis_client, "w0", loading, registry.DEPLOYING)
     farm.deploy(redis_client, pinned_gone, pinned=True, replicas=1, dtype="float16")
     farm.deploy(redis_client, farm.model_key_for("org/unpinned"), pinned=False, replicas=1, dtype=None)
+    main = probes.runtime_of(KEY)
     assert probes.targets(redis_client) == sorted(
-        [{"model_key": KEY, "dtype": None}, {"model_key": pinned_gone, "dtype": "float16"}],
+        [{"model_key": KEY, "dtype": None, "nnsight": main},
+         {"model_key": pinned_gone, "dtype": "float16", "nnsight": main}],
         key=lambda t: t["model_key"])
 
 
@@ -106,16 +112,17 @@ def test_red_then_green_is_recorded_and_posted_once_per_change(redis_client, emb
     assert alert["status"] == "firing" and alert["alert"] == "NdifProbeFailing" and alert["model"] == "org/probed"
     assert "differ from the reference" in alert["error"]
 
-    text = metrics.render(redis_client, top_keys=5).decode()
-    assert 'ndif_probe_ok{model="org/probed"} 0.0' in text
-    assert 'ndif_probe_runs_total{model="org/probed",result="failed"} 2.0' in text
+    scrape = Scrape(metrics.render(redis_client, top_keys=5).decode())
+    labels = {"model": "org/probed", "nnsight": probes.runtime_of(KEY), "model_key": KEY}
+    assert scrape.value("ndif_probe_ok", **labels) == 0.0 and scrape.has("ndif_probe_ok", **labels)
+    assert scrape.value("ndif_probe_runs_total", result="failed", **labels) == 2.0
 
     runner.next = GOOD
     [green] = prober.round()
     assert prober.deliver()
     assert green["ok"] and green["failures"] == 0
     assert [a["status"] for a in receiver.received] == ["firing", "resolved"]
-    assert 'ndif_probe_ok{model="org/probed"} 1.0' in metrics.render(redis_client).decode()
+    assert Scrape(metrics.render(redis_client).decode()).value("ndif_probe_ok", model="org/probed") == 1.0
 
 
 def test_a_model_no_longer_served_is_forgotten_and_its_alert_resolved(redis_client, embedded_settings, receiver):
@@ -123,6 +130,7 @@ def test_a_model_no_longer_served_is_forgotten_and_its_alert_resolved(redis_clie
     runner = Scripted()
     runner.next = {"ok": False, "error": "no answer within 5 s"}
     prober = _prober(embedded_settings, redis_client, receiver.url, runner)
+    prober.round()
     prober.round()
     prober.deliver()
     registry.remove_deployment(redis_client, "w0", KEY)
@@ -140,6 +148,7 @@ def test_a_webhook_that_refuses_is_logged_without_its_token(redis_client, embedd
         runner = Scripted()
         runner.next = {"ok": False, "error": "boom"}
         prober = _prober(embedded_settings, redis_client, refusing.url, runner)
+        prober.round()
         prober.round()
         assert not prober.deliver(), "not taken: the courier retries it"
         assert refusing.received and refusing.received[0]["status"] == "firing"
