@@ -27,12 +27,12 @@ import time
 import redis
 from flask import Blueprint, Response, current_app, render_template_string, request
 
-from ndif_celery import wire
+from ndif_celery import messages, wire
 from ndif_celery.accounts import audit, ledger, usage
 from ndif_celery.accounts.auth import AuthError
 from ndif_celery.farm import schedules, wanted
 from ndif_celery.monitoring import history, metrics, probes
-from ndif_celery.state import queues, registry
+from ndif_celery.state import queues, registry, run_times
 
 from . import admin, charts, operators
 from .identity import identify
@@ -154,6 +154,17 @@ def _mib(n) -> str:
     return f"{n / 1024 ** 3:.1f} GiB" if n >= 1024 ** 3 else f"{n / 1024 ** 2:.1f} MiB"
 
 
+def _last_starts(client, row: dict, offer: registry.Offer) -> str:
+    """When the last job in a queue starts, as its client is told (``state.run_times``)."""
+    if not row["depth"] or not row["model_key"]:
+        return "-"
+    model_key = row["model_key"]
+    per_job = run_times.per_job_s(client.lrange(run_times.key(model_key), 0, run_times.RECENT - 1))
+    wait = run_times.wait_s(row["depth"], per_job, registry.lanes(offer.workers, offer.deployments, model_key,
+                                                                   time.time()))
+    return messages.spoken(wait) if wait is not None else "-"
+
+
 def _ago(epoch) -> str:
     if not epoch:
         return "-"
@@ -189,6 +200,7 @@ def page_data(client: redis.Redis) -> dict:
             # A model whose probe fails is not shown as plainly RUNNING: the probe says it answers wrong.
             "probe": "-" if probe is None else ("ok" if probe.get("ok") else "FAILING"),
             "model": entry.get("repo_id"),
+            "nnsight": entry.get("nnsight") or "-",
             "level": level,
             "state": entry.get("application_state") or ("-" if level == "COLD" else ""),
             "worker": entry.get("worker") or "-",
@@ -197,14 +209,15 @@ def page_data(client: redis.Redis) -> dict:
             "load": f"{entry['load_seconds']:.2f} s" if entry.get("load_seconds") else "-",
             "last_used": _ago(entry.get("last_used")),
         })
-    deployments.sort(key=lambda d: (d["level"] != "HOT", d["model"] or "", d["worker"]))
-    waiting = []
+    deployments.sort(key=lambda d: (d["level"] != "HOT", d["model"] or "", d["nnsight"], d["worker"]))
+    waiting, offer = [], registry.offer(client)
     for row in queues.summary(client):
         waiting.append({
             "model": queues.model_name(row),
             "queue": row["queue"],
             "depth": row["depth"],
             "head_wait": f"{row['head_wait_s']:.1f} s",
+            "last_starts": _last_starts(client, row, offer),
         })
     workers = []
     for name, info in sorted(farm["cluster"]["workers"].items()):
@@ -222,7 +235,8 @@ def page_data(client: redis.Redis) -> dict:
         "replicas": row["replicas"], "state": row["state"],
     } for row in schedules.entries(client)]
     health = [{
-        "model": row["repo"], "ok": row.get("ok"), "state": "ok" if row.get("ok") else "FAILING",
+        "model": row["repo"], "nnsight": row["nnsight"], "ok": row.get("ok"),
+        "state": ("ok" if row.get("ok") else "FAILING") + (f", {row['note']}" if row["state"] == probes.QUEUED else ""),
         "latency": _duration(row.get("latency_s")), "worker": row.get("worker") or "-", "at": _ago(row.get("at")),
         "error": row.get("error") or "",
     } for row in probes.results(client)]
@@ -234,6 +248,7 @@ def page_data(client: redis.Redis) -> dict:
         "job_id": row["job_id"],
         "user": row.get("email") or row.get("owner") or "-",
         "model": row.get("model") or "-",
+        "nnsight": probes.runtime_of(row["model_key"]) if row.get("model_key") else "-",
         "status": row.get("outcome"),
         "kind": row.get("error_kind") or "",
         "duration": _duration(row.get("duration_s")),
@@ -259,7 +274,7 @@ def page_data(client: redis.Redis) -> dict:
 def wanted_rows(client: redis.Redis) -> list[dict]:
     """``farm.wanted``'s rows, as the table shows them."""
     return [{
-        **row, "over": f" (over {row['over']})" if row["over"] else "",
+        **row, "over": f" (over {row['over']})" if row["over"] else "", "nnsight": probes.runtime_of(row["model_key"]),
         "target": "-" if row["target"] is None else row["target"],
         "workers": ", ".join(row["running"] + [f"{w} (loading)" for w in row["loading"]]) or "-",
         "css": {"met": "RUNNING", "loading": "DEPLOYING", "scheduled": ""}.get(row["state"], "ERROR"),
@@ -279,18 +294,21 @@ def model_history(client: redis.Redis) -> list[dict]:
         except Exception as error:  # noqa: BLE001 - the page still shows the rest
             current_app.config.pop("NDIF_LEDGER_ENGINE", None)
             latency, note = {}, f"The ledger database cannot be read ({type(error).__name__})."
-        for repo, rows in latency.items():
-            models.setdefault(repo, {"model": repo})[f"latency_{name}"] = charts.latency_chart(
-                [(at, p50) for at, _, _, p50 in rows], start, end, f"{repo}: job latency (p50), {name}")
-            models[repo][f"jobs_{name}"] = sum(jobs for _, jobs, _, _ in rows)
+        for (repo, nnsight), rows in latency.items():
+            row = models.setdefault((repo, nnsight), {"model": repo, "nnsight": nnsight})
+            row[f"latency_{name}"] = charts.latency_chart([(at, p50) for at, _, _, p50 in rows], start, end,
+                                                          f"{repo} (nnsight {nnsight}): job latency (p50), {name}")
+            row[f"jobs_{name}"] = sum(jobs for _, jobs, _, _ in rows)
         for model_key in history.probed_models(client):
-            repo = wire.repo_id(model_key)
+            repo, nnsight = wire.repo_id(model_key), probes.runtime_of(model_key)
             rows = history.probe_buckets(client, model_key, start, end, step)
-            models.setdefault(repo, {"model": repo})[f"probes_{name}"] = charts.uptime_chart(
-                [(at, ok, failed) for at, ok, failed, _ in rows], start, end, step, f"{repo}: probes, {name}")
+            row = models.setdefault((repo, nnsight), {"model": repo, "nnsight": nnsight})
+            row[f"probes_{name}"] = charts.uptime_chart(
+                [(at, ok, failed) for at, ok, failed, _ in rows], start, end, step,
+                f"{repo} (nnsight {nnsight}): probes, {name}")
             passed, failed = sum(r[1] for r in rows), sum(r[2] for r in rows)
-            models[repo][f"uptime_{name}"] = f"{100 * passed / (passed + failed):.1f} %" if passed + failed else "-"
-    out = [models[repo] for repo in sorted(models)]
+            row[f"uptime_{name}"] = f"{100 * passed / (passed + failed):.1f} %" if passed + failed else "-"
+    out = [models[deployment] for deployment in sorted(models)]
     if note:
         out.insert(0, {"note": note})
     return out
@@ -365,33 +383,33 @@ jobs ended (health probes included): {{ totals.get("COMPLETED", 0) }} completed,
 
 <h2>Wanted versus running</h2>
 <table id="wanted">
-<tr><th>model</th><th>source</th><th>pinned</th><th>want</th><th>running</th><th>state</th><th>workers</th><th>why not</th></tr>
+<tr><th>model</th><th>nnsight</th><th>source</th><th>pinned</th><th>want</th><th>running</th><th>state</th><th>workers</th><th>why not</th></tr>
 {% for w in wanted %}
-<tr><td>{{ w.model }}</td><td>{{ w.source }}{{ w.over }}</td><td>{{ "pinned" if w.pinned else "" }}</td>
+<tr><td>{{ w.model }}</td><td>{{ w.nnsight }}</td><td>{{ w.source }}{{ w.over }}</td><td>{{ "pinned" if w.pinned else "" }}</td>
 <td class="num">{{ w.target }}</td><td class="num">{{ w.running|length }}</td><td class="{{ w.css }}">{{ w.state }}</td>
 <td>{{ w.workers }}</td><td class="error">{{ w.reason or "" }}</td></tr>
-{% else %}<tr><td colspan="8" class="muted">nothing wanted, nothing running</td></tr>{% endfor %}
+{% else %}<tr><td colspan="9" class="muted">nothing wanted, nothing running</td></tr>{% endfor %}
 </table>
 
 <h2>Deployments</h2>
 <table id="deployments">
-<tr><th>model</th><th>level</th><th>state</th><th>probe</th><th>worker</th><th>pinned</th><th>size</th><th>load</th><th>last used</th></tr>
+<tr><th>model</th><th>nnsight</th><th>level</th><th>state</th><th>probe</th><th>worker</th><th>pinned</th><th>size</th><th>load</th><th>last used</th></tr>
 {% for d in deployments %}
-<tr><td>{{ d.model }}</td><td class="{{ d.level }}">{{ d.level }}</td>
+<tr><td>{{ d.model }}</td><td>{{ d.nnsight }}</td><td class="{{ d.level }}">{{ d.level }}</td>
 <td class="{{ 'ERROR' if d.probe == 'FAILING' else d.state }}">{{ d.state }}{% if d.probe == 'FAILING' %} (probe failing){% endif %}</td>
 <td class="{{ 'ERROR' if d.probe == 'FAILING' else ('COMPLETED' if d.probe == 'ok' else '') }}">{{ d.probe }}</td>
 <td>{{ d.worker }}</td><td>{{ d.pinned }}</td><td class="num">{{ d.size }}</td><td class="num">{{ d.load }}</td>
 <td>{{ d.last_used }}</td></tr>
-{% else %}<tr><td colspan="9" class="muted">no models deployed or cached</td></tr>{% endfor %}
+{% else %}<tr><td colspan="10" class="muted">no models deployed or cached</td></tr>{% endfor %}
 </table>
 
 <h2>Queues</h2>
 <table id="queues">
-<tr><th>model</th><th>depth</th><th>head wait</th><th>queue</th></tr>
+<tr><th>model</th><th>depth</th><th>head wait</th><th>last in line starts</th><th>queue</th></tr>
 {% for q in queues %}
 <tr><td>{{ q.model }}</td><td class="num">{{ q.depth }}</td><td class="num">{{ q.head_wait }}</td>
-<td class="muted">{{ q.queue }}</td></tr>
-{% else %}<tr><td colspan="4" class="muted">no model queues yet</td></tr>{% endfor %}
+<td class="num">{{ q.last_starts }}</td><td class="muted">{{ q.queue }}</td></tr>
+{% else %}<tr><td colspan="5" class="muted">no model queues yet</td></tr>{% endfor %}
 </table>
 
 <h2>Workers</h2>
@@ -405,11 +423,11 @@ jobs ended (health probes included): {{ totals.get("COMPLETED", 0) }} completed,
 
 <h2>Health probes</h2>
 <table id="probes">
-<tr><th>model</th><th>probe</th><th>latency</th><th>worker</th><th>last probed</th><th>error</th></tr>
+<tr><th>model</th><th>nnsight</th><th>probe</th><th>latency</th><th>worker</th><th>last probed</th><th>error</th></tr>
 {% for p in probes %}
-<tr><td>{{ p.model }}</td><td class="{{ 'COMPLETED' if p.ok else 'ERROR' }}">{{ p.state }}</td>
+<tr><td>{{ p.model }}</td><td>{{ p.nnsight }}</td><td class="{{ 'COMPLETED' if p.ok else 'ERROR' }}">{{ p.state }}</td>
 <td class="num">{{ p.latency }}</td><td>{{ p.worker }}</td><td>{{ p.at }}</td><td class="error">{{ p.error }}</td></tr>
-{% else %}<tr><td colspan="6" class="muted">no probe results (NDIF_PROBE_INTERVAL_S is 0, or nothing is deployed)</td></tr>{% endfor %}
+{% else %}<tr><td colspan="7" class="muted">no probe results (NDIF_PROBE_INTERVAL_S is 0, or nothing is deployed)</td></tr>{% endfor %}
 </table>
 
 <h2>History</h2>
@@ -418,7 +436,7 @@ jobs ended (health probes included): {{ totals.get("COMPLETED", 0) }} completed,
 {% for h in history %}
 {% if h.note %}<tr><td colspan="4" class="note">{{ h.note }}</td></tr>{% else %}
 {% for period in ("24h", "30d") %}
-<tr data-model="{{ h.model }}" data-period="{{ period }}"><td>{{ h.model }}</td>
+<tr data-model="{{ h.model }}" data-nnsight="{{ h.nnsight }}" data-period="{{ period }}"><td>{{ h.model }}<br><span class="muted">nnsight {{ h.nnsight }}</span></td>
 <td>{{ "24 h, hourly" if period == "24h" else "30 d, daily" }}<br><span class="muted">jobs: {{ h.get("jobs_" + period, 0) }};
 probes passed: {{ h.get("uptime_" + period, "-") }}</span></td>
 <td>{{ h.get("latency_" + period, "") }}</td><td>{{ h.get("probes_" + period, "") }}</td></tr>
@@ -458,13 +476,13 @@ probes passed: {{ h.get("uptime_" + period, "-") }}</span></td>
 {% else %}The health probes' jobs are left out (<a href="dashboard?probes=1">show them</a>).{% endif %}</p>
 {% if ledger_note %}<p class="note">{{ ledger_note }}</p>{% endif %}
 <table id="jobs">
-<tr><th>finished (UTC)</th><th>job</th><th>user</th><th>model</th><th>status</th><th>duration</th><th>worker</th><th>error</th></tr>
+<tr><th>finished (UTC)</th><th>job</th><th>user</th><th>model</th><th>nnsight</th><th>status</th><th>duration</th><th>worker</th><th>error</th></tr>
 {% for j in jobs %}
 <tr><td>{{ j.finished }}{% if j.pending %} <span class="muted">(not yet in the database)</span>{% endif %}</td>
-<td>{{ j.job_id }}</td><td>{{ j.user }}</td><td>{{ j.model }}</td>
+<td>{{ j.job_id }}</td><td>{{ j.user }}</td><td>{{ j.model }}</td><td>{{ j.nnsight }}</td>
 <td class="{{ j.status }}">{{ j.status }}{% if j.kind %} ({{ j.kind }}){% endif %}</td>
 <td class="num">{{ j.duration }}</td><td>{{ j.worker }}</td><td class="error">{{ j.error }}</td></tr>
-{% else %}<tr><td colspan="8" class="muted">no jobs yet</td></tr>{% endfor %}
+{% else %}<tr><td colspan="9" class="muted">no jobs yet</td></tr>{% endfor %}
 </table>
 
 <h2 id="actions">Admin actions</h2>
