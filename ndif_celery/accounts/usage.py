@@ -107,12 +107,27 @@ def report(engine, since: Optional[datetime.datetime] = None, owner: Optional[st
             return [_clean(row._asdict()) for row in session.execute(query)]
 
     keys = rows(LedgerEntry.owner, LedgerEntry.email)
-    models = rows(LedgerEntry.model)
+    models = per_deployment(rows(LedgerEntry.model, LedgerEntry.model_key))
     for listing in (keys, models):
         listing.sort(key=lambda r: (-r["gpu_seconds"], -r["run_seconds"], -r["jobs"], str(r.get("owner") or r.get("model"))))
     total = {name: sum(row[name] for row in keys) for name in FIELDS}
     total = _clean(total)
     return {"since": since.isoformat() if since else None, "keys": keys, "models": models, "total": total}
+
+
+def per_deployment(rows: list[dict]) -> list[dict]:
+    """Rows per model key summed per repo and nnsight runtime: a runtime's deployment
+    of a model is a row of its own, not added to the farm's own."""
+    from ndif_celery.policy import models as model_policy
+
+    out: dict[tuple, dict] = {}
+    for row in rows:
+        nnsight = model_policy.runtime_of(row.pop("model_key") or "")
+        into = out.setdefault((row["model"], nnsight), {"model": row["model"], "nnsight": nnsight,
+                                                        **{name: 0 for name in FIELDS}})
+        for name in FIELDS:
+            into[name] += row[name] or 0
+    return [_clean(row) for row in out.values()]
 
 
 def _clean(row: dict) -> dict:

@@ -253,7 +253,8 @@ def _job_line(row: dict) -> str:
     duration = f"{row['duration_s']:.2f}s" if row["duration_s"] is not None else "-"
     outcome = row["outcome"] + (f" ({row['error_kind']})" if row["error_kind"] else "")
     return (f"{(row['finished_at'] or '-')[:19]}  {row['job_id']}  {(row['email'] or row['owner'])[:28]:<28} "
-            f"{row['model'][:32]:<32} {outcome:<18} {duration:>9}  {row['error'] or ''}")
+            f"{row['model'][:32]:<32} {model_policy.runtime_of(row['model_key'] or ''):<8} {outcome:<18} "
+            f"{duration:>9}  {row['error'] or ''}")
 
 
 @click.command("deployments")
@@ -270,19 +271,20 @@ def deployments_command(as_json: bool) -> None:
     echo_rows(rows, as_json, _wanted_line, empty="nothing wanted, nothing running")
 
 
-def _wanted_columns(model: str, source: str, pinned: str, want: str, run: str, state: str, workers: str) -> str:
-    return f"{model[:40]:<40} {source:<18} {pinned:<6} {want:>4} {run:>4}  {state:<9} {workers}"
+def _wanted_columns(model: str, nnsight: str, source: str, pinned: str, want: str, run: str, state: str,
+                    workers: str) -> str:
+    return f"{model[:40]:<40} {nnsight:<8} {source:<18} {pinned:<6} {want:>4} {run:>4}  {state:<9} {workers}"
 
 
-WANTED_HEADER = _wanted_columns("MODEL", "SOURCE", "PIN", "WANT", "RUN", "STATE", "RUNNING ON")
+WANTED_HEADER = _wanted_columns("MODEL", "NNSIGHT", "SOURCE", "PIN", "WANT", "RUN", "STATE", "RUNNING ON")
 
 
 def _wanted_line(row: dict) -> str:
     source = row["source"] + (f" (over {row['over']})" if row["over"] else "")
     target = "-" if row["target"] is None else str(row["target"])
     running = ", ".join(row["running"]) or "-"
-    line = _wanted_columns(row["model"], source, "pinned" if row["pinned"] else "", target,
-                           str(len(row["running"])), row["state"], running)
+    line = _wanted_columns(row["model"], model_policy.runtime_of(row["model_key"]), source,
+                           "pinned" if row["pinned"] else "", target, str(len(row["running"])), row["state"], running)
     return line + (f"\n    {row['reason']}" if row["reason"] else "")
 
 

@@ -233,14 +233,15 @@ def status(as_json: bool) -> None:
     for name, info in sorted(farm["cluster"]["workers"].items()):
         gpus = ",".join(info["gpus"]) or "cpu"
         click.echo(
-            f"  {name:<28} gpus={gpus:<6} used {_mib(info['memory_used_bytes'])} of "
-            f"{_mib(info['memory_bytes'])}  job={info['current_job'] or '-'}"
+            f"  {name:<28} nnsight {info.get('nnsight') or '-':<8} gpus={gpus:<6} used {_mib(info['memory_used_bytes'])} "
+            f"of {_mib(info['memory_bytes'])}  job={info['current_job'] or '-'}"
         )
     click.echo("deployments:")
     hot = [e for e in farm["deployments"].values() if e["deployment_level"] == "HOT"]
-    for entry in sorted(hot, key=lambda e: (e["repo_id"], e["worker"])):
+    for entry in sorted(hot, key=lambda e: (e["repo_id"], e.get("nnsight") or "", e["worker"])):
         pin = " pinned" if entry["pinned"] else ""
-        click.echo(f"  {entry['repo_id']:<36} {entry['application_state']:<10} on {entry['worker']}{pin}")
+        click.echo(f"  {entry['repo_id']:<36} nnsight {entry.get('nnsight') or '-':<8} "
+                   f"{entry['application_state']:<10} on {entry['worker']}{pin}")
 
 
 def _restarts(record: Optional[dict]) -> str:

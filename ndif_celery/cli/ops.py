@@ -103,9 +103,9 @@ def usage(since: Optional[str], key: Optional[str], email: Optional[str], probes
     click.echo(f"\n{'key':<40} {header}")
     for row in report["keys"]:
         click.echo(f"{(row['email'] or '-') + ' (' + row['owner'] + ')':<40.40} {_usage_cells(row)}")
-    click.echo(f"\n{'model':<40} {header}")
+    click.echo(f"\n{'model':<40} {'nnsight':<8} {header}")
     for row in report["models"]:
-        click.echo(f"{row['model']:<40.40} {_usage_cells(row)}")
+        click.echo(f"{row['model']:<40.40} {row.get('nnsight') or '-':<8} {_usage_cells(row)}")
     click.echo(f"\n{'total':<40} {_usage_cells(report['total'])}")
 
 
@@ -131,13 +131,26 @@ def probes(reset_model: Optional[str], task: str, as_json: bool) -> None:
             raise click.ClickException(exc.detail) from None
         click.echo(f"{reset_model}: {health.reset(client, key)} reference(s) forgotten")
         return
-    echo_rows(health.results(client), as_json, _probe_line, empty="no probe results (is NDIF_PROBE_INTERVAL_S set?)")
+    rows = health.results(client)
+    if rows and not as_json:
+        click.echo(_probe_columns("MODEL", "NNSIGHT", "PROBED (UTC)", "LATENCY", "STATE"))
+    echo_rows(rows, as_json, _probe_line, empty="no probe results (is NDIF_PROBE_INTERVAL_S set?)")
+
+
+def _probe_columns(model: str, nnsight: str, at: str, latency: str, state: str) -> str:
+    return f"{model[:40]:<40} {nnsight:<8} {at:<25} {latency:>9}  {state}"
 
 
 def _probe_line(row: dict) -> str:
+    """A deployment's last probe; a runtime's deployment of the model is a row of its own."""
+    from ndif_celery.monitoring import probes as health
+
     latency = f"{row['latency_s']:.3f} s" if row.get("latency_s") is not None else "-"
-    state = "ok" if row.get("ok") else f"FAILING ({row.get('failures')}x): {row.get('error')}"
-    return f"{row['repo'][:40]:<40} {schedules.iso(row['at'])}  {latency:>9}  {state}"
+    if row.get("state") == health.QUEUED:
+        state = f"ok, {row.get('note')}" if row.get("ok") else f"FAILING ({row.get('failures')}x), {row.get('note')}"
+    else:
+        state = "ok" if row.get("ok") else f"FAILING ({row.get('failures')}x): {row.get('error')}"
+    return _probe_columns(row["repo"], row.get("nnsight") or "-", schedules.iso(row["at"]), latency, state)
 
 
 @click.command("audit")

@@ -69,26 +69,33 @@ def probed_models(client: redis.Redis) -> list[str]:
 
 
 def job_latency(engine, start: float, end: float, step: float) -> dict:
-    """model repo -> ``(bucket start, jobs, errors, p50 ms or None)`` per step, from the ledger:
-    each job's time from the web receiving it to its end. The health probes' jobs
-    (marked ``probe``) are left out: they have their own chart."""
+    """``(model repo, nnsight)`` -> ``(bucket start, jobs, errors, p50 ms or None)`` per step,
+    from the ledger: each job's time from the web receiving it to its end, per deployment
+    (a runtime's deployment of the model apart). The health probes' jobs (marked
+    ``probe``) are left out: they have their own chart."""
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
     from ndif_celery.accounts.db import LedgerEntry
+    from ndif_celery.policy import models as model_policy
 
     since = datetime.datetime.fromtimestamp(start, datetime.timezone.utc)
     until = datetime.datetime.fromtimestamp(end, datetime.timezone.utc)
-    query = (select(LedgerEntry.model, LedgerEntry.received_at, LedgerEntry.finished_at, LedgerEntry.outcome)
+    query = (select(LedgerEntry.model, LedgerEntry.model_key, LedgerEntry.received_at, LedgerEntry.finished_at,
+                    LedgerEntry.outcome)
              .where(LedgerEntry.finished_at >= since, LedgerEntry.finished_at < until)
              .order_by(LedgerEntry.finished_at.desc()).limit(MAX_ROWS))
     query = query.where(LedgerEntry.probe.is_not(True))
-    buckets: dict[str, dict[int, list]] = {}
+    buckets: dict[tuple, dict[int, list]] = {}
+    runtimes: dict[str, str] = {}
     with Session(engine) as session:
-        for model, received, finished, outcome in session.execute(query):
+        for model, model_key, received, finished, outcome in session.execute(query):
             finished_at = _epoch(finished)
-            bucket = buckets.setdefault(model, {}).setdefault(int(start + (finished_at - start) // step * step),
-                                                               [0, 0, []])
+            if model_key not in runtimes:
+                runtimes[model_key] = model_policy.runtime_of(model_key or "")
+            deployment = (model, runtimes[model_key])
+            bucket = buckets.setdefault(deployment, {}).setdefault(
+                int(start + (finished_at - start) // step * step), [0, 0, []])
             bucket[0] += 1
             bucket[1] += outcome != "COMPLETED"
             if received is not None:

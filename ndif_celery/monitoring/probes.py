@@ -105,12 +105,7 @@ SENT_TTL_S = 86400
 OK, FAILING, QUEUED = "ok", "FAILING", "QUEUED"  # a result's state
 
 
-def runtime_of(model_key: str) -> str:
-    """The nnsight version that serves ``model_key``: its runtime's, or the farm's own."""
-    try:
-        return model_policy.parse(model_key).nnsight or client_versions.MAIN
-    except Exception:  # noqa: BLE001 - a key from before the policy, or a queue's own name: shown as the farm's
-        return client_versions.MAIN
+runtime_of = model_policy.runtime_of
 
 
 def runtime_interpreter(home: Path, runtime: str) -> Path:

@@ -182,6 +182,15 @@ def parse(model_key: str) -> ModelKey:
                     nnsight=runtime)
 
 
+def runtime_of(model_key: str) -> str:
+    """The nnsight version that serves ``model_key``: its runtime's, or the farm's own
+    (also for a key this module cannot read: one from before the policy, or none)."""
+    try:
+        return parse(model_key).nnsight or client_versions.MAIN
+    except PolicyError:
+        return client_versions.MAIN
+
+
 def family_key(model_key: str) -> str:
     """A canonical key as its runtime's clients write it: a 0.6/0.7 runtime's as
     their ``LanguageModel:{repo_id, revision}`` (their ``nnsight.status()``

@@ -8,7 +8,10 @@ from __future__ import annotations
 import datetime
 
 from ndif_celery.accounts import audit, db
+from ndif_celery.farm import actions as farm
 from ndif_celery.monitoring import history
+from ndif_celery.policy import client_versions
+from ndif_celery.policy import models as model_policy
 from web import charts
 
 DAY, HOUR = 86400, 3600
@@ -59,12 +62,12 @@ def test_probe_history_counts_each_hour_and_forgets_past_a_month(redis_client):
     assert history.probed_models(redis_client) == [key]
 
 
-def _job(engine, job_id, model, owner, finished, took_s, outcome="COMPLETED", probe=False):
+def _job(engine, job_id, model, owner, finished, took_s, outcome="COMPLETED", probe=False, model_key=None):
     from sqlalchemy.orm import Session
 
     when = datetime.datetime.fromtimestamp(finished, datetime.timezone.utc)
     with Session(engine) as session:
-        session.add(db.LedgerEntry(job_id=job_id, owner=owner, model=model, model_key=model, outcome=outcome,
+        session.add(db.LedgerEntry(job_id=job_id, owner=owner, model=model, model_key=model_key or model, outcome=outcome,
                                    finished_at=when, received_at=when - datetime.timedelta(seconds=took_s),
                                    probe=probe))
         session.commit()
@@ -77,13 +80,17 @@ def test_job_latency_is_the_median_per_bucket_without_the_probes(tmp_path):
     _job(engine, "c", "org/a", "key:1", NOW - 2 * HOUR + 30, 0.2, "ERROR")
     _job(engine, "p", "org/a", "key:9", NOW - 2 * HOUR + 40, 9.0, probe=True)
     _job(engine, "old", "org/a", "key:1", NOW - 3 * DAY, 1.0)
+    runtime_key = model_policy.parse_client_key(farm.model_key_for("org/a"), "0.7.0").key
+    _job(engine, "r", "org/a", "key:1", NOW - 2 * HOUR + 50, 5.0, model_key=runtime_key)
     rows = history.job_latency(engine, *history.period("24h", NOW))
-    by_start = {row[0]: row[1:] for row in rows["org/a"]}
+    own = rows["org/a", client_versions.MAIN]
+    by_start = {row[0]: row[1:] for row in own}
     jobs, errors, p50 = by_start[NOW - 2 * HOUR]
     assert (jobs, errors) == (3, 1) and abs(p50 - 200.0) < 1e-3
-    assert sum(row[1] for row in rows["org/a"]) == 3, "the probe's job and the one of three days ago are not in"
+    assert sum(row[1] for row in own) == 3, "the probe's job, the runtime's and the one of three days ago are not in"
+    assert sum(row[1] for row in rows["org/a", "0.7.0"]) == 1, "a runtime's deployment has its own chart"
     month = history.job_latency(engine, *history.period("30d", NOW))
-    assert sum(row[1] for row in month["org/a"]) == 4
+    assert sum(row[1] for row in month["org/a", client_versions.MAIN]) == 4
 
 
 def test_the_audit_log_keeps_each_action_newest_first(tmp_path):
