@@ -407,6 +407,41 @@ def check_runtimes(settings: config.Settings) -> list[Check]:
     return checks
 
 
+def check_runtime_workers(settings: config.Settings, stack_running: bool) -> list[Check]:
+    """Each runtime added on this host has a live worker somewhere in the farm: without one
+    its clients' jobs cannot run. And with the probes on, each runtime a live worker serves
+    is added here too, in case this host's beat probes it (a runtime's deployments are probed
+    with that runtime's own client, ``monitoring.probes``)."""
+    added = [found.version for found in runtimes.listing(settings.home) if found.ok]
+    if settings.embedded_redis and not stack_running:
+        return [Check("runtime workers", SKIP, f"no stack running in {settings.home}: no workers to look at")]
+    if _ping_redis(settings.redis_url) is not None:
+        return [Check("runtime workers", SKIP, f"the broker at {settings.redis_url} does not answer")]
+    from ndif_celery.state import registry
+
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=PROBE_TIMEOUT_S,
+                                  socket_connect_timeout=PROBE_TIMEOUT_S)
+    try:
+        served = {info.get("nnsight") for info in registry.live_workers(client).values() if info.get("nnsight")}
+    finally:
+        client.close()
+    checks = []
+    for version in added:
+        if version in served:
+            checks.append(Check(f"nnsight {version}", OK, "a live worker serves this runtime"))
+        else:
+            checks.append(Check(f"nnsight {version}", WARN, "the runtime is added on this host but no live worker "
+                                "serves it: its clients' requests are refused or wait for one",
+                                f"ndif-celery worker --nnsight {version} (or NDIF_RUNTIMES={version} for "
+                                f"`ndif-celery up`)"))
+    if settings.probe_interval_s > 0:
+        for version in sorted(served - set(added) - {runtimes.main_version()}):
+            checks.append(Check(f"nnsight {version}", WARN, "a live worker serves this runtime, but it is not added "
+                                "on this host: a beat here cannot probe its deployments with their own client",
+                                f"ndif-celery runtime add {version}"))
+    return checks or [Check("runtime workers", SKIP, "no runtime added on this host")]
+
+
 def run() -> list[Check]:
     """Every check, in the order they are printed (settings from the environment)."""
     env = dict(os.environ)
@@ -432,6 +467,7 @@ def run() -> list[Check]:
         ("secret key", lambda: check_secret_key(settings, bool(env.get("NDIF_SECRET_KEY")))),
         ("jail", lambda: check_jail(settings)),
         ("runtimes", lambda: check_runtimes(settings)),
+        ("runtime workers", lambda: check_runtime_workers(settings, running)),
     ):
         checks.extend(_guard(name, check))
     return checks
