@@ -59,6 +59,9 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5
 _FILE_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}$")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 HEADER_COMMIT = "X-Repo-Commit"
+#: The hub's code for "this repo is not yours to read": huggingface_hub raises GatedRepoError, and transformers
+#: shows its message (another 403 it would take for a connection error and hide our sentence).
+GATED = "GatedRepo"
 
 
 class NotServed(Refused):
@@ -134,7 +137,7 @@ def _identity() -> auth.Identity:
                             "NDIF API key (huggingface_hub sends it as 'Authorization: Bearer'), or send it in the "
                             "ndif-api-key header.", 401) from None
         raise NotServed(f"{error.detail} (the key is read from HF_TOKEN or the ndif-api-key header)",
-                        error.status) from None
+                        error.status, GATED if error.status == 403 else "") from None
 
 
 def check_repo(repo_id: str, revision: Optional[str], identity: auth.Identity) -> None:
@@ -151,19 +154,19 @@ def check_repo(repo_id: str, revision: Optional[str], identity: auth.Identity) -
     listed = model_policy.matches(repo_id, policy.models)
     if policy.models and not listed:
         raise NotServed(f"Model {repo_id!r} is not served here (this farm's NDIF_MODELS does not list it), "
-                        "so neither are its files.", 403)
+                        "so neither are its files.", 403, GATED)
     client = current_app.config["NDIF_REDIS"]
     offer = registry.offer(client, repo_id)
     if not identity.trusted and not listed and not model_policy.keys_of_repo(offer.keys, repo_id):
         raise NotServed(f"Model {repo_id!r} is not deployed on this farm, and untrusted keys cannot deploy new "
-                        "models, so its files are not served to this key. Use a model listed in /status.", 403)
+                        "models, so its files are not served to this key. Use a model listed in /status.", 403, GATED)
     key = model_policy.ModelKey(model_policy.TRANSFORMERS_MODEL, repo_id,
                                 None if revision in (None, model_policy.DEFAULT_BRANCH) else revision,
                                 model_policy.LANGUAGE_MODEL_TASK)
     try:
         deployments.check_access(client, identity, key.key, offer)
     except Refused as error:
-        raise NotServed(error.detail, 403) from None
+        raise NotServed(error.detail, 403, GATED) from None
 
 
 def snapshot(repo_id: str, revision: str) -> tuple[str, Path]:

@@ -1,0 +1,141 @@
+"""A researcher with no hub access builds the model from the farm's ``/hub``.
+
+The real nnsight 0.8.1 client runs in a child process with an empty Hugging
+Face cache, ``HF_HUB_OFFLINE`` unset and ``HF_ENDPOINT`` pointed at the
+farm's ``/hub`` (the hub itself is out of reach here): the config, the
+tokenizer and the repo's canonical id come from the farm, the trace runs
+remotely and saves exactly what the same trace saves locally, and no weight
+file reaches the client's cache. With auth on, ``HF_TOKEN`` carries the NDIF
+key; a key the model policy refuses gets 403, and no key 401, both read by
+the client as the farm's sentence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+import torch
+
+from tests.support.tiny_model import PROMPT, REPO_ID
+
+OUTSIDE = "ndif-celery/not-listed-here"  # a repo this farm's NDIF_MODELS does not list
+
+
+@pytest.fixture(scope="module")
+def policy_stack(tmp_path_factory, hf_home):
+    """Auth on, and NDIF_MODELS listing only the tiny model: the model policy refuses every other repo."""
+    from tests.support.stack import client_on_stack
+
+    env = {"NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_MODELS": REPO_ID}
+    with client_on_stack(tmp_path_factory.mktemp("model-files"), hf_home, env) as stack:
+        yield stack
+
+LAYER = 2
+
+# What docs/researchers.md tells a researcher to run, with the tokenizer given: nnsight
+# 0.8.1 on transformers 5 does not find one for a pre-built meta model by itself.
+SNIPPET = """
+import json, sys
+import torch
+import nnsight
+from nnsight.modeling.transformers import TransformersModel
+from transformers import AutoTokenizer
+nnsight.CONFIG.API.HOST = sys.argv[1]
+repo, prompt, layer, out = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+model = TransformersModel(repo, task="text-generation", tokenizer=AutoTokenizer.from_pretrained(repo))
+with model.trace(prompt, remote=True):
+    hidden = model.transformer.h[layer].output.save()
+torch.save(hidden, out)
+print(json.dumps({"ran": True, "key": model.to_model_key()}))
+"""
+
+CONFIG_ONLY = """
+import json, sys
+from transformers import AutoConfig
+try:
+    AutoConfig.from_pretrained(sys.argv[1])
+    print(json.dumps({"read": True}))
+except Exception as error:
+    print(json.dumps({"error": type(error).__name__, "said": str(error)}))
+"""
+
+
+def run_offline_client(tmp_path, stack, script: str, *args: str, key: str = "") -> dict:
+    """``script`` under the farm's own client in a child process that can reach
+    only the farm: a fresh HF cache, no offline switch, HF_ENDPOINT at ``/hub``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("NDIF_", "HF_", "TRANSFORMERS_", "HUGGINGFACE_"))}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"{stack.url}/hub", HF_HUB_DISABLE_TELEMETRY="1")
+    if key:
+        env.update(HF_TOKEN=key, NDIF_API_KEY=key)
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+                          timeout=240)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, f"the client failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+def cached_files(tmp_path) -> set:
+    """The files the child's HF cache holds, by their names in the repo."""
+    return {p.name for p in (tmp_path / "hf" / "hub").glob("models--*/snapshots/*/*")}
+
+
+def local_layer(model):
+    with model.trace(PROMPT):
+        local = model.transformer.h[LAYER].output.save()
+    return local
+
+
+@pytest.mark.pools("fs")
+def test_the_snippet_runs_with_only_the_farm_as_its_hub(fs_stack, model, tmp_path):
+    out = tmp_path / "hidden.pt"
+    said = run_offline_client(tmp_path, fs_stack, SNIPPET, fs_stack.url, REPO_ID, PROMPT, str(LAYER), str(out))
+    assert said["ran"] and json.loads(said["key"].split(":", 1)[1])["repo_id"] == REPO_ID, said
+    assert torch.equal(torch.load(out), local_layer(model))
+    files = cached_files(tmp_path)
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= files, files
+    assert not any(name.endswith((".safetensors", ".bin")) for name in files), files
+    assert not [p for p in (tmp_path / "hf").rglob("*") if p.is_file() and p.stat().st_size > 1024 * 1024]
+
+
+def _key(stack, *flags) -> str:
+    result = stack.cli("keys", "create", "--email", f"model-files-{uuid.uuid4().hex[:8]}@example.org", *flags)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip().splitlines()[-1]
+
+
+def test_with_auth_on_hf_token_carries_the_ndif_key(policy_stack, model, tmp_path):
+    stack = policy_stack
+    out = tmp_path / "hidden.pt"
+    said = run_offline_client(tmp_path, stack, SNIPPET, stack.url, REPO_ID, PROMPT, str(LAYER), str(out),
+                              key=_key(stack, "--trusted"))
+    assert said["ran"], said
+    assert torch.equal(torch.load(out), local_layer(model))
+
+
+def test_a_repo_the_policy_refuses_is_403_and_no_key_401(policy_stack, tmp_path):
+    stack = policy_stack
+    key = _key(stack, "--trusted")
+    for path in (f"/hub/api/models/{OUTSIDE}", f"/hub/{OUTSIDE}/resolve/main/config.json"):
+        request = urllib.request.Request(stack.url + path, headers={"Authorization": f"Bearer {key}"})
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(request, timeout=30)
+        assert answer.value.code == 403
+        assert "NDIF_MODELS does not list it" in json.loads(answer.value.read())["detail"]
+        with pytest.raises(urllib.error.HTTPError) as answer:
+            urllib.request.urlopen(stack.url + path, timeout=30)
+        assert answer.value.code == 401 and "HF_TOKEN" in json.loads(answer.value.read())["detail"]
+    # The client shows the farm's sentence (huggingface_hub's GatedRepoError, as transformers words it).
+    refused = run_offline_client(tmp_path, stack, CONFIG_ONLY, OUTSIDE, key=key)
+    assert "read" not in refused and "NDIF_MODELS does not list it" in refused["said"], refused
+    missing = run_offline_client(tmp_path, stack, CONFIG_ONLY, REPO_ID)
+    assert "read" not in missing and "HF_TOKEN" in missing["said"], missing
+    listed = run_offline_client(tmp_path, stack, CONFIG_ONLY, REPO_ID, key=_key(stack))  # untrusted, but listed
+    assert listed == {"read": True}, listed
