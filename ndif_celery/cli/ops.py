@@ -118,15 +118,18 @@ def _usage_cells(row: dict) -> str:
 @click.option("--reset", "reset_model", default=None, metavar="MODEL",
               help="Forget MODEL's reference values (its weights changed on purpose); the next green probe records new ones.")
 @click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
+@click.option("--nnsight", default="", metavar="VERSION",
+              help="With --reset: the deployment of that nnsight runtime (default: the farm's own).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def probes(reset_model: Optional[str], task: str, as_json: bool) -> None:
-    """The health probes' last result per model (NDIF_PROBE_INTERVAL_S)."""
+def probes(reset_model: Optional[str], task: str, nnsight: str, as_json: bool) -> None:
+    """The health probes' last result per deployment (NDIF_PROBE_INTERVAL_S): a model
+    served by workers of another nnsight runtime is a row of its own."""
     from ndif_celery.monitoring import probes as health
 
     _, client, _ = connect()
     if reset_model is not None:
         try:
-            key = farm.model_key_for(reset_model, task=task)
+            key = farm.model_key_for(reset_model, task=task, nnsight=nnsight)
         except model_policy.PolicyError as exc:
             raise click.ClickException(exc.detail) from None
         click.echo(f"{reset_model}: {health.reset(client, key)} reference(s) forgotten")

@@ -187,6 +187,10 @@ def test_every_table_tells_the_two_deployments_apart(two_runtimes, embedded_sett
     history = re.findall(r'data-model="org/shared" data-nnsight="([^"]+)" data-period="24h"', page)
     assert sorted(history) == sorted([MAIN, OLD])
 
+    result = CliRunner().invoke(main, ["probes", "--reset", REPO, "--nnsight", OLD], env=env, catch_exceptions=False)
+    assert "1 reference(s) forgotten" in result.output
+    assert {field.decode() for field in client.hkeys(probes.REFERENCES)} == {probes.reference_field(KEY, None)}
+
 
 def test_a_runtime_is_probed_under_its_own_interpreter(embedded_settings, tmp_path):
     home = tmp_path / "home"
