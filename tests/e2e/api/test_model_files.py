@@ -56,6 +56,21 @@ torch.save(hidden, out)
 print(json.dumps({"ran": True, "key": model.to_model_key()}))
 """
 
+# The 0.7.0 client as its users write it: LanguageModel loads the tokenizer itself.
+SNIPPET_070 = """
+import json, sys
+import torch
+import nnsight
+from nnsight import CONFIG, LanguageModel
+CONFIG.API.HOST = sys.argv[1]
+repo, prompt, layer, out = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+model = LanguageModel(repo)
+with model.trace(prompt, remote=True):
+    hidden = model.transformer.h[layer].output.save()
+torch.save(hidden, out)
+print(json.dumps({"ran": True, "version": nnsight.__version__}))
+"""
+
 CONFIG_ONLY = """
 import json, sys
 from transformers import AutoConfig
@@ -67,15 +82,15 @@ except Exception as error:
 """
 
 
-def run_offline_client(tmp_path, stack, script: str, *args: str, key: str = "") -> dict:
-    """``script`` under the farm's own client in a child process that can reach
-    only the farm: a fresh HF cache, no offline switch, HF_ENDPOINT at ``/hub``."""
+def run_offline_client(tmp_path, stack, script: str, *args: str, key: str = "", python: str = sys.executable) -> dict:
+    """``script`` under a client (the farm's own, or ``python``'s) in a child process
+    that can reach only the farm: a fresh HF cache, no offline switch, HF_ENDPOINT at ``/hub``."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("NDIF_", "HF_", "TRANSFORMERS_", "HUGGINGFACE_"))}
     env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"{stack.url}/hub", HF_HUB_DISABLE_TELEMETRY="1")
     if key:
         env.update(HF_TOKEN=key, NDIF_API_KEY=key)
-    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True,
+    done = subprocess.run([str(python), "-c", script, *args], env=env, capture_output=True, text=True,
                           timeout=240)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0 and lines, f"the client failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
@@ -103,6 +118,35 @@ def test_the_snippet_runs_with_only_the_farm_as_its_hub(fs_stack, model, tmp_pat
     assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= files, files
     assert not any(name.endswith((".safetensors", ".bin")) for name in files), files
     assert not [p for p in (tmp_path / "hf").rglob("*") if p.is_file() and p.stat().st_size > 1024 * 1024]
+
+
+@pytest.fixture(scope="module")
+def runtime_farm(tmp_path_factory, hf_home):
+    """A farm with a worker of the nnsight 0.7.0 runtime (auth off), and that client's interpreter."""
+    from tests.support import client_envs
+    from tests.support.stack import Stack, offline_env
+
+    home = tmp_path_factory.mktemp("model-files-070")
+    runtime = client_envs.shared("0.7.0")
+    client_envs.link_into(home, runtime)
+    stack = Stack(home, env={**offline_env(hf_home), "NDIF_RUNTIMES": "0.7.0"})
+    stack.start()
+    try:
+        stack.until(lambda: "0.7.0" in {info.get("nnsight") for info in stack.operator_farm()["cluster"]["workers"].values()},
+                    "the 0.7.0 runtime's worker to register", timeout_s=180)
+        yield stack, runtime.interpreter
+    finally:
+        stack.discard()
+
+
+def test_the_070_client_runs_with_only_the_farm_as_its_hub(runtime_farm, model, tmp_path):
+    stack, python = runtime_farm
+    out = tmp_path / "hidden.pt"
+    said = run_offline_client(tmp_path, stack, SNIPPET_070, stack.url, REPO_ID, PROMPT, str(LAYER), str(out),
+                              python=python)
+    assert said == {"ran": True, "version": "0.7.0"}, said
+    assert torch.equal(torch.load(out), local_layer(model))  # the same weights and torch: the 0.8.1 client's local value
+    assert not any(name.endswith((".safetensors", ".bin")) for name in cached_files(tmp_path))
 
 
 def _key(stack, *flags) -> str:
