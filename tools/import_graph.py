@@ -6,7 +6,8 @@ one module without reading the rest, and a circle held together by imports
 hidden inside functions only shows up as an ImportError at run time. This
 script reads the source with ``ast`` (nothing is imported, so it is fast and
 safe to run anywhere), takes every import, top-level and function-local
-(not those under ``if TYPE_CHECKING:``, which never run), and checks:
+(those under ``if TYPE_CHECKING:`` never run: they count for the layers
+only), and checks:
 
 * no cycle between modules (each one found is named, module by module);
 * ``web`` imports neither ``workers`` nor ``torch``, directly or through the
@@ -16,7 +17,8 @@ safe to run anywhere), takes every import, top-level and function-local
   and ``workers`` does not import ``web``;
 * inside ``ndif_celery`` and ``workers``, each subpackage or top module sits
   on a layer (``LAYERS``, bottom first) and imports only its own layer or
-  those below it.
+  those below it, for type checking too: an annotation naming a class of a
+  layer above sends a reader up as surely as an import that runs.
 
 Usage: ``python tools/import_graph.py [--root DIR] [--quiet]``. It prints the
 module graph (each module and the project modules it imports) and the
@@ -103,26 +105,27 @@ def _type_checking_only(node: ast.AST) -> bool:
         or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (its ``else`` runs, and counts)."""
+def _runtime_nodes(tree: ast.AST, typing: bool = False):
+    """Every node of ``tree`` but those under ``if TYPE_CHECKING:`` (its ``else`` runs, and counts);
+    with ``typing``, those too."""
     stack = [tree]
     while stack:
         node = stack.pop()
         yield node
-        if _type_checking_only(node):
+        if _type_checking_only(node) and not typing:
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
 
 
-def imports_of(name: str, path: Path) -> list[tuple[str, tuple[str, ...]]]:
+def imports_of(name: str, path: Path, typing: bool = False) -> list[tuple[str, tuple[str, ...]]]:
     """Every import in ``path``, anywhere in the file, made absolute:
     ``(module, names)`` for ``from module import names``, ``(module, ())``
     for ``import module``."""
     is_package = path.name == "__init__.py"
     tree = ast.parse(path.read_text(), str(path))
     found = []
-    for node in _runtime_nodes(tree):
+    for node in _runtime_nodes(tree, typing):
         if isinstance(node, ast.Import):
             found.extend((alias.name, ()) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -136,7 +139,7 @@ def imports_of(name: str, path: Path) -> list[tuple[str, tuple[str, ...]]]:
     return found
 
 
-def build_graph(root: Path, packages=PACKAGES) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+def build_graph(root: Path, packages=PACKAGES, typing: bool = False) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     """(module -> project modules it imports, module -> outside top-level modules it imports).
 
     ``from ndif_celery import config`` is an edge to ``ndif_celery.config``
@@ -154,7 +157,7 @@ def build_graph(root: Path, packages=PACKAGES) -> tuple[dict[str, set[str]], dic
     outside: dict[str, set[str]] = {}
     for name, path in modules.items():
         deps, other = set(), set()
-        for source, names in imports_of(name, path):
+        for source, names in imports_of(name, path, typing):
             top = source.split(".")[0]
             if top not in packages:
                 if top:
@@ -322,7 +325,7 @@ def main(argv=None) -> int:
     problems = [f"cycle: {' -> '.join(_a_cycle_in(members, graph))} (circle of {len(members)} modules: "
                 f"{', '.join(members)})" for members in circles(graph)]
     problems += layer_violations(graph, outside)
-    problems += upward_imports(graph)
+    problems += upward_imports(build_graph(args.root, typing=True)[0])  # annotations count for the layers
     for problem in problems:
         print(problem, file=sys.stderr)
     if not args.quiet:

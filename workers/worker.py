@@ -16,14 +16,16 @@ This module imports torch (through the resident models and the executors):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from celery import Celery
@@ -32,9 +34,10 @@ from sqlalchemy.exc import SQLAlchemyError
 from ndif_celery import config, messages, statuses, wire
 from ndif_celery.accounts import db, ledger
 from ndif_celery.celery_app import queue_for
-from ndif_celery.exit_codes import EX_CONFIG
+from ndif_celery.exit_codes import EX_CONFIG, REPLACE_EXIT_CODE
 from ndif_celery.farm.controller import Controller, fail_waiting
 from ndif_celery.host.environment import local_env
+from ndif_celery.monitoring import metrics as farm_metrics
 from ndif_celery.policy import client_versions
 from ndif_celery.state import expiry as cleanup
 from ndif_celery.state import jobs, queues, registry
@@ -203,9 +206,33 @@ class WorkerState:
                                    text, "cancelled")
         return True
 
-    def replace(self, job_id: str, why: str) -> None:
-        """The job's thread will not unwind: exit for a fresh process (``deadline.replace_worker``)."""
-        deadline.replace_worker(self, job_id, why)
+    def replace(self, job_id: str, why: str, exit: Callable[[int], None] = os._exit) -> None:
+        """The job's thread is stuck in code no exception can reach: let go of
+        what this process holds and exit with ``REPLACE_EXIT_CODE`` for a fresh one.
+
+        Its registry entry and deployments go first (the controller then places
+        the model on the fresh process), then its isolation children; all
+        within :data:`deadline.CLEANUP_S`, since a broker away must not keep a stuck worker."""
+        log.error("replacing this worker: job %s did not unwind %s (user code blocked where no exception "
+                  "reaches it); exiting with status %d for a fresh process", job_id, why, REPLACE_EXIT_CODE)
+
+        def let_go() -> None:
+            try:
+                farm_metrics.worker_replaced(self.redis, self.name)
+            except Exception:  # noqa: BLE001
+                log.warning("could not count the replacement", exc_info=True)
+            self.shutdown()
+
+        helper = threading.Thread(target=let_go, name="ndif-replace", daemon=True)
+        helper.start()
+        helper.join(deadline.CLEANUP_S)
+        for handler in logging.getLogger().handlers + log.handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        exit(REPLACE_EXIT_CODE)
 
     # --- registration -----------------------------------------------------------
 

@@ -298,7 +298,7 @@ class FarmCollector:
 
 
 def worker_replaced(client: redis.Redis, worker: str) -> None:
-    """Count one replacement of ``worker`` (``workers.job.deadline.replace_worker``)."""
+    """Count one replacement of ``worker`` (``workers.worker.WorkerState.replace``)."""
     client.hincrby(REPLACEMENTS, worker, 1)
 
 

@@ -3,9 +3,11 @@
 Not ``ndif_celery.state.jobs``, which holds a job's keys and message in Redis.
 Bottom first (docs/jobs.md tells the whole pipeline):
 
+- ``context``: ``JobContext``, what the steps use of their worker (``WorkerState``
+  is the one): they never import the module that runs them.
 - ``deadline``: deadlines that always fire: ``DeadlineWatchdog``, one thread per
   worker that publishes the timeout ERROR, interrupts the job's thread and
-  replaces a stuck worker; ``Channel``, a job's one final status, claimed across
+  has a stuck worker replace itself; ``Channel``, a job's one final status, claimed across
   processes; ``backstop``, the C-level last resort. Not ``ndif_celery.farm.watchdog``'s
   ``FarmWatchdog``, the beat's rescuer of dead workers' jobs.
 - ``deliveries``: the worker's delivery thread: results stored or sent inline,

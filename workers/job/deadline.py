@@ -13,7 +13,7 @@ longer depends on the job's thread:
    ``JobCancelled``) in the job's thread, again every :data:`RETRY_S` (user
    code may swallow one);
 3. if that thread has not left the executor within ``NDIF_DEADLINE_GRACE_S``,
-   the worker replaces itself (:func:`replace_worker`): it lets go of what it
+   the worker replaces itself (``WorkerState.replace``): it lets go of what it
    holds in Redis and its children, logs ``replacing this worker: job X did
    not unwind``, counts it (``ndif_worker_replacements_total``) and exits with
    ``exit_codes.REPLACE_EXIT_CODE``, which ``ndif-celery up``'s supervisor (and
@@ -65,16 +65,11 @@ import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from ndif_celery import messages, statuses, wire
-from ndif_celery.exit_codes import REPLACE_EXIT_CODE
-from ndif_celery.monitoring import metrics as farm_metrics
 from ndif_celery.state import jobs
 from workers import metrics
-
-if TYPE_CHECKING:  # a job's steps run on the worker's state; only for readers and checkers
-    from workers.worker import WorkerState
 
 log = logging.getLogger("ndif_celery.worker")
 
@@ -332,33 +327,3 @@ def where(thread: int, frames: int = 12) -> str:
     """The innermost ``frames`` of ``thread``'s stack, for the log."""
     frame = sys._current_frames().get(thread)
     return "".join(traceback.format_stack(frame)[-frames:]) if frame is not None else "(the thread has ended)"
-
-
-def replace_worker(worker: WorkerState, job_id: str, why: str, exit: Callable[[int], None] = os._exit) -> None:
-    """The job's thread is stuck in code no exception can reach: let go of
-    what this process holds and exit with ``REPLACE_EXIT_CODE`` for a fresh one.
-
-    ``worker`` is the ``workers.worker.WorkerState``. Its registry entry and
-    deployments go first (the controller then places the model on the fresh
-    process), then its isolation children; each step bounded by
-    :data:`CLEANUP_S` in all, since a broker away must not keep a stuck worker."""
-    log.error("replacing this worker: job %s did not unwind %s (user code blocked where no exception "
-              "reaches it); exiting with status %d for a fresh process", job_id, why, REPLACE_EXIT_CODE)
-
-    def let_go() -> None:
-        try:
-            farm_metrics.worker_replaced(worker.redis, worker.name)
-        except Exception:  # noqa: BLE001
-            log.warning("could not count the replacement", exc_info=True)
-        worker.shutdown()
-
-    helper = threading.Thread(target=let_go, name="ndif-replace", daemon=True)
-    helper.start()
-    helper.join(CLEANUP_S)
-    for handler in logging.getLogger().handlers + log.handlers:
-        with contextlib.suppress(Exception):
-            handler.flush()
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    exit(REPLACE_EXIT_CODE)

@@ -47,8 +47,8 @@ from workers import adapters
 from . import life as job_life
 from .executors import ms_since
 
-if TYPE_CHECKING:  # a job's steps run on the worker's state; only for readers and checkers
-    from workers.worker import WorkerState
+if TYPE_CHECKING:  # the worker as the steps see it
+    from .context import JobContext
 
 log = logging.getLogger("ndif_celery.worker")
 
@@ -58,7 +58,7 @@ log = logging.getLogger("ndif_celery.worker")
 CHAIN_MAX = 64
 
 
-def next_job(worker: WorkerState, done: jobs.Job, chained: int):
+def next_job(worker: JobContext, done: jobs.Job, chained: int):
     """The job to run right after ``done`` without a trip through Celery, or None.
 
     Why: with a prefetch of one and late acknowledgement, Celery fetches the
@@ -97,13 +97,13 @@ def next_job(worker: WorkerState, done: jobs.Job, chained: int):
     return worker.take_next(head)
 
 
-def may_gather(worker: WorkerState, job: jobs.Job) -> bool:
+def may_gather(worker: JobContext, job: jobs.Job) -> bool:
     """Whether ``job`` leads a co-batch when it starts: co-batching on (and on
     this worker's nnsight, ``workers.adapters``), trusted, first attempt."""
     return worker.settings.cobatch_max > 1 and job.trusted and job.attempt < 2 and adapters.current().COBATCH
 
 
-def gather(worker: WorkerState, lead: job_life.Life) -> list[jobs.Job]:
+def gather(worker: JobContext, lead: job_life.Life) -> list[jobs.Job]:
     """Up to ``NDIF_COBATCH_MAX - 1`` of the model's waiting jobs that may share
     with ``lead``, taken out of the queue and reported as this worker's."""
     key = lead.job.model_key
@@ -115,7 +115,7 @@ def gather(worker: WorkerState, lead: job_life.Life) -> list[jobs.Job]:
     return worker.take(waiting) if waiting else []
 
 
-def perform(worker: WorkerState, lead: job_life.Life) -> None:
+def perform(worker: JobContext, lead: job_life.Life) -> None:
     """``job.run``'s ``perform`` for a job that may lead a co-batch: gather,
     run together, answer every taken job; the lead's own answer is delivered,
     or raised for ``job.run`` to fail it. Without partners, ``job.perform``."""
@@ -145,7 +145,7 @@ def perform(worker: WorkerState, lead: job_life.Life) -> None:
                 job_life.close(worker, life)
 
 
-def _join(worker: WorkerState, job: jobs.Job):
+def _join(worker: JobContext, job: jobs.Job):
     """A taken job started and announced RUNNING, as ``job.run`` does; None if
     it is not to run (it ended meanwhile) or was answered already (its payload gone)."""
     life = job_life.start(worker, job, bounded=False)
@@ -160,7 +160,7 @@ def _join(worker: WorkerState, job: jobs.Job):
     return life
 
 
-def _together(worker: WorkerState, lead: job_life.Life, lives: list, answered: set) -> None:
+def _together(worker: JobContext, lead: job_life.Life, lives: list, answered: set) -> None:
     runs = [(life.job, life.blob, life.channel, life.meta) for life in (lead, *lives)]
     lead.jobs_run = len(runs)  # its finish counts them all towards the next whole weight check
     started = time.perf_counter()
@@ -178,7 +178,7 @@ def _together(worker: WorkerState, lead: job_life.Life, lives: list, answered: s
     answered.update(life.job.id for life, _ in handed)
 
 
-def _within_limit(worker: WorkerState, life: job_life.Life, answer, run_ms: float):
+def _within_limit(worker: JobContext, life: job_life.Life, answer, run_ms: float):
     """The job's result bytes within the result limit, or the exception that is its answer."""
     if isinstance(answer, BaseException):
         return answer
@@ -188,13 +188,13 @@ def _within_limit(worker: WorkerState, life: job_life.Life, answer, run_ms: floa
         return error
 
 
-def _answer(worker: WorkerState, life: job_life.Life, answer, run_ms: float, answered: set) -> None:
+def _answer(worker: JobContext, life: job_life.Life, answer, run_ms: float, answered: set) -> None:
     """One job of the batch answered now: its result delivered, or its ERROR."""
     answered.add(life.job.id)
     job_life.answer(worker, life, _within_limit(worker, life, answer, run_ms))
 
 
-def _send_back(worker: WorkerState, job_ids: list) -> None:
+def _send_back(worker: JobContext, job_ids: list) -> None:
     """Jobs taken for a batch that ended before they started: back to their queue
     (unless they ended, or are still waiting there)."""
     if not job_ids:

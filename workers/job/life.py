@@ -61,8 +61,8 @@ from workers.execute import RequestError, result_over_quota, result_too_big
 from . import deadline
 from .executors import JobCancelled, JobTimedOut, ms_since
 
-if TYPE_CHECKING:  # a job's steps run on the worker's state; only for readers and checkers
-    from workers.worker import WorkerState
+if TYPE_CHECKING:  # the worker as the steps see it
+    from .context import JobContext
 
 log = logging.getLogger("ndif_celery.worker")
 
@@ -91,14 +91,14 @@ class Life:
     encoded_at: float = 0.0  # when its result bytes were ready (the timeline's handover)
 
 
-def perform(worker: WorkerState, life: Life) -> None:
+def perform(worker: JobContext, life: Life) -> None:
     """The job's work once it runs: :func:`execute`, then :func:`deliver`
     (through :func:`hand_over`: off the forward's path)."""
     data = execute(worker, life)
     hand_over(worker, [(life, data)])
 
 
-def run(worker: WorkerState, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -> bool:
+def run(worker: JobContext, job: jobs.Job, perform: Callable[[Any, Life], None] = perform) -> bool:
     """A job's whole life on ``worker`` (a ``workers.worker.WorkerState``);
     False when it was sent back to its queue instead (its model gone, or its
     key over NDIF_MAX_RUNNING_PER_KEY), so the worker goes back to Celery.
@@ -126,7 +126,7 @@ def run(worker: WorkerState, job: jobs.Job, perform: Callable[[Any, Life], None]
     return True
 
 
-def start(worker: WorkerState, job: jobs.Job, bounded: bool = True) -> Optional[Life]:
+def start(worker: JobContext, job: jobs.Job, bounded: bool = True) -> Optional[Life]:
     """What the job needs to start, in one round trip; None when this worker
     is not to run it (it already ended), :data:`SENT_BACK` when it went back to
     its queue (the model is gone, or, when ``bounded``, its key runs its bound
@@ -179,7 +179,7 @@ def start(worker: WorkerState, job: jobs.Job, bounded: bool = True) -> Optional[
     return life
 
 
-def announce(worker: WorkerState, life: Life) -> None:
+def announce(worker: JobContext, life: Life) -> None:
     """RUNNING, on the round trip :func:`start` queued; a payload gone
     (expired while queued) ends the job instead."""
     if life.blob is None:
@@ -190,7 +190,7 @@ def announce(worker: WorkerState, life: Life) -> None:
     life.pipe.execute()
 
 
-def execute(worker: WorkerState, life: Life) -> bytes:
+def execute(worker: JobContext, life: Life) -> bytes:
     """Run the block through the job's executor; its result bytes, within the result limit."""
     life.meta["timeline"]["start_ms"] = _ms(time.time() - life.started)
     run_started = time.perf_counter()
@@ -199,7 +199,7 @@ def execute(worker: WorkerState, life: Life) -> bytes:
     return within_limit(worker, life, data, ms_since(run_started))
 
 
-def within_limit(worker: WorkerState, life: Life, data: bytes, run_ms: float) -> bytes:
+def within_limit(worker: JobContext, life: Life, data: bytes, run_ms: float) -> bytes:
     """The run's figures in the job's meta; ``data`` unless it is over the result limit."""
     meta = life.meta
     meta["run_ms"] = run_ms
@@ -211,7 +211,7 @@ def within_limit(worker: WorkerState, life: Life, data: bytes, run_ms: float) ->
     return data
 
 
-def deliver(worker: WorkerState, life: Life, data: bytes) -> None:
+def deliver(worker: JobContext, life: Life, data: bytes) -> None:
     """Inline on the websocket when small and someone listens, else through the
     store as a URL (which ``GET /response/<id>`` also returns). A 0.6/0.7
     client's result always goes by URL: its frames are written by the web."""
@@ -266,7 +266,7 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 1)
 
 
-def hand_over(worker: WorkerState, answers: list) -> None:
+def hand_over(worker: JobContext, answers: list) -> None:
     """Answer (:func:`answer`) and close each ``(life, result or exception)``.
 
     The worker's delivery thread (``workers.job.deliveries``) does it, in
@@ -281,7 +281,7 @@ def hand_over(worker: WorkerState, answers: list) -> None:
         answer(worker, life, result)
 
 
-def answer(worker: WorkerState, life: Life, result) -> None:
+def answer(worker: JobContext, life: Life, result) -> None:
     """The job's result delivered (COMPLETED), or ``result``, an exception, failed."""
     try:
         if isinstance(result, BaseException):
@@ -292,7 +292,7 @@ def answer(worker: WorkerState, life: Life, result) -> None:
         fail(worker, life, error)
 
 
-def fail(worker: WorkerState, life: Life, error: BaseException) -> None:
+def fail(worker: JobContext, life: Life, error: BaseException) -> None:
     """The ERROR the client sees, for every way a job can end badly. Called
     while ``error`` is being handled (``log.exception`` logs it)."""
     job, meta, channel = life.job, life.meta, life.channel
@@ -312,7 +312,7 @@ def fail(worker: WorkerState, life: Life, error: BaseException) -> None:
                      meta=meta, kind="server")
 
 
-def finish(worker: WorkerState, life: Life) -> None:
+def finish(worker: JobContext, life: Life) -> None:
     """However the job ended, after its answer and before the next job (after
     every job of its co-batch): the worker free, the weight checks, then :func:`close`."""
     worker.end()
@@ -327,7 +327,7 @@ def finish(worker: WorkerState, life: Life) -> None:
         close(worker, life)
 
 
-def close(worker: WorkerState, life: Life) -> None:
+def close(worker: JobContext, life: Life) -> None:
     """What every answered job leaves behind: its metrics, its payload deleted,
     its key's running slot on the model free."""
     try:
