@@ -190,22 +190,21 @@ def note_sent(client: "redis.Redis | redis.client.Pipeline", model_key: str, job
 
 def queued_behind(client: redis.Redis, model_key: str) -> Optional[int]:
     """How many jobs the deployment's last probe waits behind (those ahead in its
-    line and those its workers run), or None when it waits no more."""
+    line and those its workers run), or None when it waits no more, or waits for
+    no one: with no live worker running the deployment, a wait is no sign of a
+    busy model, and the probe is judged (and fails) as usual."""
     job_id = client.hget(SENT, model_key)
     if not job_id:
         return None
-    job_id = job_id.decode()
-    ahead = None
-    for index, entry in enumerate(queues.waiting(client, queue_for(model_key))):
-        if entry.job.id == job_id:
-            ahead = index
-            break
-    if ahead is None:
-        return None
     workers = registry.live_workers(client)
-    holders = {e["worker"] for e in registry.live_deployments(client, workers) if e["model_key"] == model_key}
-    running = sum(1 for name in holders if workers[name].get("current_job"))
-    return ahead + running
+    holders = {e["worker"] for e in registry.live_deployments(client, workers)
+               if e["model_key"] == model_key and e["state"] == registry.RUNNING}
+    if not holders:
+        return None
+    for ahead, entry in enumerate(queues.waiting(client, queue_for(model_key))):
+        if entry.job.id == job_id.decode():
+            return ahead + sum(1 for name in holders if workers[name].get("current_job"))
+    return None
 
 
 def reset(client: redis.Redis, model_key: str) -> int:
@@ -398,7 +397,7 @@ class Prober(threading.Thread):
             behind = result["queued_behind"]
             entry = {"ok": True, "error": "", "failures": 0, "since": now, "latency_s": None, "worker": None,
                      **(previous or {}), **base, "state": QUEUED, "queued_behind": behind,
-                     "note": f"queued behind {behind} job{'' if behind == 1 else 's'}"}
+                     "note": f"queued behind {behind} job{'' if behind == 1 else 's'}" if behind else "queued, next"}
             self.redis.hset(PROBES, model_key, json.dumps(entry))
             return entry
         field = reference_field(model_key, target.get("dtype"))

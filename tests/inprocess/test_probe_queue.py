@@ -184,3 +184,22 @@ def test_a_single_failure_between_green_probes_pages_no_one(redis_client, embedd
         queues.drain(redis_client, queue_for(KEY))
         assert prober.deliver()
     assert hook.received == []
+
+
+def test_a_probe_waiting_for_a_deployment_no_worker_runs_is_a_failure(redis_client, embedded_settings):
+    """Its worker stopped with the probe in the line: nobody will run it, so the wait
+    says nothing of a busy model; the probe is judged as it answered (it timed out)."""
+    settings = _settings(embedded_settings)
+    web = _web(settings)
+    _serve(redis_client)
+    runner = ThroughTheIntake(web)
+    prober = probes.Prober(settings, redis_client, runner, name="test-prober", clock=StepClock(step_s=60.0))
+    [entry] = prober.round()
+    assert entry["state"] == probes.QUEUED and entry["note"] == "queued, next"
+    registry.remove_deployment(redis_client, "w0", KEY)
+    farm.deploy(redis_client, KEY, pinned=True, replicas=1, dtype=None)  # still wanted, held by no one
+    assert probes.queued_behind(redis_client, KEY) is None
+    prober.runner = runner = type(runner)(web)
+    runner.probe = lambda model_key, timeout_s: dict(LATE, model_key=model_key)
+    [entry] = prober.round()
+    assert entry["state"] == probes.FAILING and not entry["ok"] and "no answer within" in entry["error"]
