@@ -9,6 +9,7 @@
 - ``open_sockets``: the websockets of one web process, counted per address and while unclaimed.
 - ``hub``: one Redis pub/sub connection per process for all its websockets.
 - ``results``: downloads of results kept in the filesystem store.
+- ``model_files``: ``/hub``, cached models' config and tokenizer files in the hub's shapes, for clients without the hub.
 - ``dashboard``: ``/metrics`` and ``/dashboard``.
 - ``admin``: the dashboard's admin actions (deploy, evict, scale, kill, schedules), their form tokens and audit.
 - ``operators``: who the operator is (an admin key by HTTP Basic), the HTML refusal, the database handle.

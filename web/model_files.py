@@ -21,6 +21,7 @@ missing optional file is "not found", as on the hub) and shows our sentence.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -87,8 +88,9 @@ def hub_cache() -> Path:
     """The Hugging Face cache huggingface_hub uses with this process's environment
     (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``),
     read without importing it: the web imports no model library."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if cache:
+        return Path(cache).expanduser()
     home = os.environ.get("HF_HOME") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
     return Path(home).expanduser() / "hub"
@@ -234,6 +236,12 @@ def etag(real: Path, size: int) -> str:
     """The hub's ETag: a blob's name in the cache (the hub's own), else git's sha1 of the file."""
     if real.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", real.name):
         return real.name
+    return _sha1(str(real), size, real.stat().st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1024)
+def _sha1(real: str, size: int, mtime_ns: int) -> str:
+    """git's sha1 of a plain file, once per version of it (a client asks HEAD, then GET)."""
     digest = hashlib.sha1(b"blob %d\0" % size)
     with open(real, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
