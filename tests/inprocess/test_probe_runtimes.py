@@ -7,8 +7,8 @@ here a stand-in that, like the real runner, answers only a key its client
 builds), stays green over many rounds and pages no one; ``/metrics`` parses
 with prometheus_client's own parser and never repeats a label set; the CLI's
 tables and the dashboard show two rows told apart by their nnsight. Against
-a real embedded Redis and the real web app; the real 0.7.0 client's key check
-is tests/unit/test_probe_keys.py, the real runtime worker tests/e2e/api/test_client_runtimes.py.
+a real embedded Redis and the real web app; the real 0.7.0 client and
+runtime worker under the real beat are tests/e2e/farm/test_probe_runtimes.py.
 """
 
 from __future__ import annotations

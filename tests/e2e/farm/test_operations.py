@@ -26,6 +26,7 @@ from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.accounts import db
 from ndif_celery.farm.actions import model_key_for
+from ndif_celery.monitoring.probes import ALERT_AFTER_S
 from ndif_celery.policy.models import TRANSFORMERS_MODEL
 from tests.support.load import COBATCH_TOLERANCE
 from tests.support.servers import Receiver
@@ -271,7 +272,7 @@ def test_a_probe_goes_red_when_the_weights_are_corrupted_and_green_after(ops):
         _redeploy(stack, BOOT)
         _until(lambda: _probe_ok(ops, BOOT, False), "ops/boot's probe red on corrupted weights", stack)
         firing = _until(lambda: [a for a in ops.receiver.received if a["status"] == "firing" and a["model"] == BOOT],
-                        "the webhook's firing alert", stack, 30)
+                        "the webhook's firing alert, a minute red", stack, ALERT_AFTER_S + 30)
         assert "differ from the reference" in firing[-1]["error"], firing
         page = _dashboard(ops).split('id="probes"')[1].split("</table>")[0]
         assert "FAILING" in page and "the weights changed" in page
