@@ -101,6 +101,7 @@ sys.path.insert(0, sys.argv[4])
 import nnsight
 from tests.support.tiny_model import PROMPT, client_model
 nnsight.CONFIG.API.HOST = sys.argv[1]
+nnsight.CONFIG.APP.REMOTE_LOGGING = True  # the test reads its status lines; a user's config file may turn them off
 model = client_model(sys.argv[2])
 steps = int(sys.argv[3])  # here: the block itself runs on the server
 with model.trace(PROMPT, remote=True):
@@ -114,8 +115,12 @@ class ClientProcess:
     """The real client in a process of its own, whose status lines are read as it prints them."""
 
     def __init__(self, farm, steps: int) -> None:
+        # No user config file of this host's (NNSIGHT_CONFIG names none): only what the script sets.
+        env = {**os.environ, "NNSIGHT_CONFIG": os.devnull, "PYTHONUNBUFFERED": "1"}
+        env.pop("NDIF_API_KEY", None)
+        env.pop("NDIF_HOST", None)
         self.proc = subprocess.Popen([sys.executable, "-c", CLIENT, farm.url, REPO, str(steps), str(ROOT)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         self.out = b""
         threading.Thread(target=self._read, daemon=True).start()
 
