@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from flask import Blueprint, Response, current_app, jsonify, request, send_file
+from werkzeug.wsgi import ClosingIterator
 
 from ndif_celery.accounts import auth
 from ndif_celery.errors import Refused
@@ -117,7 +118,9 @@ class Reads:
                 del self.by_address[address]
 
 
-_READS = Reads()
+def _reads() -> Reads:
+    """This app's (one per web process) downloads in flight."""
+    return current_app.extensions.setdefault("ndif_model_file_reads", Reads())
 
 
 def _settings():
@@ -368,13 +371,16 @@ def resolve(path: str):
         response.headers["Content-Length"] = str(size)
         return response
     address = client_network(request.remote_addr)
-    _READS.take(address, _settings().model_files_per_address)
+    reads = _reads()
+    reads.take(address, _settings().model_files_per_address)
     try:
         response = send_file(real, mimetype="application/octet-stream", etag=tag, conditional=True,
                              download_name=Path(filename).name, max_age=0)
     except BaseException:
-        _READS.give(address)
+        reads.give(address)
         raise
-    response.call_on_close(lambda: _READS.give(address))
+    # Given back when the server closes the body: send_file's body is passed through as it is,
+    # so the response's own close callbacks would never run.
+    response.response = ClosingIterator(response.response, lambda: reads.give(address))
     response.headers.update(headers)
     return response

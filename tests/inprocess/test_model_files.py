@@ -226,3 +226,15 @@ def test_a_deployment_for_named_users_hides_its_files_from_other_keys(auth_web, 
     assert auth_web.get(f"/hub/api/models/{REPO}", headers={"ndif-api-key": owner}).status_code == 200
     refused = auth_web.get(f"/hub/{REPO}/resolve/main/config.json", headers={"ndif-api-key": other})
     assert refused.status_code == 403 and "named users" in refused.get_json()["detail"]
+
+
+def test_one_address_downloads_a_bounded_number_of_files_at_once(embedded_settings, cache, monkeypatch,
+                                                                  redis_client):
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    web = _app(embedded_settings, model_files_per_address=1)
+    first = web.get(f"/hub/{REPO}/resolve/main/config.json", buffered=False)  # held open: not yet sent
+    second = web.get(f"/hub/{REPO}/resolve/main/tokenizer.json")
+    assert second.status_code == 429 and "NDIF_MODEL_FILES_PER_ADDRESS" in second.get_json()["detail"]
+    assert web.head(f"/hub/{REPO}/resolve/main/tokenizer.json").status_code == 200  # a HEAD sends no file
+    first.close()
+    assert web.get(f"/hub/{REPO}/resolve/main/tokenizer.json").status_code == 200

@@ -1,13 +1,13 @@
 """A researcher with no hub access builds the model from the farm's ``/hub``.
 
-The real nnsight 0.8.1 client runs in a child process with an empty Hugging
-Face cache, ``HF_HUB_OFFLINE`` unset and ``HF_ENDPOINT`` pointed at the
-farm's ``/hub`` (the hub itself is out of reach here): the config, the
-tokenizer and the repo's canonical id come from the farm, the trace runs
-remotely and saves exactly what the same trace saves locally, and no weight
-file reaches the client's cache. With auth on, ``HF_TOKEN`` carries the NDIF
-key; a key the model policy refuses gets 403, and no key 401, both read by
-the client as the farm's sentence.
+The real nnsight clients (0.8.1, and 0.7.0 on its runtime) run in a child
+process with an empty Hugging Face cache, ``HF_HUB_OFFLINE`` unset and
+``HF_ENDPOINT`` pointed at the farm's ``/hub`` (the hub itself is out of
+reach here): the config, the tokenizer and the repo's canonical id come from
+the farm, the trace runs remotely and saves exactly what the same trace saves
+locally, and no weight file reaches the client's cache. With auth on,
+``HF_TOKEN`` carries the NDIF key; a repo the model policy refuses gets 403,
+and no key 401, both read by the client as the farm's sentence.
 """
 
 from __future__ import annotations
@@ -26,60 +26,6 @@ import torch
 from tests.support.tiny_model import PROMPT, REPO_ID
 
 OUTSIDE = "ndif-celery/not-listed-here"  # a repo this farm's NDIF_MODELS does not list
-
-
-@pytest.fixture(scope="module")
-def policy_stack(tmp_path_factory, hf_home):
-    """Auth on, and NDIF_MODELS listing only the tiny model: the model policy refuses every other repo."""
-    from tests.support.stack import client_on_stack
-
-    env = {"NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_MODELS": REPO_ID}
-    with client_on_stack(tmp_path_factory.mktemp("model-files"), hf_home, env) as stack:
-        yield stack
-
-LAYER = 2
-
-# What docs/researchers.md tells a researcher to run, with the tokenizer given: nnsight
-# 0.8.1 on transformers 5 does not find one for a pre-built meta model by itself.
-SNIPPET = """
-import json, sys
-import torch
-import nnsight
-from nnsight.modeling.transformers import TransformersModel
-from transformers import AutoTokenizer
-nnsight.CONFIG.API.HOST = sys.argv[1]
-repo, prompt, layer, out = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-model = TransformersModel(repo, task="text-generation", tokenizer=AutoTokenizer.from_pretrained(repo))
-with model.trace(prompt, remote=True):
-    hidden = model.transformer.h[layer].output.save()
-torch.save(hidden, out)
-print(json.dumps({"ran": True, "key": model.to_model_key()}))
-"""
-
-# The 0.7.0 client as its users write it: LanguageModel loads the tokenizer itself.
-SNIPPET_070 = """
-import json, sys
-import torch
-import nnsight
-from nnsight import CONFIG, LanguageModel
-CONFIG.API.HOST = sys.argv[1]
-repo, prompt, layer, out = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-model = LanguageModel(repo)
-with model.trace(prompt, remote=True):
-    hidden = model.transformer.h[layer].output.save()
-torch.save(hidden, out)
-print(json.dumps({"ran": True, "version": nnsight.__version__}))
-"""
-
-CONFIG_ONLY = """
-import json, sys
-from transformers import AutoConfig
-try:
-    AutoConfig.from_pretrained(sys.argv[1])
-    print(json.dumps({"read": True}))
-except Exception as error:
-    print(json.dumps({"error": type(error).__name__, "said": str(error)}))
-"""
 
 
 def run_offline_client(tmp_path, stack, script: str, *args: str, key: str = "", python: str = sys.executable) -> dict:
@@ -121,15 +67,19 @@ def test_the_snippet_runs_with_only_the_farm_as_its_hub(fs_stack, model, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def runtime_farm(tmp_path_factory, hf_home):
-    """A farm with a worker of the nnsight 0.7.0 runtime (auth off), and that client's interpreter."""
+def farm(tmp_path_factory, hf_home):
+    """A farm of this module's own: auth on, NDIF_MODELS listing only the tiny model
+    (the policy refuses every other repo), a worker of the nnsight 0.7.0 runtime;
+    with that client's interpreter."""
     from tests.support import client_envs
     from tests.support.stack import Stack, offline_env
 
-    home = tmp_path_factory.mktemp("model-files-070")
+    home = tmp_path_factory.mktemp("model-files")
     runtime = client_envs.shared("0.7.0")
     client_envs.link_into(home, runtime)
-    stack = Stack(home, env={**offline_env(hf_home), "NDIF_RUNTIMES": "0.7.0"})
+    env = {**offline_env(hf_home), "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0", "NDIF_MODELS": REPO_ID,
+           "NDIF_RUNTIMES": "0.7.0"}
+    stack = Stack(home, env=env)
     stack.start()
     try:
         stack.until(lambda: "0.7.0" in {info.get("nnsight") for info in stack.operator_farm()["cluster"]["workers"].values()},
@@ -139,11 +89,11 @@ def runtime_farm(tmp_path_factory, hf_home):
         stack.discard()
 
 
-def test_the_070_client_runs_with_only_the_farm_as_its_hub(runtime_farm, model, tmp_path):
-    stack, python = runtime_farm
+def test_the_070_client_runs_with_only_the_farm_as_its_hub(farm, model, tmp_path):
+    stack, python = farm
     out = tmp_path / "hidden.pt"
     said = run_offline_client(tmp_path, stack, SNIPPET_070, stack.url, REPO_ID, PROMPT, str(LAYER), str(out),
-                              python=python)
+                              python=python, key=_key(stack, "--trusted"))
     assert said == {"ran": True, "version": "0.7.0"}, said
     assert torch.equal(torch.load(out), local_layer(model))  # the same weights and torch: the 0.8.1 client's local value
     assert not any(name.endswith((".safetensors", ".bin")) for name in cached_files(tmp_path))
@@ -155,8 +105,8 @@ def _key(stack, *flags) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-def test_with_auth_on_hf_token_carries_the_ndif_key(policy_stack, model, tmp_path):
-    stack = policy_stack
+def test_with_auth_on_hf_token_carries_the_ndif_key(farm, model, tmp_path):
+    stack, _ = farm
     out = tmp_path / "hidden.pt"
     said = run_offline_client(tmp_path, stack, SNIPPET, stack.url, REPO_ID, PROMPT, str(LAYER), str(out),
                               key=_key(stack, "--trusted"))
@@ -164,8 +114,8 @@ def test_with_auth_on_hf_token_carries_the_ndif_key(policy_stack, model, tmp_pat
     assert torch.equal(torch.load(out), local_layer(model))
 
 
-def test_a_repo_the_policy_refuses_is_403_and_no_key_401(policy_stack, tmp_path):
-    stack = policy_stack
+def test_a_repo_the_policy_refuses_is_403_and_no_key_401(farm, tmp_path):
+    stack, _ = farm
     key = _key(stack, "--trusted")
     for path in (f"/hub/api/models/{OUTSIDE}", f"/hub/{OUTSIDE}/resolve/main/config.json"):
         request = urllib.request.Request(stack.url + path, headers={"Authorization": f"Bearer {key}"})
