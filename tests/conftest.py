@@ -1,8 +1,10 @@
 """Shared test setup: an offline Hugging Face cache holding the tiny GPT-2.
 
-At import time (before anything imports transformers / huggingface_hub, which
-read these variables once, at their own import):
+At import time (before anything imports transformers / huggingface_hub or
+nnsight, which read these variables once, at their own import):
 
+* ``NNSIGHT_CONFIG`` = ``/dev/null`` and no ``NDIF_API_KEY`` / ``NDIF_HOST``: the
+  clients read no config of this host's user;
 * ``HF_HUB_OFFLINE=1`` and ``TRANSFORMERS_OFFLINE=1`` (the hub is unreachable;
   without them loading sits in retry backoff for minutes);
 * ``HF_HOME`` = ``tests/_out/hf`` (gitignored), unless ``HF_HOME`` already points
@@ -67,6 +69,20 @@ def _configure_offline_hf() -> Path:
     return hf_home
 
 
+def _configure_nnsight_client() -> None:
+    """Every client the suite runs (here and in the processes it starts) reads
+    nnsight's shipped defaults and what the tests set, never this host's user
+    config file (``~/.config/nnsight/config.yaml``: a REMOTE_LOGGING off there
+    silenced the client processes whose status lines tests read) or its
+    ``NDIF_API_KEY`` / ``NDIF_HOST``."""
+    if "nnsight" in sys.modules:
+        raise RuntimeError("nnsight was imported before tests/conftest.py could set NNSIGHT_CONFIG")
+    os.environ["NNSIGHT_CONFIG"] = os.devnull
+    os.environ.pop("NDIF_API_KEY", None)
+    os.environ.pop("NDIF_HOST", None)
+
+
+_configure_nnsight_client()
 HF_HOME = _configure_offline_hf()
 build_tiny_gpt2(HF_HOME, REPO_ID)
 

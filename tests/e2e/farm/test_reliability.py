@@ -115,10 +115,7 @@ class ClientProcess:
     """The real client in a process of its own, whose status lines are read as it prints them."""
 
     def __init__(self, farm, steps: int) -> None:
-        # No user config file of this host's (NNSIGHT_CONFIG names none): only what the script sets.
-        env = {**os.environ, "NNSIGHT_CONFIG": os.devnull, "PYTHONUNBUFFERED": "1"}
-        env.pop("NDIF_API_KEY", None)
-        env.pop("NDIF_HOST", None)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # no user config of the host's: tests/conftest.py
         self.proc = subprocess.Popen([sys.executable, "-c", CLIENT, farm.url, REPO, str(steps), str(ROOT)],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
         self.out = b""
