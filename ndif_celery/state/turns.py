@@ -51,24 +51,22 @@ ARRIVALS = 1 << 20  # arrivals told apart within one turn
 SEARCH = 64  # how far from the back of the list a just-pushed message is looked for
 
 # KEYS: the list's order, the queue's last turns, its turn now, its arrival counter.
-# ARGV: job id, owner, ttl, first (1: the turn the model is on, ahead of its jobs).
+# ARGV: job id, owner, ttl, first (1: the turn before the one the model is on, so
+# ahead of every job waiting for this turn or a later one, in arrival order).
 # Returns {turn, jobs ahead in this list}.
 _PLAN = """
 local now = tonumber(redis.call('GET', KEYS[3]) or '0')
-local score
-local turn = now
-if ARGV[4] == '1' then
-  score = now * %d
-else
+local turn = now - 1
+if ARGV[4] ~= '1' then
   local last = tonumber(redis.call('HGET', KEYS[2], ARGV[2]) or '0')
   turn = math.max(now, last + 1)
-  score = turn * %d + redis.call('INCR', KEYS[4]) %% %d
   redis.call('HSET', KEYS[2], ARGV[2], turn)
 end
+local score = turn * %d + redis.call('INCR', KEYS[4]) %% %d
 redis.call('ZADD', KEYS[1], score, ARGV[1])
 for i = 1, 4 do redis.call('EXPIRE', KEYS[i], ARGV[3]) end
 return {turn, redis.call('ZCOUNT', KEYS[1], '-inf', '(' .. score)}
-""" % (ARRIVALS, ARRIVALS, ARRIVALS)
+""" % (ARRIVALS, ARRIVALS)
 
 # KEYS: the list, its order, its messages. ARGV: job id, ttl, how far to search.
 # Moves the job's message, just pushed at the back, before the first job of a later turn.
@@ -133,9 +131,10 @@ def _queue_keys(queue: str) -> list[str]:
 def plan(client: redis.Redis, job: jobs.Job, queue: str, ttl_s: int, first: bool = False) -> int:
     """Give ``job`` its turn on ``queue``; the jobs ahead of it in its own list.
     ``first``: the health probe's job, one short trace per deployment and interval
-    (``monitoring.probes``; the beat sends no other while it waits): the turn the
-    model is on, ahead of its waiting jobs, so it waits for the jobs running, not
-    behind a line of long ones, and delays each researcher by one forward pass."""
+    (``monitoring.probes``; the beat sends no other while it waits): a turn before
+    the one the model is on, ahead of its waiting jobs, so it waits for the jobs
+    running, not behind a line of long ones, and delays each researcher by one
+    forward pass. Its key's own turns are left as they were."""
     own = _list(queue, job)
     _turn, ahead = client.eval(_PLAN, 4, _order(own), *_queue_keys(queue), job.id, job.owner, ttl_s,
                                "1" if first else "0")
