@@ -14,7 +14,8 @@ job of a later turn. So keys with waiting jobs take turns, one job each, and a
 key with nothing waiting joins the turn the model is on: its job runs once
 the jobs of that turn still waiting have (one per key at most), however many
 another key queued. Priority keys keep their own list, served first
-(``queues.PRIORITY_STEPS``).
+(``queues.PRIORITY_STEPS``). The health probe's job takes the turn before the
+model's (:func:`plan`'s ``first``): ahead of the jobs waiting, behind those running.
 
 The lists stay Celery's: a worker takes from them as before (BRPOP, or the
 head and co-batch partners with ``queues.take``), so nothing about delivery,
