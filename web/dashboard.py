@@ -214,6 +214,7 @@ def page_data(client: redis.Redis) -> dict:
     for row in queues.summary(client):
         waiting.append({
             "model": queues.model_name(row),
+            "nnsight": probes.runtime_of(row["model_key"]) if row["model_key"] else "-",
             "queue": row["queue"],
             "depth": row["depth"],
             "head_wait": f"{row['head_wait_s']:.1f} s",
@@ -405,11 +406,11 @@ jobs ended (health probes included): {{ totals.get("COMPLETED", 0) }} completed,
 
 <h2>Queues</h2>
 <table id="queues">
-<tr><th>model</th><th>depth</th><th>head wait</th><th>last in line starts</th><th>queue</th></tr>
+<tr><th>model</th><th>nnsight</th><th>depth</th><th>head wait</th><th>last in line starts</th><th>queue</th></tr>
 {% for q in queues %}
-<tr><td>{{ q.model }}</td><td class="num">{{ q.depth }}</td><td class="num">{{ q.head_wait }}</td>
+<tr><td>{{ q.model }}</td><td>{{ q.nnsight }}</td><td class="num">{{ q.depth }}</td><td class="num">{{ q.head_wait }}</td>
 <td class="num">{{ q.last_starts }}</td><td class="muted">{{ q.queue }}</td></tr>
-{% else %}<tr><td colspan="5" class="muted">no model queues yet</td></tr>{% endfor %}
+{% else %}<tr><td colspan="6" class="muted">no model queues yet</td></tr>{% endfor %}
 </table>
 
 <h2>Workers</h2>

@@ -22,6 +22,7 @@ import re
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ndif_celery.celery_app import queue_for
 from ndif_celery.farm import actions as farm
 from ndif_celery.host import doctor, runtimes
 from ndif_celery.monitoring import metrics, probes
@@ -125,8 +126,6 @@ def test_each_runtime_is_probed_by_its_own_client_and_both_stay_green(two_runtim
 def test_metrics_never_repeat_a_label_set(two_runtimes, embedded_settings, monkeypatch):
     """Both deployments' queues, probes, an old repo-only probe count and a result of each:
     every series that names a deployment names its runtime and key too."""
-    from ndif_celery.celery_app import queue_for
-
     client = two_runtimes
     for key in (KEY, OLD_KEY):  # each deployment's queue, as the intake registers it
         client.sadd(registry.QUEUES, queue_for(key))
@@ -153,6 +152,9 @@ def test_every_table_tells_the_two_deployments_apart(two_runtimes, embedded_sett
     client = two_runtimes
     farm.deploy(client, KEY, pinned=True, replicas=1, dtype=None)
     farm.deploy(client, OLD_KEY, pinned=True, replicas=1, dtype=None)
+    for key in (KEY, OLD_KEY):  # each deployment's queue, as the intake registers it
+        client.sadd(registry.QUEUES, queue_for(key))
+        client.hset(registry.QUEUE_MODELS, queue_for(key), key)
     _prober(embedded_settings, client, monkeypatch).round()
     database = f"sqlite:///{tmp_path / 'ledger.db'}"
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -179,7 +181,7 @@ def test_every_table_tells_the_two_deployments_apart(two_runtimes, embedded_sett
 
     web = create_app(dataclasses.replace(embedded_settings, database_url=database)).test_client()
     page = web.get("/dashboard").get_data(as_text=True)
-    for table in ("wanted", "deployments", "probes", "jobs"):
+    for table in ("wanted", "deployments", "queues", "probes", "jobs"):
         body = re.search(rf'<table id="{table}">(.*?)</table>', page, re.S).group(1)
         rows = [row for row in re.findall(r"<tr>(.*?)</tr>", body, re.S) if f"<td>{REPO}</td>" in row]
         assert sorted(version for row in rows for version in (MAIN, OLD) if f"<td>{version}</td>" in row) == \
