@@ -433,16 +433,16 @@ jobs ended (health probes included): {{ totals.get("COMPLETED", 0) }} completed,
 
 <h2>History</h2>
 <table id="history" class="charts">
-<tr><th>model</th><th>period</th><th>job latency (p50 per bucket)</th><th>probes (passed, failed)</th></tr>
+<tr><th>model</th><th>nnsight</th><th>period</th><th>job latency (p50 per bucket)</th><th>probes (passed, failed)</th></tr>
 {% for h in history %}
-{% if h.note %}<tr><td colspan="4" class="note">{{ h.note }}</td></tr>{% else %}
+{% if h.note %}<tr><td colspan="5" class="note">{{ h.note }}</td></tr>{% else %}
 {% for period in ("24h", "30d") %}
-<tr data-model="{{ h.model }}" data-nnsight="{{ h.nnsight }}" data-period="{{ period }}"><td>{{ h.model }}<br><span class="muted">nnsight {{ h.nnsight }}</span></td>
+<tr data-model="{{ h.model }}" data-nnsight="{{ h.nnsight }}" data-period="{{ period }}"><td>{{ h.model }}</td><td>{{ h.nnsight }}</td>
 <td>{{ "24 h, hourly" if period == "24h" else "30 d, daily" }}<br><span class="muted">jobs: {{ h.get("jobs_" + period, 0) }};
 probes passed: {{ h.get("uptime_" + period, "-") }}</span></td>
 <td>{{ h.get("latency_" + period, "") }}</td><td>{{ h.get("probes_" + period, "") }}</td></tr>
 {% endfor %}{% endif %}
-{% else %}<tr><td colspan="4" class="muted">no jobs or probes yet</td></tr>{% endfor %}
+{% else %}<tr><td colspan="5" class="muted">no jobs or probes yet</td></tr>{% endfor %}
 </table>
 
 <h2>Scheduled pins</h2>

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from nnsight.intervention.backends.remote import RemoteError
 
+from ndif_celery.policy import client_versions
 from tests.support.browser import BrowserError, Chromium, chromium_path
 from tests.support.paths import OUT_DIR
 from tests.support.remote import final_status
@@ -72,10 +73,11 @@ def test_the_dashboard_shows_the_farm_and_recent_jobs(chromium, on_fs_stack, mod
     assert chromium.evaluate("document.title") == "ndif-celery dashboard"
 
     deployment = _row_with(chromium.rows("#deployments"), REPO_ID)
-    assert deployment[1:5] == ["HOT", "RUNNING", "-", worker], deployment  # no probes on this farm: "-"
+    # The nnsight that serves it, then no probes on this farm: "-".
+    assert deployment[1:6] == [client_versions.MAIN, "HOT", "RUNNING", "-", worker], deployment
 
     queue = _row_with(chromium.rows("#queues"), REPO_ID)
-    assert queue[1] == "0" and queue[2].endswith(" s"), queue
+    assert queue[1] == client_versions.MAIN and queue[2] == "0" and queue[3].endswith(" s"), queue
 
     listed = _row_with(chromium.rows("#workers"), worker)
     assert listed[2] == "cpu" and listed[4] == "idle", listed
@@ -84,9 +86,9 @@ def test_the_dashboard_shows_the_farm_and_recent_jobs(chromium, on_fs_stack, mod
 
     jobs = chromium.rows("#jobs")
     ok, failed = _row_with(jobs, ok_id), _row_with(jobs, error_id)
-    assert ok[2:5] == ["anonymous", REPO_ID, "COMPLETED"], ok
-    assert ok[5].endswith(("ms", " s")) and ok[6] == worker, ok
-    assert failed[4] == "ERROR (user)" and failed[7] == "KeyError: 'no-such-key'", failed
+    assert ok[2:6] == ["anonymous", REPO_ID, client_versions.MAIN, "COMPLETED"], ok
+    assert ok[6].endswith(("ms", " s")) and ok[7] == worker, ok
+    assert failed[5] == "ERROR (user)" and failed[8] == "KeyError: 'no-such-key'", failed
     assert [row[1] for row in jobs[1:3]] == [error_id, ok_id], "newest first"
 
     assert chromium.evaluate("document.getElementById('flower-link').href").rstrip("/") == stack.flower_url
@@ -124,7 +126,7 @@ def test_the_dashboard_escapes_what_users_send(chromium, on_fs_stack, model):
     job_id = tracer.backend.job_id or tracer.backend.meta["job_id"]
     final_status(stack.url, job_id)
     chromium.open(stack.url + "/dashboard")
-    assert _row_with(chromium.rows("#jobs"), job_id)[7] == "ValueError: <b id='injected'>bold</b>"
+    assert _row_with(chromium.rows("#jobs"), job_id)[8] == "ValueError: <b id='injected'>bold</b>"
     assert chromium.evaluate("document.getElementById('injected')") is None
 
 

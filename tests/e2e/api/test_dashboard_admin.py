@@ -28,6 +28,7 @@ from nnsight.intervention.backends.remote import RemoteError
 from ndif_celery.accounts import db
 from ndif_celery.farm.actions import model_key_for
 from ndif_celery.monitoring import probes
+from ndif_celery.policy import client_versions
 from tests.support.browser import Chromium, chromium_path
 from tests.support.paths import OUT_DIR
 from tests.support.remote import poll, slow_job, wait_status
@@ -166,15 +167,15 @@ def test_without_an_admin_key_or_from_another_site_no_action_is_done(farm):
 def test_an_admin_deploys_and_scales_and_sees_wanted_versus_running(farm):
     said = _act(farm, "deploy", model=A, replicas="1", pin=True)
     assert said == f"deploy {A}: done: deployment requested: 1 replica(s), pinned"
-    row = _until(lambda: (lambda r: r if r and r[5] == "met" else None)(_wanted(farm, A)), "dash/a running", farm)
-    assert row[1:5] == ["cli", "pinned", "1", "1"] and row[6] == WORKER, row
+    row = _until(lambda: (lambda r: r if r and r[6] == "met" else None)(_wanted(farm, A)), "dash/a running", farm)
+    assert row[1:6] == [client_versions.MAIN, "cli", "pinned", "1", "1"] and row[7] == WORKER, row
     said = _act(farm, "scale", model=A, replicas="2")
     assert said == f"scale {A}: done: 2 replica(s) requested"
-    row = _until(lambda: (lambda r: r if r and r[7] else None)(_wanted(farm, A)), "the unmet replica's reason", farm)
-    assert row[3:6] == ["2", "1", "unmet"] and row[7] == f"Could not deploy {A}: no live worker can take another replica of it."
+    row = _until(lambda: (lambda r: r if r and r[8] else None)(_wanted(farm, A)), "the unmet replica's reason", farm)
+    assert row[4:7] == ["2", "1", "unmet"] and row[8] == f"Could not deploy {A}: no live worker can take another replica of it."
     farm.browser.screenshot(SHOTS / "wanted-unmet.png")
     assert _act(farm, "scale", model=A, replicas="1") == f"scale {A}: done: 1 replica(s) requested"
-    _until(lambda: (lambda r: r and r[5] == "met" and not r[7])(_wanted(farm, A)), "dash/a met again", farm)
+    _until(lambda: (lambda r: r and r[6] == "met" and not r[8])(_wanted(farm, A)), "dash/a met again", farm)
     said = _act(farm, "deploy", model="not a repo id!", replicas="1")
     assert said.startswith("deploy not a repo id!: refused: "), said
 
@@ -192,12 +193,12 @@ def test_history_charts_and_a_failing_probe_in_the_deployments_table(farm):
         browser = _page(farm)
         points = browser.evaluate("document.querySelectorAll('#history svg.latency .point').length")
         passed = browser.evaluate("document.querySelectorAll('#history svg.uptime .bar.ok').length")
-        probe = _row(browser.rows("#deployments"), A)[3]
+        probe = _row(browser.rows("#deployments"), A)[4]
         return points >= 2 and passed >= 2 and probe == "ok"  # a point per period, an ok bar per period
 
     _until(charted, "latency and probe charts for dash/a", farm)
     browser = farm.browser
-    periods = [row[1] for row in browser.rows("#history") if row and row[0] == A]
+    periods = [row[2] for row in browser.rows("#history") if row and row[0] == A]
     assert len(periods) == 2 and all("jobs: 2;" in p and "probes passed: 100.0 %" in p for p in periods), periods
     browser.screenshot(SHOTS / "history.png")
 
@@ -209,13 +210,13 @@ def test_history_charts_and_a_failing_probe_in_the_deployments_table(farm):
 
     def red():
         row = _row(_page(farm).rows("#deployments"), A)
-        return row if row[3] == "FAILING" else None
+        return row if row[4] == "FAILING" else None
 
     row = _until(red, "the failing probe in the deployments table", farm)
-    assert row[2] == "RUNNING (probe failing)"
+    assert row[3] == "RUNNING (probe failing)"
     assert "ERROR" in farm.browser.evaluate(
         "Array.from(document.querySelectorAll('#deployments tr')).find(r => r.cells[0].innerText === 'dash/a')"
-        ".cells[2].className")
+        ".cells[3].className")
     assert farm.browser.evaluate("document.querySelectorAll('#history svg.uptime .bar.failed').length") >= 2
     _bars_are_drawn_to_scale(farm.browser)
     farm.browser.screenshot(SHOTS / "probe-failing.png")
