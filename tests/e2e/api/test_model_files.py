@@ -26,6 +26,51 @@ import torch
 from tests.support.tiny_model import PROMPT, REPO_ID
 
 OUTSIDE = "ndif-celery/not-listed-here"  # a repo this farm's NDIF_MODELS does not list
+LAYER = 2
+
+# What docs/researchers.md tells a researcher to run, with the tokenizer given: nnsight
+# 0.8.1 on transformers 5 does not find one for a pre-built meta model by itself.
+SNIPPET = """
+import json, sys
+import torch
+import nnsight
+from nnsight.modeling.transformers import TransformersModel
+from transformers import AutoTokenizer
+nnsight.CONFIG.API.HOST = sys.argv[1]
+repo, prompt, layer, out = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+model = TransformersModel(repo, task="text-generation", tokenizer=AutoTokenizer.from_pretrained(repo))
+with model.trace(prompt, remote=True):
+    hidden = model.transformer.h[layer].output.save()
+torch.save(hidden, out)
+print(json.dumps({"ran": True, "key": model.to_model_key()}))
+"""
+
+# The 0.7.0 client as its users write it: LanguageModel loads the tokenizer itself.
+SNIPPET_070 = """
+import json, sys
+import torch
+import nnsight
+import os
+from nnsight import CONFIG, LanguageModel
+CONFIG.API.HOST = sys.argv[1]
+CONFIG.API.APIKEY = os.environ["NDIF_API_KEY"]
+repo, prompt, layer, out = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+model = LanguageModel(repo)
+with model.trace(prompt, remote=True):
+    hidden = model.transformer.h[layer].output.save()
+torch.save(hidden, out)
+print(json.dumps({"ran": True, "version": nnsight.__version__}))
+"""
+
+CONFIG_ONLY = """
+import json, sys
+from transformers import AutoConfig
+try:
+    AutoConfig.from_pretrained(sys.argv[1])
+    print(json.dumps({"read": True}))
+except Exception as error:
+    print(json.dumps({"error": type(error).__name__, "said": str(error)}))
+"""
 
 
 def run_offline_client(tmp_path, stack, script: str, *args: str, key: str = "", python: str = sys.executable) -> dict:
