@@ -260,7 +260,7 @@ def test_a_schedule_added_shows_in_the_calendar_and_is_removed(farm):
     assert _row(browser.rows("#schedule"), window_id)[1] == B
     calendar = browser.text("#calendar")
     assert B in calendar
-    assert _row(browser.rows("#wanted"), B)[4:6] == ["0", "scheduled"]
+    assert _row(browser.rows("#wanted"), B)[5:7] == ["0", "scheduled"]
     browser.screenshot(SHOTS / "calendar.png")
     assert _act(farm, "schedule-remove", id=window_id) == f"schedule-remove {window_id}: done: removed the window of {B}"
     assert B not in farm.browser.text("#calendar") and B not in farm.browser.text("#schedule")
