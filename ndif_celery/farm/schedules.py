@@ -127,7 +127,12 @@ def capacity_problems(client: redis.Redis, settings, model_key: str, repo: str, 
     lasting = {key: (wish.get("before") if wish.get("schedule") else wish) or {} for key, wish in wishes.items()}
     views = capacity.live_views(client, lasting)
     moments = sorted({max(start, now)} | {entry["start"] for entry in others if start < entry["start"] < end})
-    sized: dict = {}
+    fix = lambda n: f"ask for --replicas {n}"  # noqa: E731 - the refusal's advice
+    sized = {model_key: capacity.demand(client, settings, model_key, 1, lasting.get(model_key, {}).get("dtype"))}
+    alone = capacity.shortfall(capacity.Demand(model_key, replicas, sized[model_key].size_bytes,
+                                               sized[model_key].nnsight), views, fix)
+    if alone:
+        return [alone]  # the window itself, whatever it overlaps
     for moment in moments:
         open_now = [new] + [entry for entry in others if entry["start"] <= moment < entry["end"]]
         wanted: dict = {}
@@ -139,9 +144,10 @@ def capacity_problems(client: redis.Redis, settings, model_key: str, repo: str, 
             if key not in sized:
                 sized[key] = capacity.demand(client, settings, key, 1, lasting.get(key, {}).get("dtype"))
             ids = ", ".join(w["id"] for w in windows if w["id"])
-            label = wire.repo_id(key) + (f" (window {ids})" if ids else "")
+            mine = "this window and " if key == model_key else ""
+            label = wire.repo_id(key) + (f" ({mine}window {ids})" if ids else "")
             needs.append(capacity.Demand(key, count, sized[key].size_bytes, sized[key].nnsight, label))
-        found = capacity.problems(needs, views, lambda n: f"ask for --replicas {n}")
+        found = capacity.problems(needs, views, fix)
         if found:
             when = "" if len(needs) == 1 else f"from {iso(moment)}, with the windows it overlaps: "
             return [when + why for why in found]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from pathlib import Path
 
 import nnsight
 import pytest
@@ -60,6 +61,19 @@ def _until(check, what: str, stack: Stack, timeout_s: float = 90.0):
     return stack.until(check, what, timeout_s)
 
 
+def _docs_shape(section: str, names: dict) -> "re.Pattern":
+    """The example output under docs/farm.md's heading ``section`` as a pattern:
+    its names replaced by this stack's, each ``<...>`` standing for any text."""
+    text = (Path(__file__).resolve().parents[3] / "docs" / "farm.md").read_text()
+    after = text[text.index(f"### {section}\n"):]
+    example = after[after.index("```\n") + 4:]
+    example = example[: example.index("```")].strip()
+    for name, ours in names.items():
+        example = example.replace(name, ours)
+    parts = re.split(r"<[^<>]+>", example)
+    return re.compile(".+?".join(re.escape(part) for part in parts), re.S)
+
+
 def test_a_deploy_that_cannot_load_returns_at_once_with_the_worker_and_the_reason(stack):
     _until(lambda: _rows(stack).get(BOOT, {}).get("state") == "met", "the boot list deployed", stack)
     started = time.monotonic()
@@ -70,6 +84,8 @@ def test_a_deploy_that_cannot_load_returns_at_once_with_the_worker_and_the_reaso
     said = refused.stderr
     assert f"Error: {BROKEN}: Could not deploy {BROKEN}: it failed to load on {WORKER}: Could not load model" in said
     assert re.search(rf"Could not load model '{BROKEN}' \(.*\): \w+: \S", said), said  # the loader's own error
+    assert _docs_shape("A deploy that cannot load", {"org/b": BROKEN, "gpu0@host": WORKER}).fullmatch(
+        said.strip()), f"docs/farm.md's example is not what the CLI prints: {said}"
     row = _rows(stack)[BROKEN]
     assert (row["source"], row["target"], row["running"], row["state"]) == ("cli", 1, [], "failed")
     assert f"failed to load on {WORKER}" in row["reason"]
@@ -97,7 +113,8 @@ def test_wanted_vs_running_names_each_wish_its_source_and_why_one_is_not_met(sta
     with model.trace(PROMPT):
         local = model.transformer.h[0].output.save()
     assert torch.equal(out, local)
-    scaled = _cli(stack, "scale", HAND, "2", "--no-wait").stdout  # one worker: the second replica has nowhere to go
+    # One worker: the second replica has nowhere to go (recorded all the same with --wait-for-workers).
+    scaled = _cli(stack, "scale", HAND, "2", "--no-wait", "--wait-for-workers").stdout
     assert f"{HAND}: 2 replica(s) requested" in scaled
     rows = _until(lambda: (lambda rows: rows if rows.get(SCHED, {}).get("running")
                            and rows.get(HAND, {}).get("reason") else None)(_rows(stack)),
@@ -114,7 +131,46 @@ def test_wanted_vs_running_names_each_wish_its_source_and_why_one_is_not_met(sta
     assert rows[HAND]["reason"] == f"Could not deploy {HAND}: no live worker can take another replica of it."
     text = _cli(stack, "deployments").stdout
     assert "no live worker can take another replica of it" in text and "schedule" in text
+    header = text.splitlines()[0].split()
+    assert header[0] == "MODEL" and {"SOURCE", "WANT", "RUN", "STATE"} <= set(header), text
     _cli(stack, "scale", HAND, "1")
+
+
+def test_unmeetable_wishes_fail_at_once_naming_why_and_change_nothing(stack, tmp_path):
+    """One live worker: a second replica, of a scale, a deploy, a window or a
+    file's entry, is refused in seconds, not at the end of --timeout."""
+    before = _rows(stack)
+    only_one = f"only 1 live worker can serve it ({WORKER}) (it needs "
+    started = time.monotonic()
+    refused = _cli(stack, "scale", HAND, "2", ok=False)
+    took = time.monotonic() - started
+    assert took < FAIL_FAST_S, f"took {took:.1f} s"
+    assert refused.stderr.startswith(f"Error: 2 replicas of {HAND} wanted but {only_one}"), refused.stderr
+    assert refused.stderr.rstrip().endswith("; start another worker or scale to 1"), refused.stderr
+    assert _docs_shape("Wishes the live workers cannot meet", {"org/b": HAND, "gpu0@host": WORKER}).fullmatch(
+        refused.stderr.strip()), f"docs/farm.md's example is not what the CLI prints: {refused.stderr}"
+    refused = _cli(stack, "deploy", ASKED, "--replicas", "3", ok=False).stderr
+    assert f"Error: 3 replicas of {ASKED} wanted but {only_one}" in refused and "deploy --replicas 1" in refused
+    refused = _cli(stack, "schedule", "add", FILED, "--from", "now", "--to", "+1h", "--replicas", "2", ok=False)
+    assert f"the live workers cannot meet this window: 2 replicas of {FILED} wanted but {only_one}" in refused.stderr
+
+    # A file with one good entry (HAND, made the file's) and one unmeetable one; its --sync would
+    # evict FILED. The dry run says so; the sync itself changes nothing at all.
+    models = tmp_path / "models.yaml"
+    models.write_text(f"- repo: {HAND}\n- repo: {ASKED}\n  replicas: 2\n")
+    plan = _cli(stack, "deploy", "-f", str(models), "--sync", "--dry-run").stdout
+    assert f"{FILED}: would evict, no longer listed from {WORKER}" in plan
+    assert f"refused, the live workers cannot meet it: 2 replicas of {ASKED} wanted but {only_one}" in plan, plan
+    assert "start another worker or set `replicas: 1`" in plan and "dry run: nothing was changed" in plan
+    started = time.monotonic()
+    refused = _cli(stack, "deploy", "-f", str(models), "--sync", ok=False).stderr
+    assert time.monotonic() - started < FAIL_FAST_S
+    assert f"{models}: the live workers cannot meet it: 2 replicas of {ASKED} wanted but {only_one}" in refused
+    assert "Nothing was changed (give --wait-for-workers to apply it and wait)." in refused
+    assert f"{FILED}: evicted" not in refused
+    time.sleep(1)  # an eviction sent would show by now
+    assert _rows(stack) == before, "nothing of the file was applied"
+    assert len(json.loads(_cli(stack, "schedule", "list", "--json").stdout)) == 1, "only the first window"
 
 
 def test_export_round_trips_and_a_dry_run_changes_nothing(stack, tmp_path):
