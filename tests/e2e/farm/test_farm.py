@@ -175,7 +175,7 @@ def test_cli_status_queue_and_kill(farm):
     assert "removed from the queue" in _cli(stack, "kill", queued[0].job_id).stdout
     with pytest.raises(RemoteError, match="cancelled by the operator"):
         poll(queued[0])
-    wait_status(stack.url, queued[1].job_id, "QUEUED", contains="(position 1)")
+    wait_status(stack.url, queued[1].job_id, "QUEUED", contains="(position 1")  # and, once the model ran jobs, about how long
 
     # The running job is interrupted; the queue moves on.
     started = time.monotonic()
