@@ -400,7 +400,7 @@ VARIABLES: tuple = (
     Var("NDIF_DEPLOYMENTS", "deployments", "", _stripped, "a deployments file (YAML/JSON) or an inline list the controller keeps deployed"),
     # Users, isolation and limits.
     Var("NDIF_AUTH", "auth", False, _bool, "require an API key on every request"),
-    # Which repos may be loaded, and which may run their own code: ndif_celery.policy.models.
+    # Which repos may be loaded, and which may run their own code: ndif_celery.policy.model_policy.
     Var("NDIF_MODELS", "models", "", _stripped, "the repos this farm serves (fnmatch patterns; empty: see the docs)"),
     Var("NDIF_TRUST_REMOTE_CODE", "trust_remote_code", "", _stripped, "repos whose own code may run (fnmatch patterns)"),
     Var("NDIF_DEFAULT_TRUSTED", "default_trusted", True, _bool, "with auth off, run requests in the worker's process"),

@@ -37,8 +37,8 @@ from .celery_app import PRIORITY_FIRST, PRIORITY_NORMAL, queue_for
 from .errors import Refused
 from .farm import deployments
 from .monitoring import probes
-from .policy import client_versions as versions
-from .policy import models as model_policy
+from .policy import client_versions
+from .policy import model_policy
 from .state import byte_quotas, jobs, queues, registry, run_times, turns
 
 
@@ -61,7 +61,7 @@ def accept(
     protocol = check_protocol(headers, runtime)
     envelope = socketio_wire.envelope(headers) if protocol else wire.parse_envelope(data)
     # After the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION.
-    versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
+    client_versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
     # What the checks read, on one round trip: the farm's offer, the session's owner.
     reads = client.pipeline(transaction=False)
     repo = wire.repo_id(envelope.model_key)
@@ -128,21 +128,21 @@ def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mappi
     other than the farm's own. A client below NDIF_MIN_NNSIGHT_VERSION reads
     NDIF's own sentence for it, as it did before runtimes were gated.
     Returns the runtime that serves it: its version, or "" for the farm's own."""
-    reported = headers.get(versions.NNSIGHT_HEADER)
+    reported = headers.get(client_versions.NNSIGHT_HEADER)
     if reported:
-        versions.check_nnsight(reported, settings.min_nnsight_version)
-    versions.check_runtime(reported, versions.MAIN,
-                           lambda: versions.served(registry.live_workers(client), versions.MAIN), added_here)
-    return versions.as_runtime(reported)
+        client_versions.check_nnsight(reported, settings.min_nnsight_version)
+    client_versions.check_runtime(reported, client_versions.MAIN,
+                           lambda: client_versions.served(registry.live_workers(client), client_versions.MAIN), added_here)
+    return client_versions.as_runtime(reported)
 
 
 def check_protocol(headers: Mapping[str, str], runtime: str) -> str:
     """The protocol the request came in (``jobs.Job.protocol``), which must be
     its client version's: a 0.6/0.7 client's headers envelope, or the form."""
     spoken = socketio_wire.PROTOCOL if socketio_wire.speaks(headers) else ""
-    expected = versions.protocol_of(runtime or versions.MAIN)
+    expected = client_versions.protocol_of(runtime or client_versions.MAIN)
     if spoken != expected:
-        version = runtime or versions.MAIN
+        version = runtime or client_versions.MAIN
         said = ("its envelope in the nnsight-model-key and nnsight-compress headers" if expected
                 else "a multipart form with the fields 'data' and 'blob'")
         raise Refused(f"An nnsight {version} client sends {said}; this request does not. "
@@ -154,7 +154,7 @@ def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.I
                 envelope: wire.Envelope, offer: registry.Offer, runtime: str = "") -> None:
     """The key and env as nnsight sends them, made canonical in ``envelope``
     (the deployment serving the same weights, if one does, under the same
-    ``runtime``); what this key may load (``policy.models``)."""
+    ``runtime``); what this key may load (``policy.model_policy``)."""
     envelope.model_key, envelope.env = model_policy.ModelPolicy.from_settings(settings).admit(
         envelope.model_key, envelope.env, identity.trusted, offer.keys,
         lambda repo_id: offer.refs_of(client, repo_id), runtime=runtime)

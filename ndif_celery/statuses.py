@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import redis
 
-from . import output_bounds as bounds
+from . import output_bounds
 from . import socketio_wire, wire
 from .accounts import ledger, limits
 from .monitoring import metrics
@@ -44,7 +44,7 @@ class StatusChannel:
         self.redis = client
         self.job = job
         self.ttl_s = ttl_s
-        self.logs = bounds.LogLimiter(log_lines_per_s, log_bytes_per_job)
+        self.logs = output_bounds.LogLimiter(log_lines_per_s, log_bytes_per_job)
 
     def claim_final(self, token: str) -> bool:
         """Whether ``token``'s author may send the job's final status: the first
@@ -76,7 +76,7 @@ class StatusChannel:
         Every description is bounded (``bounds.truncate``): user code chooses
         what it prints and what its errors say, and a status is published,
         stored for ``NDIF_JOB_TTL_S`` and copied into the ledger."""
-        description = bounds.truncate(description or "", bounds.DESCRIPTION_BYTES)
+        description = output_bounds.truncate(description or "", output_bounds.DESCRIPTION_BYTES)
         if self.job.protocol:  # a 0.6/0.7 client crashes on a status its enum lacks (DEPLOYING)
             status = socketio_wire.status(status)
         message = wire.response_json(self.job.id, status, description, data, meta)
@@ -116,7 +116,7 @@ class StatusChannel:
         """One LOG line (a print of the user's code), bounded in length and
         rate-limited per job (``bounds.LogLimiter``): over the limits lines
         are dropped, and one note says how many."""
-        line = bounds.truncate(line, bounds.LOG_LINE_BYTES)
+        line = output_bounds.truncate(line, output_bounds.LOG_LINE_BYTES)
         if not self.logs.admit(len(line)):
             return
         pipe = self.redis.pipeline(transaction=False)

@@ -113,14 +113,14 @@ def repo_fields(model_key: str) -> dict:
     if data.get("trust_remote_code"):
         fields["trust_remote_code"] = True
     if data.get("nnsight"):
-        fields["nnsight"] = data["nnsight"]  # a runtime's deployment (policy.models.RUNTIME_FIELD)
+        fields["nnsight"] = data["nnsight"]  # a runtime's deployment (policy.model_policy.RUNTIME_FIELD)
     return fields
 
 
 def repo_id(model_key: str) -> str:
     """The repo id a person reads for ``model_key`` (status lines, the dashboard,
     the CLI, the ledger). Lenient on purpose: a display name for any key that
-    reached a queue, where ``policy.models.parse`` is the strict check at intake."""
+    reached a queue, where ``policy.model_policy.parse`` is the strict check at intake."""
     return str(repo_fields(model_key)["repo_id"])
 
 

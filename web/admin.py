@@ -32,10 +32,10 @@ from flask import Blueprint, current_app, redirect, request
 from ndif_celery import messages
 from ndif_celery.accounts import audit
 from ndif_celery.accounts.auth import Identity
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.farm import deployments, schedules
 from ndif_celery.farm.deployments import DeploymentsError
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 
 from .operators import challenge, ledger_engine, sign_in
 
@@ -78,7 +78,7 @@ def _model_key(form) -> str:
     if not model:
         raise ActionError("give a model (a repo id such as openai-community/gpt2)")
     try:
-        key = farm.model_key_for(model, task=(form.get("task") or "text-generation").strip())
+        key = actions.model_key_for(model, task=(form.get("task") or "text-generation").strip())
         settings = current_app.config["NDIF_SETTINGS"]
         model_policy.ModelPolicy.from_settings(settings).check_model(model_policy.parse(key))
     except model_policy.PolicyError as error:
@@ -99,14 +99,14 @@ def _deploy(client, celery, settings, form) -> tuple[str, str]:
     if dtype is not None and dtype not in deployments.DTYPES:
         raise ActionError(f"dtype must be one of {', '.join(deployments.DTYPES)}, got {dtype[:20]!r}")
     replicas = _whole(form, "replicas", 1)
-    farm.deploy(client, key, bool(form.get("pin")), replicas, dtype)
+    actions.deploy(client, key, bool(form.get("pin")), replicas, dtype)
     return model_policy.parse(key).repo_id, f"deployment requested: {replicas} replica(s)" + (
         ", pinned" if form.get("pin") else "")
 
 
 def _evict(client, celery, settings, form) -> tuple[str, str]:
     key = _model_key(form)
-    workers = farm.evict(client, celery, key)
+    workers = actions.evict(client, celery, key)
     repo = model_policy.parse(key).repo_id
     return repo, f"evicting from {', '.join(sorted(workers))}" if workers else "not deployed; its wish is forgotten"
 
@@ -123,7 +123,7 @@ def _kill(client, celery, settings, form) -> tuple[str, str]:
     job_id = (form.get("job_id") or "").strip()
     if not job_id or len(job_id) > 64 or not job_id.isalnum():
         raise ActionError("give the job id to kill (as `ndif-celery jobs` and the recent jobs show it)")
-    return job_id, farm.kill(client, celery, job_id, settings.job_ttl_s, messages.CANCELLED)
+    return job_id, actions.kill(client, celery, job_id, settings.job_ttl_s, messages.CANCELLED)
 
 
 def _schedule_add(client, celery, settings, form) -> tuple[str, str]:
@@ -178,7 +178,7 @@ def act(action: str):
     try:
         target, message = ACTIONS[action](client, current_app.config["NDIF_CELERY"], settings, form)
         outcome = audit.DONE
-    except (ActionError, DeploymentsError, farm.FarmError) as error:
+    except (ActionError, DeploymentsError, actions.FarmError) as error:
         outcome, message = audit.REFUSED, str(error)
     except Exception as error:  # noqa: BLE001 - recorded and shown; the page stays up
         log.exception("dashboard action %s failed", action)

@@ -37,7 +37,7 @@ from werkzeug.wsgi import ClosingIterator
 from ndif_celery.accounts import auth
 from ndif_celery.errors import Refused
 from ndif_celery.farm import deployments
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import registry
 
 from .identity import client_network

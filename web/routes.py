@@ -21,7 +21,7 @@ from ndif_celery.errors import Refused
 from ndif_celery.farm import actions
 from ndif_celery.host import environment, runtimes
 from ndif_celery.policy import client_versions
-from ndif_celery.state import expiry as cleanup
+from ndif_celery.state import expiry
 from ndif_celery.state import jobs, registry
 
 from . import uploads
@@ -77,8 +77,8 @@ def response(job_id: str):
     latest = jobs.latest_status(client, job_id) if wire.JOB_ID.match(job_id) else None
     if latest is None:
         ttl_s = current_app.config["NDIF_SETTINGS"].job_ttl_s
-        if wire.JOB_ID.match(job_id) and cleanup.expired(client, job_id, ttl_s):
-            return Response(cleanup.expired_response(job_id, ttl_s), mimetype="application/json")
+        if wire.JOB_ID.match(job_id) and expiry.expired(client, job_id, ttl_s):
+            return Response(expiry.expired_response(job_id, ttl_s), mimetype="application/json")
         raise Refused(f"No response for request {job_id}.", 404)
     pipe = client.pipeline(transaction=False)
     pipe.get(jobs.owner_key(job_id))
@@ -123,7 +123,7 @@ def _fresh_url(latest: bytes, job_id: str) -> bytes:
     status = json.loads(latest)
     if status.get("status") != wire.COMPLETED or not isinstance(status.get("data"), str):
         return latest
-    status["data"] = current_app.config["NDIF_STORE"].url(cleanup.result_key(job_id))
+    status["data"] = current_app.config["NDIF_STORE"].url(expiry.result_key(job_id))
     return json.dumps(status).encode()
 
 

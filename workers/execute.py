@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ndif_celery import output_bounds as bounds
+from ndif_celery import output_bounds
 
 from . import baseline
 from .adapters import current as adapter
@@ -197,7 +197,7 @@ class LogStream(io.TextIOBase):
     says how much was cut): a print of 100 MB, or a million writes without a
     newline, must not pile up in this process's memory."""
 
-    def __init__(self, log: Callable[[str], None], max_line: int = bounds.LOG_LINE_BYTES) -> None:
+    def __init__(self, log: Callable[[str], None], max_line: int = output_bounds.LOG_LINE_BYTES) -> None:
         self._log = log
         self._partial = ""
         self._max = max_line
@@ -223,7 +223,7 @@ class LogStream(io.TextIOBase):
             self._partial += piece
 
     def _emit(self) -> None:
-        line = bounds.truncate(self._partial, self._max, dropped=self._cut) if self._cut else self._partial
+        line = output_bounds.truncate(self._partial, self._max, dropped=self._cut) if self._cut else self._partial
         self._partial, self._cut = "", 0
         self._log(line)
 

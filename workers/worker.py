@@ -39,17 +39,17 @@ from ndif_celery.farm.controller import Controller, fail_waiting
 from ndif_celery.host.environment import local_env
 from ndif_celery.monitoring import metrics as farm_metrics
 from ndif_celery.policy import client_versions
-from ndif_celery.state import expiry as cleanup
+from ndif_celery.state import expiry
 from ndif_celery.state import jobs, queues, registry
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import NotShared, check_shared
 
 from . import metrics
 from .execute import RequestError
-from .isolation import parent as isolate
+from .isolation import parent
 from .job import deadline
-from .job import gather as batch
-from .job import life as job_life
+from .job import gather
+from .job import life
 from .job.deliveries import Deliveries
 from .job.executors import InProcess, Isolated, JobCancelled, JobTimedOut
 from .models import memory
@@ -79,8 +79,8 @@ class WorkerState:
                                            (JobTimedOut, JobCancelled), self.replace)
         self.in_process = InProcess(settings, self.models, self.deadlines, self.job_waiting)
         # Results delivered while the next job runs (workers.job.deliveries).
-        self.deliveries = Deliveries(lambda life, result: job_life.answer(self, life, result),
-                                     lambda life: job_life.close(self, life))
+        self.deliveries = Deliveries(lambda done, result: life.answer(self, done, result),
+                                     lambda done: life.close(self, done))
         self.isolated = Isolated(settings, self.models, self.deadlines)
         self.info: dict = {"name": name, "host": socket.gethostname(), "pid": os.getpid()}
         self.current_job: Optional[str] = None
@@ -102,14 +102,14 @@ class WorkerState:
         (``gather.next_job``)."""
         chained = 0
         while job is not None:
-            ran = job_life.run(self, job, perform=batch.perform if batch.may_gather(self, job) else job_life.perform)
+            ran = life.run(self, job, perform=gather.perform if gather.may_gather(self, job) else life.perform)
             if self.current_job == job.id:  # taken as the next job, then skipped (it had ended): not running
                 self.end()
             if not ran:  # sent back to its queue: back to Celery, not round again
                 return
             chained += 1
             try:
-                job = batch.next_job(self, job, chained)
+                job = gather.next_job(self, job, chained)
             except Exception:  # noqa: BLE001 - the broker away: back to Celery, which retries it
                 log.warning("could not look for the next job; back to Celery", exc_info=True)
                 job = None
@@ -300,7 +300,7 @@ class WorkerState:
     def evict(self, model_key: str) -> None:
         """Stop taking the model's jobs first, then let go of it."""
         self.app.control.cancel_consumer(queue_for(model_key), destination=[self.name], reply=True, timeout=10)
-        isolate.discard()  # it holds the model's memory
+        parent.discard()  # it holds the model's memory
         self.models.evict(model_key)
         registry.remove_deployment(self.redis, self.name, model_key)
         self.heartbeat()
@@ -312,7 +312,7 @@ class WorkerState:
 
     def cleanup(self) -> dict:
         """Delete results and job state past ``NDIF_JOB_TTL_S``, and old ledger rows."""
-        swept = cleanup.sweep(self.redis, self.store, self.settings.job_ttl_s)
+        swept = expiry.sweep(self.redis, self.store, self.settings.job_ttl_s)
         swept["ledger_rows"] = self._prune_ledger()
         if any(swept.values()):
             log.info("cleanup: %(jobs)d expired jobs, %(orphan_results)d orphaned results, "
@@ -383,7 +383,7 @@ class WorkerState:
     def shutdown(self) -> None:
         if not self.deliveries.wait_idle(SHUTDOWN_DELIVERY_S):
             log.error("stopping with results still being delivered: %s", ", ".join(self.deliveries.delivering()))
-        isolate.discard()
+        parent.discard()
         self.models.drop_zygotes()
         if self.controller is not None:
             self.controller.stop()

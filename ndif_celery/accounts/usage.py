@@ -118,7 +118,7 @@ def report(engine, since: Optional[datetime.datetime] = None, owner: Optional[st
 def per_deployment(rows: list[dict]) -> list[dict]:
     """Rows per model key summed per repo and nnsight runtime: a runtime's deployment
     of a model is a row of its own, not added to the farm's own."""
-    from ndif_celery.policy import models as model_policy
+    from ndif_celery.policy import model_policy
 
     out: dict[tuple, dict] = {}
     for row in rows:

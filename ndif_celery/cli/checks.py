@@ -19,7 +19,7 @@ import sys
 
 import click
 
-from ndif_celery.host import versions as host_versions
+from ndif_celery.host import versions
 
 
 @click.command()
@@ -27,8 +27,8 @@ from ndif_celery.host import versions as host_versions
 def version(as_json: bool) -> None:
     """Versions of python, ndif-celery, nnsight, torch (+CUDA), transformers,
     celery, flask, redis-py and the redis-server binary."""
-    report = host_versions.versions()
-    click.echo(json.dumps(report, indent=2) if as_json else host_versions.render_versions(report))
+    report = versions.versions()
+    click.echo(json.dumps(report, indent=2) if as_json else versions.render_versions(report))
 
 
 @click.command()

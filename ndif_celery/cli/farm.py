@@ -17,9 +17,9 @@ import click
 import redis as redis_py
 
 from ndif_celery.celery_app import make_app
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.farm import capacity
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import jobs, queues, registry
 
 from .common import echo_rows, from_ledger, settings
@@ -70,20 +70,20 @@ def deploy(model: Optional[str], path: Optional[str], sync: bool, dry_run: bool,
         return _deploy_file(path, sync, dry_run, force, wait, timeout, wait_for_workers)
     current, client, _ = connect()
     try:
-        key = farm.model_key_for(model, task=task, nnsight=nnsight_version)
+        key = actions.model_key_for(model, task=task, nnsight=nnsight_version)
         # The operator may deploy any hub id, but not outside NDIF_MODELS, nor remote code outside NDIF_TRUST_REMOTE_CODE.
         model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
         if not wait_for_workers:
             capacity.check(client, [capacity.demand(client, current, key, replicas, dtype, label=model)],
                            lambda n: f"deploy --replicas {n}")
         asked = time.time()
-        farm.deploy(client, key, pin, replicas, dtype)
+        actions.deploy(client, key, pin, replicas, dtype)
         if wait:
-            running = farm.wait_running(client, key, replicas, timeout, since=asked)
+            running = actions.wait_running(client, key, replicas, timeout, since=asked)
             click.echo(f"{model}: running on {', '.join(sorted(d['worker'] for d in running))}")
         else:
             click.echo(f"{model}: deployment requested")
-    except (farm.FarmError, ValueError) as exc:
+    except (actions.FarmError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -123,12 +123,12 @@ def _deploy_file(path: str, sync: bool, dry_run: bool, force: bool, wait: bool, 
         return
     try:
         for entry in entries:
-            running = farm.wait_running(client, entry.model_key, entry.replicas, timeout, since=asked)
+            running = actions.wait_running(client, entry.model_key, entry.replicas, timeout, since=asked)
             click.echo(f"{entry.repo}: running on {', '.join(sorted(d['worker'] for d in running))}")
         for repo, model_key, workers in applied.evicted:
             if workers:
-                farm.wait_evicted(client, model_key, timeout)
-    except farm.FarmError as exc:
+                actions.wait_evicted(client, model_key, timeout)
+    except actions.FarmError as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -167,7 +167,7 @@ def scale(model: str, replicas: int, task: str, wait: bool, wait_for_workers: bo
 
     current, client, app = connect()
     try:
-        key = farm.model_key_for(model, task=task)
+        key = actions.model_key_for(model, task=task)
         model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
         if not wait_for_workers:
             dtype = (registry.desired(client).get(key) or {}).get("dtype")
@@ -178,14 +178,14 @@ def scale(model: str, replicas: int, task: str, wait: bool, wait_for_workers: bo
         if evicted:
             click.echo(f"{model}: evicting the replicas on {', '.join(sorted(evicted))}")
         if wait:
-            farm.wait_running(client, key, replicas, timeout, since=asked)
-            farm.wait_replicas_at_most(client, key, replicas, timeout)
+            actions.wait_running(client, key, replicas, timeout, since=asked)
+            actions.wait_replicas_at_most(client, key, replicas, timeout)
             # Read after the evictions: the workers that hold it now, not the ones just evicted.
-            running = [d for d in farm.holders(client, key) if d["state"] == "RUNNING"]
+            running = [d for d in actions.holders(client, key) if d["state"] == "RUNNING"]
             click.echo(f"{model}: {replicas} replica(s), on {', '.join(sorted(d['worker'] for d in running))}")
         else:
             click.echo(f"{model}: {replicas} replica(s) requested")
-    except (farm.FarmError, ValueError) as exc:
+    except (actions.FarmError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -198,15 +198,15 @@ def evict(model: str, task: str, wait: bool, timeout: float) -> None:
     """Evict MODEL from every worker (pinned or not) and forget its deployment."""
     _, client, app = connect()
     try:
-        key = farm.model_key_for(model, task=task)
-        workers = farm.evict(client, app, key)
+        key = actions.model_key_for(model, task=task)
+        workers = actions.evict(client, app, key)
         if not workers:
             click.echo(f"{model}: not deployed")
             return
         if wait:
-            farm.wait_evicted(client, key, timeout)
+            actions.wait_evicted(client, key, timeout)
         click.echo(f"{model}: evicted from {', '.join(sorted(workers))}")
-    except (farm.FarmError, ValueError) as exc:
+    except (actions.FarmError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
 
 
@@ -228,8 +228,8 @@ def kill(job_id: str) -> None:
     """End JOB_ID: remove it from its queue, or cancel it where it runs."""
     current, client, app = connect()
     try:
-        click.echo(f"{job_id}: {farm.kill(client, app, job_id, current.job_ttl_s)}")
-    except farm.FarmError as exc:
+        click.echo(f"{job_id}: {actions.kill(client, app, job_id, current.job_ttl_s)}")
+    except actions.FarmError as exc:
         raise click.ClickException(str(exc)) from None
 
 

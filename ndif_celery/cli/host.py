@@ -123,7 +123,7 @@ def deployments_warnings(current: config.Settings) -> list[str]:
     raises DeploymentsError naming the entry and field; returns the warnings. What ``up``
     refuses and ``doctor`` reports."""
     from ndif_celery.farm import deployments
-    from ndif_celery.policy import models as model_policy
+    from ndif_celery.policy import model_policy
 
     entries = deployments.from_setting(current.deployments, model_policy.ModelPolicy.from_settings(current))
     return deployments.warnings(entries, current.auth)

@@ -11,9 +11,9 @@ from typing import Optional
 
 import click
 
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.farm import schedules
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 
 from .common import echo_rows, from_ledger, settings
 from .farm import connect
@@ -38,7 +38,7 @@ def schedule_add(model: str, start: str, end: str, replicas: int, task: str, wai
     (beside the windows it overlaps) is refused, saying why."""
     current, client, _ = connect()
     try:
-        key = farm.model_key_for(model, task=task)
+        key = actions.model_key_for(model, task=task)
         parsed = model_policy.parse(key)
         model_policy.ModelPolicy.from_settings(current).check_model(parsed)
         entry = schedules.add(client, key, parsed.repo_id, schedules.parse_when(start, option="--from"),
@@ -129,7 +129,7 @@ def probes(reset_model: Optional[str], task: str, nnsight: str, as_json: bool) -
     _, client, _ = connect()
     if reset_model is not None:
         try:
-            key = farm.model_key_for(reset_model, task=task, nnsight=nnsight)
+            key = actions.model_key_for(reset_model, task=task, nnsight=nnsight)
         except model_policy.PolicyError as exc:
             raise click.ClickException(exc.detail) from None
         click.echo(f"{reset_model}: {health.reset(client, key)} reference(s) forgotten")

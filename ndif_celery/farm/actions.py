@@ -17,7 +17,7 @@ import redis
 from ndif_celery import messages, statuses, wire
 from ndif_celery.celery_app import EVICT_MODEL, worker_queue
 from ndif_celery.policy import client_versions
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import jobs, queues, registry
 
 DEFAULT_CLASS = "nnsight.modeling.transformers.TransformersModel"
@@ -30,7 +30,7 @@ class FarmError(Exception):
 def model_key_for(model: str, task: str = "text-generation", revision: Optional[str] = None,
                   nnsight: str = "") -> str:
     """A full model key from a repo id (or a key), exactly as the nnsight client
-    builds it: canonical and checked by ``policy.models.parse``, as the web's are.
+    builds it: canonical and checked by ``policy.model_policy.parse``, as the web's are.
     ``nnsight``: a runtime's deployment of it (docs/versions.md)."""
     if ":" not in model:
         suffix = {'repo_id': model, 'revision': revision, 'task': task}

@@ -30,7 +30,7 @@ import redis
 
 from ndif_celery import wire
 from ndif_celery.policy import client_versions
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import registry
 
 from . import sizing

@@ -41,7 +41,7 @@ from ndif_celery.farm import deployments, schedules
 from ndif_celery.monitoring import probes
 from ndif_celery.notices import Notices
 from ndif_celery.policy import client_versions
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import queues, registry, run_times
 
 from . import placement, sizing
@@ -193,7 +193,7 @@ class Controller(threading.Thread):
         self.unmet_written = self.unmet
 
     def refused(self, model_key: str, entries: list, wishes: dict, queue: str) -> bool:
-        """The model policy again before a first deploy (``ndif_celery.policy.models``),
+        """The model policy again before a first deploy (``ndif_celery.policy.model_policy``),
         for jobs that reached the broker without the web: a key it refuses, or an
         untrusted-only queue for a model neither deployed by the operator nor
         listed in NDIF_MODELS, fails its jobs and loads nothing."""

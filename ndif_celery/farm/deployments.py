@@ -50,10 +50,10 @@ import redis
 from ndif_celery.accounts import db
 from ndif_celery.celery_app import EVICT_MODEL, worker_queue
 from ndif_celery.errors import Refused
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import registry
 
-from . import actions as farm
+from . import actions
 
 MAX_FILE_BYTES = 1024 * 1024
 MAX_ENTRIES = 1000
@@ -172,7 +172,7 @@ def _entry(raw: object, where: str, policy: Optional[model_policy.ModelPolicy]) 
                                f"got {runtime!r}")
     try:
         model_policy.check_repo_id(repo, "repo")
-        key = farm.model_key_for(repo, task=task, revision=revision, nnsight=runtime or "")
+        key = actions.model_key_for(repo, task=task, revision=revision, nnsight=runtime or "")
         if policy is not None:
             policy.check_model(model_policy.parse(key))
     except model_policy.PolicyError as error:
@@ -372,10 +372,10 @@ def apply(client: redis.Redis, entries: list[Entry], sync: bool = False, celery_
             # Pinned by a schedule now: let it go when the window ends, not before.
             pipe.hset(registry.DESIRED, model_key, json.dumps({**wish, "before": None}))
         else:
-            farm.forget_wish(client, pipe, model_key)
+            actions.forget_wish(client, pipe, model_key)
     pipe.execute()
     for repo, model_key, _ in evicted:
-        sent = farm.send_evictions(client, celery_app, model_key) if model_key in to_send else []
+        sent = actions.send_evictions(client, celery_app, model_key) if model_key in to_send else []
         done.evicted.append((repo, model_key, sent))
     registry.wake_controller(client, "deployments")
     return done
@@ -421,7 +421,7 @@ def scale(client: redis.Redis, celery_app, model_key: str, replicas: int) -> lis
     replicas beyond it are evicted now, least recently used first. Returns the
     workers told to evict it."""
     if isinstance(replicas, bool) or not 1 <= replicas <= MAX_REPLICAS:
-        raise farm.FarmError(f"replicas must be from 1 to {MAX_REPLICAS}, got {replicas}")
+        raise actions.FarmError(f"replicas must be from 1 to {MAX_REPLICAS}, got {replicas}")
     raw = client.hget(registry.DESIRED, model_key)
     wish = json.loads(raw) if raw else {"pinned": False, "dtype": None, "source": "cli"}
     wish["replicas"] = replicas
@@ -431,7 +431,7 @@ def scale(client: redis.Redis, celery_app, model_key: str, replicas: int) -> lis
     registry.forget_load_failures(client, pipe, [model_key])
     pipe.hset(registry.DESIRED, model_key, json.dumps(wish))
     pipe.execute()
-    holders = sorted(farm.holders(client, model_key), key=_last_activity)
+    holders = sorted(actions.holders(client, model_key), key=_last_activity)
     extra = holders[: max(0, len(holders) - replicas)]
     for holder in extra:
         celery_app.send_task(EVICT_MODEL, kwargs={"model_key": model_key}, queue=worker_queue(holder["worker"]))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from ndif_celery import wire
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import registry
 
 
@@ -96,7 +96,7 @@ def _snapshot_dir(repo_id: str, revision: Optional[str]) -> Optional[Path]:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
-    except Exception:  # noqa: BLE001 - not cached: size it another way (never as a local path: policy.models)
+    except Exception:  # noqa: BLE001 - not cached: size it another way (never as a local path: policy.model_policy)
         return None
 
 

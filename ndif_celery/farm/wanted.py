@@ -21,7 +21,7 @@ from typing import Optional
 import redis
 
 from ndif_celery import wire
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import registry
 
 from . import schedules

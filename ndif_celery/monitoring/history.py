@@ -77,7 +77,7 @@ def job_latency(engine, start: float, end: float, step: float) -> dict:
     from sqlalchemy.orm import Session
 
     from ndif_celery.accounts.db import LedgerEntry
-    from ndif_celery.policy import models as model_policy
+    from ndif_celery.policy import model_policy
 
     since = datetime.datetime.fromtimestamp(start, datetime.timezone.utc)
     until = datetime.datetime.fromtimestamp(end, datetime.timezone.utc)

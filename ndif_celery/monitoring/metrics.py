@@ -68,7 +68,7 @@ DEPLOYMENT_LABELS = ["model", "nnsight", "model_key"]
 
 def deployment_labels(model_key: str, model: Optional[str] = None) -> tuple[str, str, str]:
     """``(model, nnsight, model_key)`` of a deployment; ``model`` when the key is unknown (a queue's own name)."""
-    from ndif_celery.policy import models as model_policy
+    from ndif_celery.policy import model_policy
 
     from .probes import runtime_of
 

@@ -88,7 +88,7 @@ def _model(cache: dict, model_key: str):
     from transformers import AutoTokenizer
 
     from ndif_celery.policy import client_versions
-    from ndif_celery.policy import models as model_policy
+    from ndif_celery.policy import model_policy
 
     key = model_policy.parse(model_key)
     # The farm's key is canonical already: no hub call to canonicalise the id (offline hosts).

@@ -18,7 +18,7 @@ flipped bit) answers other logits and goes red. ``ndif-celery probes --reset
 MODEL`` forgets a reference (a branch that moved on purpose).
 
 A deployment is a model key, and a runtime's deployment of a model has a key
-of its own (``"nnsight": "0.7.0"``, ``policy.models``): its probe runs under
+of its own (``"nnsight": "0.7.0"``, ``policy.model_policy``): its probe runs under
 that runtime's interpreter (its venv's ``python -m
 ndif_celery.monitoring.probe_runner``, so the client is that nnsight's, as its
 users' is), and its results, references and alerts are its own.
@@ -75,7 +75,7 @@ from ndif_celery import config
 from ndif_celery.celery_app import queue_for
 from ndif_celery.notices import Notices
 from ndif_celery.policy import client_versions
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import jobs, queues, registry
 
 from . import history

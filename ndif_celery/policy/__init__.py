@@ -1,6 +1,6 @@
 """Pure rules, with no Redis and no torch, so the web, the controller and the worker check alike.
 
-- ``models``: ``ModelPolicy``: a model key and ``env`` reduced to a canonical
+- ``model_policy``: ``ModelPolicy``: a model key and ``env`` reduced to a canonical
   form, and which repos load for whom (``NDIF_MODELS``,
   ``NDIF_TRUST_REMOTE_CODE``). Not ``workers.models`` (the models a worker
   holds), nor ``IsolationPolicy`` (an untrusted child's limits, in

@@ -25,7 +25,7 @@ so a killed worker disappears from ``/status`` without anyone cleaning up.
 - key  ``ndif:status``        the ``GET /status`` document, rewritten by the controller every tick
 - channel ``ndif:controller`` wakes the controller (a new queue, a deploy, an evict)
 - hash ``ndif:refs:<repo_id>`` branch or tag -> the commit it pointed at in the model cache of the
-  worker that last loaded the repo (``policy.models.same_weights``: one repo's weights named two ways)
+  worker that last loaded the repo (``policy.model_policy.same_weights``: one repo's weights named two ways)
 - hash ``ndif:orphans``       job id -> JSON {worker, pid}: the job a worker process was running
   when it died, handed over by the next process of the same name (``take_over``) for the
   watchdog (``ndif_celery.farm.watchdog``) to rescue
@@ -42,7 +42,7 @@ import redis
 
 from ndif_celery import wire
 from ndif_celery.policy import client_versions
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 
 WORKERS = "ndif:workers"
 DEPLOYMENTS = "ndif:deployments"

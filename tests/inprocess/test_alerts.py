@@ -18,14 +18,14 @@ import time
 
 import pytest
 
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.monitoring import probes
 from ndif_celery.state import registry
 from tests.support.clocks import StepClock
 from tests.support.webhook import Hook
 
-KEY = farm.model_key_for("org/alerted")
-OTHER = farm.model_key_for("org/other")
+KEY = actions.model_key_for("org/alerted")
+OTHER = actions.model_key_for("org/other")
 GOOD = {"ok": True, "latency_s": 0.25, "worker": "w0", "shape": [1, 7, 50], "vocab": 50,
         "finite": True, "values": [0.5, -1.25, 3.0, 0.1, 0.2]}
 RED = {"ok": False, "error": "no answer within 5 s"}

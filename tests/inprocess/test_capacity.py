@@ -19,15 +19,15 @@ import pytest
 
 from ndif_celery import statuses, wire
 from ndif_celery.celery_app import make_app, queue_for
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.farm import capacity, deployments, schedules
 from ndif_celery.farm.capacity import Demand
 from ndif_celery.farm.placement import GiB, Holding, WorkerView
 from ndif_celery.farm.schedules import ScheduleError
 from ndif_celery.state import jobs, queues, registry
 
-A, B, C = (farm.model_key_for(repo) for repo in ("org/a", "org/b", "org/c"))
-RUNTIME_B = farm.model_key_for("org/b", nnsight="0.7.0")
+A, B, C = (actions.model_key_for(repo) for repo in ("org/a", "org/b", "org/c"))
+RUNTIME_B = actions.model_key_for("org/b", nnsight="0.7.0")
 PADDING = SimpleNamespace(padding_factor=0.0, padding_bytes=0)
 NOW = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.timezone.utc).timestamp()
 HOUR = 3600.0
@@ -118,7 +118,7 @@ def test_a_demand_is_sized_from_the_farms_cache_and_padded_as_the_controller_pad
     _sized(redis_client, A)
     padded = SimpleNamespace(padding_factor=0.5, padding_bytes=10)
     assert capacity.demand(redis_client, padded, A, 2).size_bytes == int(1.5 * GiB) + 10
-    assert capacity.demand(redis_client, padded, farm.model_key_for("org/nowhere"), 1).size_bytes is None, \
+    assert capacity.demand(redis_client, padded, actions.model_key_for("org/nowhere"), 1).size_bytes is None, \
         "not cached, not on this host: unknown, and the hub is not asked"
 
 
@@ -223,11 +223,11 @@ class _Replying:
 def test_kill_of_a_job_a_worker_took_but_had_not_started_says_so(redis_client):
     job = jobs.Job(id="taken-not-started", model_key=A, received_at=time.time())
     statuses.StatusChannel(redis_client, job, 60).send(wire.QUEUED, "queued")
-    said = farm.kill(redis_client, _Replying([{"cpu@vm": {"ok": "cancelling"}}]), job.id, 60)
+    said = actions.kill(redis_client, _Replying([{"cpu@vm": {"ok": "cancelling"}}]), job.id, 60)
     assert said == "cancelled before it started: cpu@vm had taken it from the queue and skips it"
     running = jobs.Job(id="running", model_key=A, received_at=time.time())
     statuses.StatusChannel(redis_client, running, 60).send(wire.RUNNING, "running")
-    assert farm.kill(redis_client, _Replying([{"cpu@vm": {"ok": "cancelling"}}]), running.id, 60) == \
+    assert actions.kill(redis_client, _Replying([{"cpu@vm": {"ok": "cancelling"}}]), running.id, 60) == \
         "cancelling on cpu@vm"
 
 

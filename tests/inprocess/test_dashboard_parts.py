@@ -8,10 +8,10 @@ from __future__ import annotations
 import datetime
 
 from ndif_celery.accounts import audit, db
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.monitoring import history
 from ndif_celery.policy import client_versions
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from web import charts
 
 DAY, HOUR = 86400, 3600
@@ -80,7 +80,7 @@ def test_job_latency_is_the_median_per_bucket_without_the_probes(tmp_path):
     _job(engine, "c", "org/a", "key:1", NOW - 2 * HOUR + 30, 0.2, "ERROR")
     _job(engine, "p", "org/a", "key:9", NOW - 2 * HOUR + 40, 9.0, probe=True)
     _job(engine, "old", "org/a", "key:1", NOW - 3 * DAY, 1.0)
-    runtime_key = model_policy.parse_client_key(farm.model_key_for("org/a"), "0.7.0").key
+    runtime_key = model_policy.parse_client_key(actions.model_key_for("org/a"), "0.7.0").key
     _job(engine, "r", "org/a", "key:1", NOW - 2 * HOUR + 50, 5.0, model_key=runtime_key)
     rows = history.job_latency(engine, *history.period("24h", NOW))
     own = rows["org/a", client_versions.MAIN]

@@ -16,15 +16,15 @@ import pytest
 from ndif_celery.accounts import auth
 from ndif_celery.celery_app import make_app, worker_queue
 from ndif_celery.errors import Refused
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.farm import deployments
 from ndif_celery.farm.deployments import DeploymentsError
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import registry
 
 
 def _key(repo: str, revision=None) -> str:
-    return farm.model_key_for(repo, revision=revision)
+    return actions.model_key_for(repo, revision=revision)
 
 
 # --- parsing ----------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_sync_evicts_only_what_a_file_deployed(redis_client, app):
     first = deployments.parse("- repo: org/a\n  pin: true\n- repo: org/b\n")
     applied = deployments.apply(redis_client, first)
     assert applied.added == ["org/a", "org/b"]
-    farm.deploy(redis_client, c, pinned=False, replicas=1, dtype=None)  # by hand
+    actions.deploy(redis_client, c, pinned=False, replicas=1, dtype=None)  # by hand
     _worker_with(redis_client, "w0", a, b, c)
     again = deployments.apply(redis_client, first, sync=True, celery_app=app)
     assert again.unchanged == ["org/a", "org/b"] and again.evicted == []
@@ -208,7 +208,7 @@ def test_scale_down_evicts_the_least_recently_used_replicas_now(redis_client, ap
     assert registry.desired(redis_client)[key]["replicas"] == 1
     assert deployments.scale(redis_client, app, key, 3) == []
     assert registry.desired(redis_client)[key]["replicas"] == 3
-    with pytest.raises(farm.FarmError, match="from 1 to 64"):
+    with pytest.raises(actions.FarmError, match="from 1 to 64"):
         deployments.scale(redis_client, app, key, 0)
 
 
@@ -284,7 +284,7 @@ def test_export_writes_a_file_that_deploy_f_takes_back_unchanged(redis_client, a
     text = ("- repo: org/a\n  pin: true\n  replicas: 2\n  dtype: bfloat16\n  users: [ada@example.org, 'key:3']\n"
             "- repo: org/b\n  revision: v1\n  task: token-classification\n")
     deployments.apply(redis_client, deployments.parse(text))
-    farm.deploy(redis_client, _key("org/c"), pinned=False, replicas=3, dtype=None)
+    actions.deploy(redis_client, _key("org/c"), pinned=False, replicas=3, dtype=None)
     exported, skipped = wanted.export(redis_client)
     assert skipped == []
     entries = deployments.parse(exported)
@@ -327,7 +327,7 @@ def test_a_failed_load_is_not_retried_on_that_worker_and_fails_the_wish_with_its
     redis_client.hset(registry.SIZES, f"{key}|", 1000)  # sized: the hub is not asked
     registry.register_worker(redis_client, {"name": "w0", "pid": 1, "memory_bytes": 1 << 30,
                                             "last_seen": time.time()})
-    farm.deploy(redis_client, key, pinned=False, replicas=1, dtype=None)
+    actions.deploy(redis_client, key, pinned=False, replicas=1, dtype=None)
     registry.record_load_failure(redis_client, "w0", key, "Could not load model 'org/broken': bad weights")
     controller = Controller("w0", redis_client, app, embedded_settings)
     controller.tick()
@@ -335,13 +335,13 @@ def test_a_failed_load_is_not_retried_on_that_worker_and_fails_the_wish_with_its
     assert why["failed"] and why["reason"] == \
         "Could not deploy org/broken: it failed to load on w0: Could not load model 'org/broken': bad weights"
     assert redis_client.llen(worker_queue("w0")) == 0, "not sent to w0 again"
-    with pytest.raises(farm.FarmError, match="org/broken: Could not deploy org/broken: it failed to load on w0"):
-        farm.wait_running(redis_client, key, 1, timeout=5)
+    with pytest.raises(actions.FarmError, match="org/broken: Could not deploy org/broken: it failed to load on w0"):
+        actions.wait_running(redis_client, key, 1, timeout=5)
     # A second worker joins: the wish goes to it; the reason goes.
     registry.register_worker(redis_client, {"name": "w1", "pid": 2, "memory_bytes": 1 << 30,
                                             "last_seen": time.time()})
     controller.tick()
     assert redis_client.llen(worker_queue("w1")) == 1 and key not in registry.unmet(redis_client)
     # Deployed again by hand: the failure is forgotten, w0 may try again.
-    farm.deploy(redis_client, key, pinned=False, replicas=1, dtype=None)
+    actions.deploy(redis_client, key, pinned=False, replicas=1, dtype=None)
     assert registry.load_failures(redis_client) == {}

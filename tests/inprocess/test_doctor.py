@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ndif_celery import config
 from ndif_celery.host import doctor
-from ndif_celery.host import embedded_redis as redis_server
+from ndif_celery.host import embedded_redis
 from tests.support import pace
 from tests.support.doctor import checks
 from tests.support.servers import free_ports
@@ -72,7 +72,7 @@ def test_version_json_reports_what_is_installed():
     import torch
 
     assert report["cuda"] == torch.version.cuda
-    binary = redis_server.redis_server_binary()
+    binary = embedded_redis.redis_server_binary()
     assert report["redis-server-binary"] == binary
     out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=True).stdout
     assert f"v={report['redis-server']} " in out

@@ -213,7 +213,7 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
     from ndif_celery import config
     from workers.execute import RequestError
     from workers.isolation import jail
-    from workers.isolation import parent as isolate
+    from workers.isolation import parent
     from workers.job import executors
     from workers.models.resident import ResidentModels
 
@@ -230,11 +230,11 @@ def test_a_child_that_writes_the_weights_and_fails_gets_the_model_reloaded(hf_ho
     with torch.no_grad():
         before = model._module(ids).logits
     models.resident(key).share()  # the weights in a MAP_SHARED file, as for a zygote
-    policy = isolate.IsolationPolicy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
+    policy = parent.IsolationPolicy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
                             readable=tuple(jail.readable_paths((str(hf_home / "hub"),))))
     with pytest.raises(RequestError, match="after editing the weights"):
-        isolate.run(model, blob_of(attack), False, {}, policy, lambda line: None, zygote=_GpuWayForker(model))
-    assert isolate.wait_reaped(10)
+        parent.run(model, blob_of(attack), False, {}, policy, lambda line: None, zygote=_GpuWayForker(model))
+    assert parent.wait_reaped(10)
     with torch.no_grad():
         assert not torch.equal(model._module(ids).logits, before), "the child's write was expected to reach the worker"
 

@@ -18,7 +18,7 @@ import os
 import pytest
 
 from ndif_celery.accounts import db
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.state import registry
 
 REPO = "org/tiny"

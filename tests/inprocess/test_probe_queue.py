@@ -21,14 +21,14 @@ import pytest
 
 from ndif_celery.accounts import auth
 from ndif_celery.celery_app import queue_for
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.monitoring import metrics, probes
 from ndif_celery.state import queues, registry
 from tests.support.clocks import StepClock
 from tests.support.metrics import Scrape
 from tests.support.webhook import Hook
 
-KEY = farm.model_key_for("org/busy")
+KEY = actions.model_key_for("org/busy")
 PROBE_KEY = "probe-key"
 GOOD = {"ok": True, "latency_s": 0.3, "worker": "w0", "shape": [1, 7, 50], "vocab": 50, "finite": True,
         "values": [0.5, -1.25, 3.0, 0.1, 0.2]}
@@ -197,7 +197,7 @@ def test_a_probe_waiting_for_a_deployment_no_worker_runs_is_a_failure(redis_clie
     [entry] = prober.round()
     assert entry["state"] == probes.QUEUED and entry["note"] == "queued, next"
     registry.remove_deployment(redis_client, "w0", KEY)
-    farm.deploy(redis_client, KEY, pinned=True, replicas=1, dtype=None)  # still wanted, held by no one
+    actions.deploy(redis_client, KEY, pinned=True, replicas=1, dtype=None)  # still wanted, held by no one
     assert probes.queued_behind(redis_client, KEY) is None
     prober.runner = runner = type(runner)(web)
     runner.probe = lambda model_key, timeout_s: dict(LATE, model_key=model_key)

@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ndif_celery.celery_app import queue_for
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.host import doctor, runtimes
 from ndif_celery.monitoring import metrics, probes
 from ndif_celery.policy import client_versions
@@ -34,8 +34,8 @@ from tests.support.webhook import Hook
 REPO = "org/shared"
 OLD = "0.7.0"
 MAIN = client_versions.MAIN
-KEY = farm.model_key_for(REPO)
-OLD_KEY = farm.model_key_for(REPO, nnsight=OLD)
+KEY = actions.model_key_for(REPO)
+OLD_KEY = actions.model_key_for(REPO, nnsight=OLD)
 GOOD = {"ok": True, "latency_s": 0.2, "shape": [1, 7, 50], "vocab": 50, "finite": True}
 
 
@@ -150,8 +150,8 @@ def test_every_table_tells_the_two_deployments_apart(two_runtimes, embedded_sett
     from web.app import create_app
 
     client = two_runtimes
-    farm.deploy(client, KEY, pinned=True, replicas=1, dtype=None)
-    farm.deploy(client, OLD_KEY, pinned=True, replicas=1, dtype=None)
+    actions.deploy(client, KEY, pinned=True, replicas=1, dtype=None)
+    actions.deploy(client, OLD_KEY, pinned=True, replicas=1, dtype=None)
     for key in (KEY, OLD_KEY):  # each deployment's queue, as the intake registers it
         client.sadd(registry.QUEUES, queue_for(key))
         client.hset(registry.QUEUE_MODELS, queue_for(key), key)

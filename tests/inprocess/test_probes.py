@@ -17,14 +17,14 @@ import json
 
 import pytest
 
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.monitoring import metrics, probes
 from ndif_celery.state import registry
 from tests.support.clocks import StepClock
 from tests.support.metrics import Scrape
 from tests.support.servers import Receiver
 
-KEY = farm.model_key_for("org/probed")
+KEY = actions.model_key_for("org/probed")
 GOOD = {"model_key": KEY, "ok": True, "latency_s": 0.25, "worker": "w0", "shape": [1, 7, 50], "vocab": 50,
         "finite": True, "values": [0.5, -1.25, 3.0, 0.1, 0.2]}
 
@@ -79,11 +79,11 @@ def test_an_answer_is_judged_by_shape_finiteness_and_its_reference():
 
 
 def test_targets_are_running_models_and_pinned_models_nobody_holds(redis_client):
-    loading, pinned_gone = farm.model_key_for("org/loading"), farm.model_key_for("org/pinned")
+    loading, pinned_gone = actions.model_key_for("org/loading"), actions.model_key_for("org/pinned")
     _serve(redis_client)
     registry.set_deployment(redis_client, "w0", loading, registry.DEPLOYING)
-    farm.deploy(redis_client, pinned_gone, pinned=True, replicas=1, dtype="float16")
-    farm.deploy(redis_client, farm.model_key_for("org/unpinned"), pinned=False, replicas=1, dtype=None)
+    actions.deploy(redis_client, pinned_gone, pinned=True, replicas=1, dtype="float16")
+    actions.deploy(redis_client, actions.model_key_for("org/unpinned"), pinned=False, replicas=1, dtype=None)
     main = probes.runtime_of(KEY)
     assert probes.targets(redis_client) == sorted(
         [{"model_key": KEY, "dtype": None, "nnsight": main},
@@ -179,7 +179,7 @@ def test_the_web_refuses_a_probe_of_a_model_not_deployed_and_records_its_owner(r
     _serve(redis_client)
     intake.check_probe(redis_client, settings, probe, {auth.HEADER: "probe-key"}, KEY,
                             registry.offered_keys(redis_client))
-    other = farm.model_key_for("org/elsewhere")
+    other = actions.model_key_for("org/elsewhere")
     intake.check_probe(redis_client, settings, auth.Identity(key_id=8), {auth.HEADER: "someone-else"}, other,
                         registry.offered_keys(redis_client))
 

@@ -13,13 +13,13 @@ import json
 
 import pytest
 
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from ndif_celery.farm import deployments, schedules
 from ndif_celery.farm.schedules import ScheduleError
 from ndif_celery.state import registry
 
 NOW = datetime.datetime(2026, 12, 1, 12, 0, tzinfo=datetime.timezone.utc).timestamp()
-KEY = farm.model_key_for("org/course")
+KEY = actions.model_key_for("org/course")
 
 
 def test_times_are_now_spans_from_now_or_iso_in_utc():
@@ -63,7 +63,7 @@ def test_a_window_pins_the_model_and_releases_it_when_it_closes(redis_client):
 
 
 def test_the_wish_it_replaced_comes_back_unevicted(redis_client):
-    farm.deploy(redis_client, KEY, pinned=False, replicas=1, dtype="bfloat16")
+    actions.deploy(redis_client, KEY, pinned=False, replicas=1, dtype="bfloat16")
     before = registry.desired(redis_client)[KEY]
     schedules.add(redis_client, KEY, "org/course", NOW, NOW + 60, now=NOW)
     schedules.reconcile(redis_client, NOW)
@@ -88,7 +88,7 @@ def test_overlapping_windows_keep_it_pinned_until_the_last_closes(redis_client):
 def test_a_deploy_during_the_window_is_what_comes_back_after(redis_client):
     schedules.add(redis_client, KEY, "org/course", NOW, NOW + 60, now=NOW)
     schedules.reconcile(redis_client, NOW)
-    farm.deploy(redis_client, KEY, pinned=False, replicas=1, dtype=None)  # overwrites the pinned wish
+    actions.deploy(redis_client, KEY, pinned=False, replicas=1, dtype=None)  # overwrites the pinned wish
     schedules.reconcile(redis_client, NOW + 1)
     wish = registry.desired(redis_client)[KEY]
     assert wish["pinned"] is True and wish["before"]["source"] == "cli", "pinned again until the window closes"

@@ -30,7 +30,7 @@ from ndif_celery import wire
 from ndif_celery.state import jobs
 from tests.support import pace
 from tests.support.servers import serving
-from web import hub as hub_module
+from web import hub
 from web import sio, subscribe
 
 
@@ -162,7 +162,7 @@ def test_a_claimed_socket_keeps_its_keys_slot_while_it_lives_and_frees_it_at_its
     assert received(client)["status"] == wire.QUEUED
     # The hub's resync renews it (its lease from the claim's time, the web's own from then).
     eventually(lambda: redis_client.zscore(f"ndif:sockets:{alice.owner}", sid) > claimed_until,
-               "the web renewed the socket's lease", timeout_s=3 * hub_module.RESYNC_S)
+               "the web renewed the socket's lease", timeout_s=3 * hub.RESYNC_S)
     assert limits.sockets_held(redis_client, alice) == 1
     client.disconnect()
     eventually(lambda: limits.sockets_held(redis_client, alice) == 0, "the key's socket slot was freed")

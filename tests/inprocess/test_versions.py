@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ndif_celery import config
-from ndif_celery.policy import client_versions as versions
+from ndif_celery.policy import client_versions
 from ndif_celery.state import registry
 from tests.support.servers import free_port
 
@@ -24,7 +24,7 @@ NOT_PROVIDED = (
 
 
 def refusal(check, *args) -> str:
-    with pytest.raises(versions.VersionRefused) as caught:
+    with pytest.raises(client_versions.VersionRefused) as caught:
         check(*args)
     assert caught.value.status == 400
     return caught.value.detail
@@ -35,12 +35,12 @@ def refusal(check, *args) -> str:
 
 @pytest.mark.parametrize("client", ["0.8.1", "0.8.1.post1", "0.8.2", "0.9.0", "0.10.0", "1.0"])
 def test_nnsight_at_or_above_the_minimum_passes(client):
-    versions.check_nnsight(client, "0.8.1")
+    client_versions.check_nnsight(client, "0.8.1")
 
 
 @pytest.mark.parametrize("client", ["0.8.0", "0.8.1rc1", "0.8.1.dev0", "0.7.99", "0.1"])
 def test_nnsight_below_the_minimum_is_refused_with_ndifs_message(client):
-    assert refusal(versions.check_nnsight, client, "0.8.1") == (
+    assert refusal(client_versions.check_nnsight, client, "0.8.1") == (
         f"Client nnsight version {client} is below the minimum supported 0.8.1. "
         "Please `pip install --upgrade nnsight`."
     )
@@ -48,24 +48,24 @@ def test_nnsight_below_the_minimum_is_refused_with_ndifs_message(client):
 
 def test_versions_compare_as_versions_not_strings():
     # "0.10.0" < "0.9.0" as strings; as versions it is newer.
-    versions.check_nnsight("0.10.0", "0.9.0")
-    refusal(versions.check_nnsight, "0.9.0", "0.10.0")
+    client_versions.check_nnsight("0.10.0", "0.9.0")
+    refusal(client_versions.check_nnsight, "0.9.0", "0.10.0")
 
 
 @pytest.mark.parametrize("client", ["", None])
 def test_missing_nnsight_version_is_refused(client):
     # A source-tree nnsight sends "", an old one no header at all.
-    assert refusal(versions.check_nnsight, client, "0.8.1") == NOT_PROVIDED
+    assert refusal(client_versions.check_nnsight, client, "0.8.1") == NOT_PROVIDED
 
 
 @pytest.mark.parametrize("client", ["not-a-version", "0.8.x", "latest"])
 def test_malformed_nnsight_version_is_refused(client):
-    assert refusal(versions.check_nnsight, client, "0.8.1") == f"Malformed nnsight version '{client}'."
+    assert refusal(client_versions.check_nnsight, client, "0.8.1") == f"Malformed nnsight version '{client}'."
 
 
 @pytest.mark.parametrize("client", ["", None, "garbage", "0.0.1"])
 def test_no_minimum_no_nnsight_gate(client):
-    versions.check_nnsight(client, "")
+    client_versions.check_nnsight(client, "")
 
 
 # -- python --
@@ -76,40 +76,40 @@ PY312 = "3.12.3 (main, Apr 10 2024, 05:33:47) [GCC 13.2.0]"
 
 
 def test_python_below_the_minimum_is_refused_on_major_minor():
-    assert refusal(versions.check_python, PY39, "3.10") == (
+    assert refusal(client_versions.check_python, PY39, "3.10") == (
         "Client python version 3.9 is below the minimum supported 3.10. Please update python."
     )
 
 
 @pytest.mark.parametrize("client", [PY310, PY312, "3.10.12", "3.10", "4.0.0 (x)"])
 def test_python_at_or_above_the_minimum_passes(client):
-    versions.check_python(client, "3.10")
+    client_versions.check_python(client, "3.10")
 
 
 def test_python_patch_of_the_minimum_is_ignored():
     # major.minor only: any 3.10.x meets a minimum of 3.10.5; 3.9 still does not.
-    versions.check_python(PY310, "3.10.5")
-    assert "3.9 is below the minimum supported 3.10.5" in refusal(versions.check_python, PY39, "3.10.5")
+    client_versions.check_python(PY310, "3.10.5")
+    assert "3.9 is below the minimum supported 3.10.5" in refusal(client_versions.check_python, PY39, "3.10.5")
 
 
 def test_python_missing_or_malformed_is_refused():
-    assert refusal(versions.check_python, "", "3.10").startswith("Client python version was not provided.")
-    assert refusal(versions.check_python, None, "3.10").startswith("Client python version was not provided.")
-    assert refusal(versions.check_python, "CPython", "3.10") == "Malformed python version 'CPython'."
+    assert refusal(client_versions.check_python, "", "3.10").startswith("Client python version was not provided.")
+    assert refusal(client_versions.check_python, None, "3.10").startswith("Client python version was not provided.")
+    assert refusal(client_versions.check_python, "CPython", "3.10") == "Malformed python version 'CPython'."
 
 
 def test_no_minimum_no_python_gate():
-    versions.check_python(PY39, "")
-    versions.check_python(None, "")
+    client_versions.check_python(PY39, "")
+    client_versions.check_python(None, "")
 
 
 def test_check_client_reads_both_headers_nnsight_first():
     headers = {"nnsight-version": "0.8.0", "python-version": PY39}
-    assert "nnsight version 0.8.0" in refusal(versions.check_client, headers, "0.8.1", "3.10")
+    assert "nnsight version 0.8.0" in refusal(client_versions.check_client, headers, "0.8.1", "3.10")
     headers["nnsight-version"] = "0.8.1"
-    assert "python version 3.9" in refusal(versions.check_client, headers, "0.8.1", "3.10")
-    versions.check_client(headers, "0.8.1", "3.9")
-    versions.check_client({}, "", "")
+    assert "python version 3.9" in refusal(client_versions.check_client, headers, "0.8.1", "3.10")
+    client_versions.check_client(headers, "0.8.1", "3.9")
+    client_versions.check_client({}, "", "")
 
 
 # -- configuration --
@@ -158,7 +158,7 @@ def test_web_refuses_before_touching_anything(tmp_path):
     assert response.status_code == 400 and response.get_json()["detail"] == NOT_PROVIDED
     # The farm's own nnsight (another version meets the runtime gate first, which may read Redis).
     response = _submit(_web(tmp_path, NDIF_MIN_PYTHON_VERSION="3.10"),
-                       {"nnsight-version": versions.MAIN, "python-version": PY39})
+                       {"nnsight-version": client_versions.MAIN, "python-version": PY39})
     assert response.status_code == 400
     assert response.get_json()["detail"] == "Client python version 3.9 is below the minimum supported 3.10. Please update python."
 
@@ -177,18 +177,18 @@ def test_web_without_minimums_lets_any_client_through(tmp_path):
 
 
 def test_another_version_is_refused_naming_it_and_the_versions_served():
-    said = refusal(versions.check_runtime, "0.7.0", "0.8.1", lambda: {"0.8.1", "0.6.3"})
+    said = refusal(client_versions.check_runtime, "0.7.0", "0.8.1", lambda: {"0.8.1", "0.6.3"})
     assert said == ("This farm does not serve nnsight 0.7.0: a request runs only under the client's own nnsight "
                     "version, and this farm serves nnsight 0.6.3, 0.8.1. Install one of those "
                     "(`pip install nnsight==0.8.1`), or ask the farm's operator to add 0.7.0 "
                     "(`ndif-celery runtime add 0.7.0`).")
     asked = []
-    versions.check_runtime("0.8.1", "0.8.1", lambda: asked.append(1) or set())
-    versions.check_runtime("", "0.8.1", lambda: asked.append(1) or set())
+    client_versions.check_runtime("0.8.1", "0.8.1", lambda: asked.append(1) or set())
+    client_versions.check_runtime("", "0.8.1", lambda: asked.append(1) or set())
     assert asked == [], "the farm's own version (or a source tree's empty one) reads nothing"
-    versions.check_runtime("0.6.3", "0.8.1", lambda: {"0.8.1", "0.6.3"})
+    client_versions.check_runtime("0.6.3", "0.8.1", lambda: {"0.8.1", "0.6.3"})
     # Its runtime added on this host, but no worker of it live: start one, not add it again.
-    said = refusal(versions.check_runtime, "0.7.0", "0.8.1", lambda: {"0.8.1"}, lambda: {"0.7.0"})
+    said = refusal(client_versions.check_runtime, "0.7.0", "0.8.1", lambda: {"0.8.1"}, lambda: {"0.7.0"})
     assert said.endswith("or ask the farm's operator to start a worker of it: its runtime is added but no worker "
                          "of it runs (`ndif-celery worker --nnsight 0.7.0`, or NDIF_RUNTIMES).") and \
         "runtime add" not in said, said
@@ -203,8 +203,8 @@ def test_the_versions_served_are_the_farms_and_each_live_workers(redis_client, e
     assert response.status_code == 400
     assert response.get_json()["detail"].startswith(
         f"This farm does not serve nnsight 0.7.0: a request runs only under the client's own nnsight version, "
-        f"and this farm serves nnsight {versions.MAIN}.")
+        f"and this farm serves nnsight {client_versions.MAIN}.")
     registry.register_worker(redis_client, {"name": "w7", "pid": 1, "nnsight": "0.7.0", "last_seen": time.time()})
-    assert versions.served(registry.live_workers(redis_client), versions.MAIN) == {versions.MAIN, "0.7.0"}
+    assert client_versions.served(registry.live_workers(redis_client), client_versions.MAIN) == {client_versions.MAIN, "0.7.0"}
     response = _submit(web, headers)
     assert response.status_code != 400 or "does not serve" not in response.get_json()["detail"], response.get_json()

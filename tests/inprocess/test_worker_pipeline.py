@@ -31,7 +31,7 @@ import zstandard
 from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for, send_job, worker_queue
 from ndif_celery.farm.watchdog import FarmWatchdog
-from ndif_celery.state import expiry as cleanup
+from ndif_celery.state import expiry
 from ndif_celery.state import jobs, queues, registry
 from tests.support.remote import recorded_request
 from tests.support.tiny_model import REPO_ID, client_model
@@ -138,7 +138,7 @@ def latest(redis, job_id: str) -> dict:
 def result(worker, redis, job_id: str) -> dict:
     status = latest(redis, job_id)
     assert status["status"] == wire.COMPLETED, status
-    raw = bytes(worker.store.get(cleanup.result_key(job_id)))
+    raw = bytes(worker.store.get(expiry.result_key(job_id)))
     return torch.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(raw) if raw[:4] == b"\x28\xb5\x2f\xfd"
                                  else raw), weights_only=False)
 
@@ -306,9 +306,9 @@ def test_the_chain_stops_for_anything_else_that_waits_for_the_worker(worker, web
 
 
 def test_one_task_runs_at_most_chain_max_jobs(worker, web, redis, client_lm, monkeypatch):
-    from workers.job import gather as batch
+    from workers.job import gather
 
-    monkeypatch.setattr(batch, "CHAIN_MAX", 2)
+    monkeypatch.setattr(gather, "CHAIN_MAX", 2)
     ids = [submit(web, logits, client_lm) for _ in range(4)]
     worker.run(handed_by_celery(redis, ids[0]))
     delivered(worker)

@@ -141,7 +141,7 @@ def test_the_gpu_childs_path_runs_a_request_jailed(resident, hf_home, monkeypatc
     from nnsight.schema.request import RequestModel
 
     from workers.isolation import jail
-    from workers.isolation import parent as isolate
+    from workers.isolation import parent
 
     blobs = []
     original = RequestModel.serialize.__func__
@@ -158,9 +158,9 @@ def test_the_gpu_childs_path_runs_a_request_jailed(resident, hf_home, monkeypatc
     assert blobs and pid == os.getpid()
 
     _, model = resident
-    policy = isolate.IsolationPolicy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
+    policy = parent.IsolationPolicy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
                             readable=tuple(jail.readable_paths((str(hf_home / "hub"),))))
-    spare = isolate.Spare(model, policy, zygote=_ForksTheGpuWay(model))
+    spare = parent.Spare(model, policy, zygote=_ForksTheGpuWay(model))
     try:
         outcome = spare.run(blobs[-1], False, {}, lambda line: None)
     finally:
@@ -178,18 +178,18 @@ def test_a_child_lacking_a_required_layer_refuses_the_request(resident, hf_home,
     neither: the child refuses before it reads the request, with an ERROR that
     names both layers and the setting, and so does the next child."""
     from workers.isolation import jail
-    from workers.isolation import parent as isolate
+    from workers.isolation import parent
 
     not_a_cgroup = tmp_path / "not-a-cgroup"
     not_a_cgroup.mkdir()
     _, model = resident
-    policy = isolate.IsolationPolicy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
+    policy = parent.IsolationPolicy(timeout_s=30, memory_bytes=8 << 30, disk_bytes=64 << 20,
                                      readable=tuple(jail.readable_paths((str(hf_home / "hub"),))),
                                      jail_disabled=("seccomp",), cgroup_root=str(not_a_cgroup))
     for _ in range(2):  # the spare made after a refusal is refused the same way
-        spare = isolate.Spare(model, policy, zygote=_ForksTheGpuWay(model))
+        spare = parent.Spare(model, policy, zygote=_ForksTheGpuWay(model))
         try:
-            with pytest.raises(isolate.RequestError) as refused:
+            with pytest.raises(parent.RequestError) as refused:
                 spare.run(b"never read", False, {}, lambda line: None)
         finally:
             spare.close()

@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Optional
 
-from ndif_celery.host import embedded_redis as redis_server
+from ndif_celery.host import embedded_redis
 from tests.support.netns import Host, Network
 from tests.support.paths import ROOT
 from tests.support.waiting import wait_until
@@ -96,7 +96,7 @@ class HostFarm:
         data = self.broker.folder / "redis"
         data.mkdir(exist_ok=True)
         self.broker.start("redis", [
-            redis_server.redis_server_binary(), "--bind", self.broker.address, "--port", str(REDIS_PORT),
+            embedded_redis.redis_server_binary(), "--bind", self.broker.address, "--port", str(REDIS_PORT),
             "--protected-mode", "no", "--save", "", "--appendonly", "no", "--dir", str(data),
         ])
         self.broker.start("store", [sys.executable, "-m", "moto.server", "-H", self.broker.address,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
-from ndif_celery.farm import actions as farm
+from ndif_celery.farm import actions
 from tests.support import pace
 from tests.support.tiny_model import PROMPT
 from tests.support.waiting import wait_until
@@ -107,7 +107,7 @@ def kill_stuck(stack, model, block, said: str = "cancelling on", settle_s: float
     took = time.monotonic() - started
     print(f"kill: the command {cli_s:.2f} s, the ERROR {took:.2f} s after it started (load {os.getloadavg()[0]:.1f})")
     assert took - cli_s < pace.bound(2), f"the ERROR came {took - cli_s:.1f} s after the command returned"
-    assert cli_s < farm.KILL_REPLY_S + pace.bound(8), f"the command took {cli_s:.1f} s"
+    assert cli_s < actions.KILL_REPLY_S + pace.bound(8), f"the command took {cli_s:.1f} s"
 
 
 def _latest(url: str, job_id: str, headers: dict | None):

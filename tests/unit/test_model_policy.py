@@ -1,4 +1,4 @@
-"""The model policy (``ndif_celery/policy/models.py``): a model key is code.
+"""The model policy (``ndif_celery/policy/model_policy.py``): a model key is code.
 
 Unit tests of the pure functions: which keys, revisions, tasks and envs pass,
 what a key is reduced to, who may load what. The attacks that reach them
@@ -12,8 +12,8 @@ import json
 import pytest
 
 from ndif_celery import config
-from ndif_celery.policy import models as model_policy
-from ndif_celery.policy.models import ModelPolicy, PolicyError
+from ndif_celery.policy import model_policy
+from ndif_celery.policy.model_policy import ModelPolicy, PolicyError
 from tests.support.tiny_model import REPO_ID, client_model
 
 KEY = 'nnsight.modeling.transformers.TransformersModel:{"repo_id": "ndif-celery/tiny-gpt2", "revision": null, "task": "text-generation"}'
@@ -206,11 +206,11 @@ def test_settings_and_operator_keys(tmp_path):
     settings = config.load({"NDIF_HOME": str(tmp_path), "NDIF_MODELS": " org/a , org/b-* ,",
                             "NDIF_TRUST_REMOTE_CODE": "org/b-1"})
     assert ModelPolicy.from_settings(settings) == ModelPolicy(models=("org/a", "org/b-*"), trust_remote_code=("org/b-1",))
-    from ndif_celery.farm import actions as farm
+    from ndif_celery.farm import actions
 
-    assert farm.model_key_for(REPO_ID) == KEY
+    assert actions.model_key_for(REPO_ID) == KEY
     with pytest.raises(ValueError, match="is a path"):
-        farm.model_key_for("/srv/models/x")
+        actions.model_key_for("/srv/models/x")
 
 
 # --- attacks on real stacks ----------------------------------------------------------

@@ -13,7 +13,7 @@ behind one small interface per minor:
   block and its tracer, the saves what the tracer pushes back.
 
 Each module gives: ``load(model_key, **kwargs)`` (a canonical key, from
-``ndif_celery.policy.models``), ``set_env(model, env)``, ``deserialize(model,
+``ndif_celery.policy.model_policy``), ``set_env(model, env)``, ``deserialize(model,
 blob, compress, persistent)``, ``run(prepared)``, ``caches(model)`` (the
 process-global dicts a request may fill, restored after it; what it changes
 on the model itself is ``workers.baseline``'s), ``after_run()``,

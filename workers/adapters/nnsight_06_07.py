@@ -22,7 +22,7 @@ from nnsight.intervention.tracing.tracer import Cache
 from nnsight.modeling.mixins.remoteable import RemoteableMixin, StreamTracer
 from nnsight.schema.request import RequestModel
 
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 
 COBATCH = False
 

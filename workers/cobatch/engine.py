@@ -64,7 +64,7 @@ from nnsight.tracing.tracer import dec, inc
 from workers import execute
 from workers.models import integrity
 
-from . import batcher as cobatcher
+from . import batcher
 from . import park as parking
 from . import screen
 from .request import Outcome, Request, run_alone
@@ -129,9 +129,9 @@ class _Batch:
         self.restore = restore
         self.stamps = integrity.Stamps(model._module)
         self.router = parking.LogRouter(sys.stdout)
-        self.dims = cobatcher.model_dims(model)
-        self.weights = cobatcher.model_storages(model)
-        self.limit = cobatcher.max_positions(model)
+        self.dims = batcher.model_dims(model)
+        self.weights = batcher.model_storages(model)
+        self.limit = batcher.max_positions(model)
         self.poisoned = ""  # set when weights were written: everything left runs alone
 
     def run(self, states: list[_InFlight]) -> list[Outcome]:
@@ -250,7 +250,7 @@ class _Batch:
         width fits the model's positions, its lengths apart (a length whose
         sizes are ambiguous even so runs alone)."""
         bound = screen.length_bound(self.model, chunk[0].park.fn_name, self.window)
-        found = cobatcher.layout({s.park.length for s in chunk}, _rows(chunk), self.dims, self.limit, not bound)
+        found = batcher.layout({s.park.length for s in chunk}, _rows(chunk), self.dims, self.limit, not bound)
         if found is not None:
             return [(chunk, found)]
         buckets: dict = {}
@@ -258,7 +258,7 @@ class _Batch:
             buckets.setdefault(state.park.length, []).append(state)
         out = []
         for bucket in buckets.values():
-            found = cobatcher.layout({bucket[0].park.length}, _rows(bucket), self.dims, self.limit, not bound)
+            found = batcher.layout({bucket[0].park.length}, _rows(bucket), self.dims, self.limit, not bound)
             if found is None:
                 for state in bucket:
                     state.solo = screen.NO_LAYOUT
@@ -270,7 +270,7 @@ class _Batch:
 
     def _share(self, group: list[_InFlight], fill: int, width: int) -> None:
         model = self.model
-        batch = cobatcher.make(model, self.window)
+        batch = batcher.make(model, self.window)
         batch.weights = self.weights
         workers: list = []
         for state in group:
@@ -344,7 +344,7 @@ class _Batch:
     def _collect(self, state: _InFlight) -> Outcome:
         saved = state.saves
         values = {name: value for name, value in state.tracer.info.frame.f_locals.items() if id(value) in saved}
-        return Outcome(state.request.job_id, saved=cobatcher.compact(values), meta={"cobatch": state.cobatch})
+        return Outcome(state.request.job_id, saved=batcher.compact(values), meta={"cobatch": state.cobatch})
 
     def _check_weights(self) -> None:
         if self.stamps.changed(self.model._module):
@@ -355,7 +355,7 @@ class _Batch:
             raise RuntimeError("a request wrote the model's weights and run_batch was given no restore()")
         self.model = self.restore()
         self.stamps = integrity.Stamps(self.model._module)
-        self.weights = cobatcher.model_storages(self.model)
+        self.weights = batcher.model_storages(self.model)
 
     def _unwind(self, states: list[_InFlight]) -> None:
         """Every greenlet ended, every hook and per-request filename gone, and

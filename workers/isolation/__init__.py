@@ -13,7 +13,7 @@ Bottom first (docs/security.md, "The isolated path"):
 - ``parent``: the worker's side: ``run`` a request in a child (or a ready
   ``Spare``) under an ``IsolationPolicy`` (timeout, memory, what it may read),
   reading its frames as hostile input; ``ChildOutcome`` is what comes back.
-  Not ``ndif_celery.policy.models``'s ``ModelPolicy``, nor ``workers.cobatch``'s ``Outcome``.
+  Not ``ndif_celery.policy.model_policy``'s ``ModelPolicy``, nor ``workers.cobatch``'s ``Outcome``.
 - ``shared_weights``: a resident model's weights in memory a zygote can map
   (memfd on CPU, CUDA IPC on GPU), so children share them without a copy.
 - ``zygote``: a clean per-model process that forks the children: an exec'd

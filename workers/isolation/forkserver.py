@@ -45,7 +45,7 @@ import time
 from typing import Iterable, Optional
 from urllib.parse import unquote, urlsplit
 
-from . import control_channel as control
+from . import control_channel
 from .zygote import ZygoteError
 
 READY_TIMEOUT_S = 60.0
@@ -168,7 +168,7 @@ class ForkServer:
         self._reader.start()
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        control.wait_ready(self, timeout, ForkServerError, "the fork server")
+        control_channel.wait_ready(self, timeout, ForkServerError, "the fork server")
 
     def spawn(self, zygote_fd: int, cpu_fd: int) -> ForkedProcess:
         """Fork a zygote that serves on ``zygote_fd`` and maps the weights
@@ -206,8 +206,8 @@ class ForkServer:
         self.sock.close()
 
     def _read(self) -> None:
-        for message in control.messages(self.sock):
-            if control.settled(self, message):
+        for message in control_channel.messages(self.sock):
+            if control_channel.settled(self, message):
                 continue
             if "spawned" in message:
                 request = int(message["spawned"])
@@ -315,15 +315,15 @@ def _become_server(sock: socket.socket, needles: list, keep_env: tuple) -> None:
         scrub_memory(needles)
         del needles
     except BaseException as error:  # noqa: BLE001 - reported: no zygote from an unscrubbed server
-        control.reply(sock, {"error": f"the fork server could not scrub itself: {type(error).__name__}: {error}"})
+        control_channel.reply(sock, {"error": f"the fork server could not scrub itself: {type(error).__name__}: {error}"})
         os._exit(1)
-    control.reply(sock, {"ready": True})
+    control_channel.reply(sock, {"ready": True})
     _serve(sock)
 
 
 def _serve(sock: socket.socket) -> None:
     children: set = set()
-    for request, fds in control.requests(sock, 3, children):
+    for request, fds in control_channel.requests(sock, 3, children):
         zygote_fd, header_fd = fds[0], fds[1]
         cpu_fd = fds[2] if request.get("cpu") and len(fds) > 2 else -1
         pid = os.fork()
@@ -332,7 +332,7 @@ def _serve(sock: socket.socket) -> None:
         for fd in fds:
             os.close(fd)
         children.add(pid)
-        control.reply(sock, {"spawned": request["spawn"], "pid": pid})
+        control_channel.reply(sock, {"spawned": request["spawn"], "pid": pid})
     os._exit(0)  # the worker is gone or let go of us: zygotes die with us
 
 

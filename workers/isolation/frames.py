@@ -17,12 +17,12 @@ import json
 import os
 import struct
 
-from ndif_celery import output_bounds as bounds
+from ndif_celery import output_bounds
 
 HEADER = struct.Struct(">cQ")
 
 #: The largest body of each frame kind a child may send (``R``: the policy's result limit).
-FRAME_LIMITS = {b"L": bounds.LOG_LINE_BYTES, b"E": bounds.ERROR_BYTES, b"M": bounds.META_BYTES}
+FRAME_LIMITS = {b"L": output_bounds.LOG_LINE_BYTES, b"E": output_bounds.ERROR_BYTES, b"M": output_bounds.META_BYTES}
 FRAME_NAMES = {b"L": "LOG", b"E": "ERROR", b"M": "meta", b"R": "result"}
 
 
@@ -43,7 +43,7 @@ def send(fd: int, kind: bytes, body) -> None:
     """Write one frame to the worker (blocking: the child has nothing else to do)."""
     if kind in (b"L", b"E"):  # the worker kills a child whose frame is over its kind's limit
         # Bounded as the worker will bound it (as JSON), so it is cut once, with one note.
-        body = bounds.truncate(bytes(body).decode("utf-8", "replace"), FRAME_LIMITS[kind]).encode("utf-8")
+        body = output_bounds.truncate(bytes(body).decode("utf-8", "replace"), FRAME_LIMITS[kind]).encode("utf-8")
     body = memoryview(body)
     if body.nbytes < 65536:
         write_all(fd, HEADER.pack(kind, body.nbytes) + body.tobytes())

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ndif_celery import messages
-from ndif_celery import output_bounds as bounds
+from ndif_celery import output_bounds
 from workers.execute import RequestError, result_too_big
 
 from . import jail
@@ -302,8 +302,8 @@ def _check(forked, kind: bytes, length: int, policy: IsolationPolicy) -> None:
     if length > limit:
         forked.kill()
         raise RequestError(
-            f"Your job's isolated process announced {bounds.human_bytes(length)} in one {FRAME_NAMES[kind]} frame, "
-            f"over the {bounds.human_bytes(limit)} such a frame may carry, so it was stopped.")
+            f"Your job's isolated process announced {output_bounds.human_bytes(length)} in one {FRAME_NAMES[kind]} frame, "
+            f"over the {output_bounds.human_bytes(limit)} such a frame may carry, so it was stopped.")
 
 
 def _timed_out(forked, policy: IsolationPolicy) -> RequestError:

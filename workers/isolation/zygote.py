@@ -36,7 +36,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Optional
 
-from . import control_channel as control
+from . import control_channel
 from . import jail
 from .child import kill_group
 from .child import main as child_main
@@ -137,7 +137,7 @@ class Zygote:
         return self.model_id == id(model) and self.process.poll() is None and self.error is None
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
-        control.wait_ready(self, timeout, ZygoteError, "the isolation zygote")
+        control_channel.wait_ready(self, timeout, ZygoteError, "the isolation zygote")
 
     def fork(self, out_fd: int, in_fd: int, policy: Any, workdir: str, cgroup: str) -> ZygoteChild:
         """Have the zygote fork a child that runs ``child.main`` on these pipes.
@@ -175,8 +175,8 @@ class Zygote:
         self._fail("the isolation zygote was stopped")
 
     def _read(self) -> None:
-        for message in control.messages(self.sock):
-            if control.settled(self, message):
+        for message in control_channel.messages(self.sock):
+            if control_channel.settled(self, message):
                 continue
             if "forked" in message:
                 child = ZygoteChild(int(message["pid"]))
@@ -222,11 +222,11 @@ def serve(sock_fd: int, cpu_fd: int, header_file: Any) -> None:
         header = pickle.loads(header_file.read())  # from the worker, which started us
         model = _build(header, cpu_fd)
     except BaseException as error:  # noqa: BLE001 - reported, then gone
-        control.reply(sock, {"error": f"the isolation zygote could not build the model: {type(error).__name__}: {error}"})
+        control_channel.reply(sock, {"error": f"the isolation zygote could not build the model: {type(error).__name__}: {error}"})
         os._exit(1)
     if cpu_fd >= 0:
         os.close(cpu_fd)  # the private mapping stays; children get no handle on the shared file
-    control.reply(sock, {"ready": True})
+    control_channel.reply(sock, {"ready": True})
     _serve(sock, model, header)
 
 
@@ -258,7 +258,7 @@ def _build(header: dict, cpu_fd: int) -> Any:
 def _serve(sock: socket.socket, model: Any, header: dict) -> None:
     cuda = bool(header["shared"]["cuda"])
     children: set = set()
-    for request, fds in control.requests(sock, 2, children):
+    for request, fds in control_channel.requests(sock, 2, children):
         policy = IsolationPolicy(**{**request["policy"], "secrets": tuple(request["policy"]["secrets"]),
                            "readable": tuple(request["policy"]["readable"])})
         out_fd, in_fd = fds
@@ -270,7 +270,7 @@ def _serve(sock: socket.socket, model: Any, header: dict) -> None:
         os.close(out_fd)
         os.close(in_fd)
         children.add(pid)
-        control.reply(sock, {"forked": request["fork"], "pid": pid})
+        control_channel.reply(sock, {"forked": request["fork"], "pid": pid})
     for pid in children:  # the worker is gone or let go of us
         kill_group(pid)
     os._exit(0)

@@ -42,7 +42,7 @@ from ndif_celery import config, statuses, wire
 from ndif_celery.state import jobs
 from workers import cobatch, execute, results
 from workers.isolation import forkserver, jail
-from workers.isolation import parent as isolate
+from workers.isolation import parent
 from workers.isolation.zygote import ZygoteError
 from workers.models.resident import ResidentModels
 
@@ -187,15 +187,15 @@ class Isolated:
             raise execute.RequestError(f"This worker does not run untrusted code: {self.cache_exposed} "
                                        "(see docs/security.md). Ask the operator.")
         zygote = self.zygote(job.model_key)
-        # Armed once the zygote is ready (its start is not the job's time), as isolate.run's own deadline is.
+        # Armed once the zygote is ready (its start is not the job's time), as parent.run's own deadline is.
         backstop_s = self.settings.execution_timeout_s + deadline.ISOLATED_MARGIN_S
         with self.watchdog.watch(job.id, channel, meta, backstop_s):
-            outcome = isolate.run(model, blob, job.compress, job.env, self.policy(zygote, job.model_key), channel.log,
+            outcome = parent.run(model, blob, job.compress, job.env, self.policy(zygote, job.model_key), channel.log,
                                   zygote=zygote)
         # Only what isolate vouches for (the child's jail layers and timings, checked
         # by isolate.child_meta; its own isolated_ms and spare): never a key of ours.
         meta.update({key: value for key, value in outcome.meta.items()
-                     if key in isolate.OUTCOME_META and key not in meta})
+                     if key in parent.OUTCOME_META and key not in meta})
         meta["isolation"] = zygote.mode
         return outcome.data
 
@@ -224,12 +224,12 @@ class Isolated:
         server = forkserver.current() if self.settings.isolation == "fork" else None
         self.models.zygote(model_key, fork_server=server)
 
-    def policy(self, zygote, model_key: str) -> isolate.IsolationPolicy:
+    def policy(self, zygote, model_key: str) -> parent.IsolationPolicy:
         settings = self.settings
         readable = self.readable + model_files(model_key)
         if zygote is not None and zygote.cuda:
             readable = readable + _gpu_readable()
-        return isolate.IsolationPolicy(
+        return parent.IsolationPolicy(
             timeout_s=settings.execution_timeout_s,
             memory_bytes=settings.job_memory_bytes,
             disk_bytes=settings.job_disk_bytes,
@@ -254,7 +254,7 @@ class Isolated:
         if not self.models.checks_untrusted(job.model_key):
             return
         started = time.perf_counter()
-        if not isolate.wait_reaped(REAP_WAIT_S):
+        if not parent.wait_reaped(REAP_WAIT_S):
             log.error("untrusted job %s: its child was not reaped within %g s; evicting %s unverified",
                       job.id, REAP_WAIT_S, job.model_key)
             self.models.evict(job.model_key)
@@ -276,7 +276,7 @@ class Isolated:
             zygote = self.models.current_zygote(model_key)
             if zygote is None:
                 return
-            isolate.prepare(model, self.policy(zygote, model_key), zygote=zygote)
+            parent.prepare(model, self.policy(zygote, model_key), zygote=zygote)
         except Exception:  # noqa: BLE001
             log.exception("could not prepare a spare isolated process")
 

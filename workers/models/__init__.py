@@ -1,6 +1,6 @@
 """The models a worker keeps loaded, what memory they may take, and whether their weights changed.
 
-Not ``ndif_celery.policy.models`` (``ModelPolicy``: which models may load for
+Not ``ndif_celery.policy.model_policy`` (``ModelPolicy``: which models may load for
 whom), nor ``ndif_celery.farm`` (which worker holds which model). Bottom first:
 
 - ``memory``: a worker's memory budget, from ``nvidia-smi`` or RAM, without

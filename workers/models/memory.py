@@ -59,7 +59,7 @@ def cached_repos(settings: config.Settings | None = None) -> list[str]:
     Only real models (a snapshot whose ``config.json`` names a model type: a
     PEFT adapter or a dataset is not one), and with ``NDIF_MODELS`` set only
     those it allows, so ``/status`` never offers what the farm would refuse."""
-    from ndif_celery.policy import models as model_policy
+    from ndif_celery.policy import model_policy
 
     policy = model_policy.ModelPolicy.from_settings(settings) if settings is not None else model_policy.ModelPolicy()
     try:
@@ -83,7 +83,7 @@ def cached_refs(repo_id: str) -> dict:
     knows two revisions name the same weights (``registry.record_refs``)."""
     from huggingface_hub import constants, file_download
 
-    from ndif_celery.policy.models import COMMIT
+    from ndif_celery.policy.model_policy import COMMIT
 
     root = os.path.join(constants.HF_HUB_CACHE, file_download.repo_folder_name(repo_id=repo_id, repo_type="model"),
                         "refs")

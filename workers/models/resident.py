@@ -23,11 +23,11 @@ from typing import Any, Optional
 
 
 from ndif_celery import config
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from ndif_celery.wire import repo_fields
 from workers import adapters, baseline, cuda
 from workers.execute import RequestError, forget_tree, no_grad_weights
-from workers.isolation import parent as isolate
+from workers.isolation import parent
 from workers.isolation import shared_weights
 from workers.isolation.zygote import Zygote
 
@@ -102,7 +102,7 @@ class Resident:
         """Stop its zygote (and so every child it forked, the spare included)."""
         zygote, self.zygote = self.zygote, None
         if zygote is not None:
-            isolate.discard(zygote=zygote)
+            parent.discard(zygote=zygote)
             zygote.close()
 
     def changed(self) -> list[str]:

@@ -1,4 +1,4 @@
-"""The model policy (``ndif_celery/policy/models.py``): a model key is code.
+"""The model policy (``ndif_celery/policy/model_policy.py``): a model key is code.
 
 Attacks against real stacks (the pure functions they reach are
 tests/unit/test_model_policy.py): raw HTTP
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from ndif_celery import config
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from tests.support.stack import Stack
 from tests.support.tiny_model import PROMPT, REPO_ID, client_model
 

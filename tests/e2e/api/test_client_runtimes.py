@@ -24,7 +24,7 @@ import redis
 from ndif_celery.accounts import ledger
 from ndif_celery.policy import client_versions
 from tests.support import client_envs, conformance
-from tests.support import old_client_cases as old_cases
+from tests.support import old_client_cases
 from tests.support.remote import client_pointed_at
 from tests.support.servers import free_ports
 from tests.support.stack import Stack, offline_env
@@ -77,7 +77,7 @@ def _old_client_runs(farm, who: str, mode: str, cases: dict) -> dict:
 
     def run(version):
         try:
-            reports[version] = old_cases.run_cases(farm["pythons"][version], farm["stack"].url, cases[version], mode,
+            reports[version] = old_client_cases.run_cases(farm["pythons"][version], farm["stack"].url, cases[version], mode,
                                                    env={"CLIENT_API_KEY": farm["keys"][who]})
         except BaseException as error:  # noqa: BLE001 - reported by the test
             reports[version] = error
@@ -102,7 +102,7 @@ def _assert_each_equal(runs: dict, cases: dict) -> None:
 
 @pytest.mark.parametrize("who", ["trusted", "untrusted"])
 def test_each_client_gets_its_own_local_values_all_at_once(farm, who, model, local_results, tmp_path):
-    cases = {version: old_cases.SUPPORTED[version] for version in OLD}
+    cases = {version: old_client_cases.SUPPORTED[version] for version in OLD}
     runs = _old_client_runs(farm, who, "blocking", cases)
     with client_pointed_at(farm["stack"].url):
         import nnsight
@@ -177,7 +177,7 @@ def test_status_and_compare_from_the_farms_own_client(farm):
 def test_a_client_on_another_runtimes_port_is_told_where_to_go(farm):
     other = {"0.6.3": "0.7.0", "0.7.0": "0.6.3"}
     version = OLD[0]
-    said = old_cases.run_cases(farm["pythons"][version], _port_url(farm, other[version]), ["read_outputs"],
+    said = old_client_cases.run_cases(farm["pythons"][version], _port_url(farm, other[version]), ["read_outputs"],
                                "blocking", env={"CLIENT_API_KEY": farm["keys"]["trusted"]})[-1]
     assert said.get("error") == "ConnectionError", said
     assert said["said"] == (f"This port serves nnsight {other[version]} clients, and yours is nnsight {version}: "

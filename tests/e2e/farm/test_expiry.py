@@ -13,7 +13,7 @@ import redis
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend
 
-from ndif_celery.state import expiry as cleanup
+from ndif_celery.state import expiry
 from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore
 from tests.support.remote import poll, slow_job
@@ -43,7 +43,7 @@ def test_an_expired_job_is_cleaned_up_and_says_so(stack):
     with model.trace(PROMPT):
         expected = model.transformer.h[1].output.save()
     assert torch.equal(result["out"], expected)
-    stored = stack.home / "results" / cleanup.result_key(backend.job_id)
+    stored = stack.home / "results" / expiry.result_key(backend.job_id)
     assert stored.is_file()
     assert backend.job_id in stack.cli("jobs", "--json", check=True).stdout  # in the ledger, for now
     # The first URL has expired by now (NDIF_RESULT_URL_TTL_S): a late poll
@@ -77,23 +77,23 @@ def test_the_sweep_removes_only_what_is_past_its_ttl(stack, tmp_path):
     now = time.time()
     old, fresh = "a" * 32, "b" * 32
     for job_id, ended in ((old, now - 100), (fresh, now - 1)):
-        store.put(cleanup.result_key(job_id), b"result")
+        store.put(expiry.result_key(job_id), b"result")
         for key in jobs.job_keys(job_id):
             client.set(key, b"x")
         client.zadd(jobs.ENDED, {job_id: ended})
     store.put("results/orphan-old.pt", b"o")
     store.put("results/orphan-new.pt", b"o")
     os.utime(store.path("results/orphan-old.pt"), (now - 100, now - 100))
-    client.zadd(cleanup.EXPIRED, {"c" * 32: now - cleanup.REMEMBER_EXPIRED_S - 1})
+    client.zadd(expiry.EXPIRED, {"c" * 32: now - expiry.REMEMBER_EXPIRED_S - 1})
 
-    swept = cleanup.sweep(client, store, ttl_s=10, now=now)
+    swept = expiry.sweep(client, store, ttl_s=10, now=now)
 
     assert swept == {"jobs": 1, "orphan_results": 1}
     left = set(store.older_than("results/", now + 1))  # everything still stored
-    assert left == {cleanup.result_key(fresh), "results/orphan-new.pt"}
+    assert left == {expiry.result_key(fresh), "results/orphan-new.pt"}
     assert not any(client.exists(key) for key in jobs.job_keys(old))
     assert all(client.exists(key) for key in jobs.job_keys(fresh))
-    assert cleanup.expired(client, old, 10) and not cleanup.expired(client, fresh, 10)
-    assert client.zscore(cleanup.EXPIRED, "c" * 32) is None  # forgotten after a month
-    assert cleanup.sweep(client, store, ttl_s=10, now=now) == {"jobs": 0, "orphan_results": 0}
+    assert expiry.expired(client, old, 10) and not expiry.expired(client, fresh, 10)
+    assert client.zscore(expiry.EXPIRED, "c" * 32) is None  # forgotten after a month
+    assert expiry.sweep(client, store, ttl_s=10, now=now) == {"jobs": 0, "orphan_results": 0}
     client.flushdb()

@@ -22,7 +22,7 @@ import nnsight
 import pytest
 
 from ndif_celery.policy import client_versions
-from ndif_celery.policy import models as model_policy
+from ndif_celery.policy import model_policy
 from tests.support import client_envs, model_state
 from tests.support.model_state import CHANGED, change_everything, differences, read_back
 from tests.support.paths import ROOT
