@@ -28,7 +28,7 @@ from tests.support.tiny_model import PROMPT, REPO_ID
 OUTSIDE = "ndif-celery/not-listed-here"  # a repo this farm's NDIF_MODELS does not list
 LAYER = 2
 
-# What docs/researchers.md tells a researcher to run, with the tokenizer given: nnsight
+# The README snippet (as docs/researchers.md gives it offline), the tokenizer given: nnsight
 # 0.8.1 on transformers 5 does not find one for a pre-built meta model by itself.
 SNIPPET = """
 import json, sys
