@@ -97,7 +97,7 @@ def _assert_each_equal(runs: dict, cases: dict) -> None:
             raise reports
         assert [report["case"] for report in reports] == list(cases[version]), reports
         for report in reports:
-            assert report.get("equal") is True and report["version"] == version, report
+            assert report.get("equal") is True and report["version"] == version, json.dumps(report, default=str)[:6000]
 
 
 @pytest.mark.parametrize("who", ["trusted", "untrusted"])
