@@ -50,7 +50,7 @@ test: install
 	$(BIN)/python -m pytest -q $(XDIST) -m "not bench_smoke" $(PYTEST_ARGS)
 
 test-bench: install
-	$(BIN)/python -m pytest -q -m bench_smoke tests/e2e/api/test_bench_smoke.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m bench_smoke tests/e2e/bench/test_bench_smoke.py $(PYTEST_ARGS)
 
 # The fast tier: tests/unit and tests/inprocess; the end-to-end tier (tests/e2e, real stacks) is left out.
 test-fast: install

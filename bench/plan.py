@@ -24,7 +24,7 @@ ALL = TIME_WORKLOADS + ("cold_start", "isolation", "throughput", "cobatch", "fai
 CPU_BASE = "6cb6711"
 # Co-batched values against the local solo run: torch.equal where no padding is involved, else within
 # the engine's stated tolerance (tests/support/load.py's COBATCH_TOLERANCE, measured in
-# tests/inprocess/test_cobatch.py; a smoke test keeps them equal).
+# tests/inprocess/workers/cobatch/test_engine.py; a smoke test keeps them equal).
 COBATCH_TOLERANCE = 1e-5
 TITLES = {
     "small_trace": "small trace: one forward pass, one hidden state saved",

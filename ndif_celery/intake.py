@@ -16,7 +16,7 @@ comes before the envelope because another client version sends another
 body: a 0.7 client gets the sentence about versions, not one about form fields.
 
 Every refusal raises ``errors.Refused`` (or a subclass) before anything is
-written, so a refused request leaves nothing in Redis (tests/inprocess/test_intake.py).
+written, so a refused request leaves nothing in Redis (tests/inprocess/ndif_celery/test_intake.py).
 Settings, Redis and the Celery app are passed in, no Flask: the fast tier and
 any other front end can drive it directly.
 """

@@ -23,7 +23,7 @@ only), and checks:
 Usage: ``python tools/import_graph.py [--root DIR] [--quiet]``. It prints the
 module graph (each module and the project modules it imports) and the
 package-level edges, then the problems; the exit status is 1 when there is a
-problem, else 0. tests/unit/test_import_graph.py runs it.
+problem, else 0. tests/unit/tools/test_import_graph.py runs it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and the one line saying whether every remote column got the local values.
 Apart from the sections that measure because a target reads several tables
 (the small trace against the null and local columns, the big result against
 its floor and memory, throughput on whichever cells measure the workers) and
-is tested on made-up JSON (tests/e2e/api/test_bench_smoke.py) without running any.
+is tested on made-up JSON (tests/e2e/bench/test_bench_smoke.py) without running any.
 """
 
 from __future__ import annotations

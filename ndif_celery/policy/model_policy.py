@@ -66,7 +66,7 @@ MAX_REVISION_CHARS = 128
 _RUNTIME = re.compile(r"\d+\.\d+\.\d+(?:[A-Za-z0-9.+-]{0,20})")
 
 # transformers' pipeline tasks (transformers.pipelines.SUPPORTED_TASKS and
-# TASK_ALIASES in 5.x; tests/unit/test_model_policy.py checks this list still covers
+# TASK_ALIASES in 5.x; tests/unit/ndif_celery/policy/test_model_policy.py checks this list still covers
 # the installed transformers), plus `translation_xx_to_yy`. A closed list keeps
 # the task from multiplying one repo into unbounded deployments.
 TASKS = frozenset({

@@ -59,7 +59,7 @@ def job_message(app: Celery, job: jobs.Job) -> tuple[str, str]:
     message reached the broker ~2 ms after the job's QUEUED status. Celery
     still writes the message (``amqp.create_task_message``: protocol 2, its
     headers, its JSON body); only kombu's Redis envelope is written here, the
-    one :func:`waiting` reads (tests/inprocess/test_intake.py holds both to
+    one :func:`waiting` reads (tests/inprocess/ndif_celery/test_intake.py holds both to
     what ``send_task`` pushes)."""
     queue = queue_for(job.model_key)
     priority = PRIORITY_FIRST if job.priority else PRIORITY_NORMAL

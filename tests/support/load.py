@@ -8,7 +8,7 @@ the wrong client is counted, never retried.
 
 Exact, except where the answer says (``meta["cobatch"]``) that the request
 shared a forward with prompts of other lengths: left padding changes the
-arithmetic within :data:`COBATCH_TOLERANCE` (the bound tests/inprocess/test_cobatch.py
+arithmetic within :data:`COBATCH_TOLERANCE` (the bound tests/inprocess/workers/cobatch/test_engine.py
 states), so such an answer counts as right within it and is listed in
 ``close``; another client's answer is off by far more. Used by the suite's short load test
 and by ``bench/load.py``.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 #: How far a co-batched answer may be from the solo one: the engine's stated tolerance, measured in
-#: tests/inprocess/test_cobatch.py (TOLERANCE there) and equal to bench/plan.py's (tests/e2e/api/test_bench_smoke.py).
+#: tests/inprocess/workers/cobatch/test_engine.py (TOLERANCE there) and equal to bench/plan.py's (tests/e2e/bench/test_bench_smoke.py).
 COBATCH_TOLERANCE = 1e-5
 
 

@@ -52,12 +52,12 @@ MODULE_ALIASES = {
     ("ndif_celery/cli/checks.py", "checks"): "the `doctor` command's function has the module's name",
     ("workers/worker.py", "farm_metrics"): "the worker has metrics of its own (workers.metrics) beside the farm's",
     ("workers/job/gather.py", "job_life"): "``life`` names a job's Life in every step",
-    ("tests/inprocess/test_worker_entry.py", "job_life"): "``life`` names a job's Life in the tests",
+    ("tests/inprocess/workers/test_tasks.py", "job_life"): "``life`` names a job's Life in the tests",
     ("workers/cobatch/engine.py", "parking"): "``park`` names one parked request there",
     ("workers/adapters/__init__.py", "adapter"): "the one adapter of the nnsight installed, picked at import",
     ("web/gunicorn_conf.py", "_config"): "gunicorn reads every public name of its config file as a setting",
-    ("tests/inprocess/test_watchdog.py", "watchdog_module"): "``watchdog`` is the fixture under test",
-    ("tests/inprocess/test_hub.py", "hub_module"): "``hub`` is the fixture under test",
+    ("tests/inprocess/ndif_celery/farm/test_watchdog.py", "watchdog_module"): "``watchdog`` is the fixture under test",
+    ("tests/inprocess/web/test_hub.py", "hub_module"): "``hub`` is the fixture under test",
     ("tests/support/servers.py", "redis_server"): "``embedded_redis`` names the server object it starts",
 }
 

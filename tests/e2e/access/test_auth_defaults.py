@@ -4,7 +4,7 @@ queue depth, rate, payload and result sizes, open websockets per key), and the
 auth cache cannot be grown, nor the key database hammered, by made-up keys.
 
 The rules (config, the cache's bound, the database queries a flood costs) are
-pinned in tests/inprocess/test_auth_defaults.py; here are the attacks, by raw HTTP and the real
+pinned in tests/inprocess/ndif_celery/accounts/test_auth.py; here are the attacks, by raw HTTP and the real
 client, against a real stack started with ``NDIF_AUTH=1`` and nothing else
 set, so every limit below is the auth-on default."""
 

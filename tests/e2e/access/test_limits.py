@@ -3,7 +3,7 @@ message naming the limit, and the next request is fine. The client version
 gate (NDIF_MIN_NNSIGHT_VERSION, NDIF_MIN_PYTHON_VERSION) is one more: this
 stack's minimums are exactly this client's nnsight and Python, so the real
 client is at the gate, and one that reports an older version is below it.
-Each check at its edges: tests/inprocess/test_versions.py.
+Each check at its edges: tests/inprocess/ndif_celery/policy/test_client_versions.py.
 
 Request bodies are attacked by raw HTTP: a body is refused unread when its
 key may not send it, a key has a few uploads in flight at most, a trickled

@@ -1,7 +1,7 @@
 """The model policy (``ndif_celery/policy/model_policy.py``): a model key is code.
 
 Attacks against real stacks (the pure functions they reach are
-tests/unit/test_model_policy.py): raw HTTP
+tests/unit/ndif_celery/policy/test_model_policy.py): raw HTTP
 with crafted model keys and envs, a job put on the broker directly (as if the
 web were bypassed), and the real client. Each attack is refused with an error
 naming the problem, loads nothing (no marker from a repo's own code, no

@@ -5,7 +5,7 @@ payload for the job TTL (a day): a key could submit and cancel until the
 broker was full, and everyone's next request got 503. Now the step that
 frees the slot deletes the payload and gives its bytes back
 (``statuses._release``), and what a key parks counts against
-``NDIF_MAX_PARKED_BYTES_PER_KEY`` (the refusal itself: tests/inprocess/test_intake.py).
+``NDIF_MAX_PARKED_BYTES_PER_KEY`` (the refusal itself: tests/inprocess/ndif_celery/test_intake.py).
 """
 
 from __future__ import annotations

@@ -1,1 +1,1 @@
-"""End to end: the HTTP/websocket API, conformance against the real client, load, capacity, metrics, the ledger."""
+"""End to end: the HTTP/websocket API and the real client: conformance on every transport, hostile clients, bounds, uploads."""

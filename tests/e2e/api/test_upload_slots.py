@@ -12,7 +12,7 @@ A body that sends nothing is cut with 408 after NDIF_UPLOAD_FIRST_BYTE_S (2 s);
 one that sent its first KiB and stalls is held for the rate's grace, and the
 shares bound it just the same.
 
-The rules in-process: tests/inprocess/test_upload_slots.py.
+The rules in-process: tests/inprocess/web/test_uploads.py.
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def test_a_few_addresses_of_stalled_bodies_leave_upload_places_to_everyone(stack
     # Counted at the attacker, from a socket's headers until it reads the answer, which it
     # may read late: a body cut and the one admitted in its place can overlap there, so this
     # says the attacker held at least its shares. That it holds no more: the 429s above, and
-    # tests/inprocess/test_upload_slots.py.
+    # tests/inprocess/web/test_uploads.py.
     assert max(during) >= len(sources) * share, "the attacker held its shares while the researcher was served"
     assert all(status in (408, 429, 0) for status in statuses), statuses
     same_as_local(model)

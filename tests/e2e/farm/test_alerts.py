@@ -7,7 +7,7 @@ first green probe answered) no longer matches what the model answers: here the
 test scales the stored reference, which the beat then sees exactly as it sees
 corrupted weights (tests/e2e/farm/test_operations.py corrupts the weights
 themselves). The delivery logic, its backoff and the re-sends are unit-tested in
-tests/inprocess/test_alerts.py.
+tests/inprocess/ndif_celery/monitoring/test_alerts.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ gunicorn, a Celery worker, beat, Flower) with auth on, plus a second worker
 that joins. The tests run in order and share the farm; each says what it
 starts from. Short intervals come from the NDIF_* variables (a probe every two
 seconds, the controller every 0.5 s). Parsing and window logic are unit-tested
-in tests/inprocess/test_deployments.py, test_schedules.py, test_probes.py and
+in tests/inprocess/ndif_celery/farm/test_deployments.py, test_schedules.py, test_probes.py and
 test_usage.py.
 
 Keys: ``probe`` (admin, trusted: the beat's ``NDIF_PROBE_API_KEY``), ``ada``

@@ -8,7 +8,7 @@ front of the line (``state.turns``): it waits for the job running, answers
 green while the other two still wait, and no alert goes out. The in-process
 tier drives the same with a clock, including a probe whose time runs out in
 the line ("queued behind N jobs") and a broken model's single alert:
-tests/inprocess/test_probe_queue.py.
+tests/inprocess/ndif_celery/monitoring/test_probe_queue.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ client (``tests/support/client_envs.py`` makes the runtime from the package
 index once per checkout). Both probes stay green over many rounds, no alert
 goes out, ``/metrics`` parses with unique label sets, and every CLI table and
 the dashboard tell the two deployments apart. The same in the fast tier, with
-scripted runners: tests/inprocess/test_probe_runtimes.py.
+scripted runners: tests/inprocess/ndif_celery/monitoring/test_probe_runtimes.py.
 """
 
 from __future__ import annotations

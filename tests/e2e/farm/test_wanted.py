@@ -7,7 +7,7 @@ deploy, a schedule, a first request, an unmeetable scale) beside what runs;
 
 One stack (``up``: embedded Redis, gunicorn, one Celery worker, beat) with a
 boot list; the tests run in order and share it. The planning and the
-controller's rules are unit-tested in tests/inprocess/test_deployments.py.
+controller's rules are unit-tested in tests/inprocess/ndif_celery/farm/test_deployments.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ free loopback ports, the real embedded Redis, gunicorn web, Celery worker and
 Flower. Nothing here needs a Redis, PostgreSQL or RabbitMQ of the machine.
 One detached stack serves `up`, `status`, `doctor` (healthy, then with its
 Redis frozen), `logs` and, last, `down`. The pieces that need no stack are
-tests/inprocess/test_cli.py and tests/inprocess/test_doctor.py.
+tests/inprocess/ndif_celery/cli/test_cli.py and tests/inprocess/ndif_celery/host/test_doctor.py.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_up_twice_refuses_and_leaves_the_stack_alone(stack):
 
 
 # `doctor` and `logs` on the same running stack (their cases without one:
-# tests/inprocess/test_doctor.py).
+# tests/inprocess/ndif_celery/host/test_doctor.py).
 
 
 def test_doctor_passes_on_a_healthy_stack(stack):

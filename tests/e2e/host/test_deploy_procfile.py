@@ -1,7 +1,7 @@
 """``honcho start`` runs the ``Procfile`` as a working farm: every process
 comes up, the real nnsight client gets its answer through it, and stopping
 honcho leaves no process of the farm behind. The lines read without
-running them: tests/unit/test_deploy_procfile.py.
+running them: tests/unit/deploy/test_procfile.py.
 """
 
 from __future__ import annotations

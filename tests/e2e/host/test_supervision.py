@@ -6,7 +6,7 @@ web and the embedded Redis are each killed with ``kill -9`` while jobs run and
 wait; each comes back within 30 s, no accepted job is lost (the worker's job
 is re-run by the beat's watchdog, which does not need a surviving worker), and
 the next request works. ``ndif-celery status`` shows the restart and its
-reason. The backoff rules themselves are tests/unit/test_supervision.py (fast tier).
+reason. The backoff rules themselves are tests/unit/ndif_celery/host/test_supervisor.py (fast tier).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The keyed weight check (``workers.models.integrity``) after untrusted jobs
 on a real stack; what each check sees, in-process on real torch modules, is
-tests/inprocess/test_integrity.py.
+tests/inprocess/workers/models/test_integrity.py.
 
 The stack test proves the worker runs the check after a failing untrusted job
 (``NDIF_VERIFY_UNTRUSTED=1``), which on CPU finds nothing: the zygote maps the

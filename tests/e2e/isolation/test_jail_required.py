@@ -7,7 +7,7 @@ cgroup can be made, and seccomp is switched off by the operator
 (``NDIF_JAIL_DISABLE``). ``NDIF_JAIL_REQUIRE`` waives both, so the job runs
 and ``meta.jail`` says what it ran without. With seccomp off, the UNIX-socket
 attack is stopped by the mount masks alone. Without the waiver the child
-refuses the request, naming both layers: tests/inprocess/test_zygote.py.
+refuses the request, naming both layers: tests/inprocess/workers/isolation/test_zygote.py.
 """
 
 from __future__ import annotations

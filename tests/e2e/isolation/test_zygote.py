@@ -3,7 +3,7 @@
 The attacks of tests/e2e/isolation/test_security.py and every conformance case run on this
 mode too (the ``zygote`` stack); here: the zygote process itself. The weight
 sharing underneath it and the keyed check of the GPU path are
-tests/inprocess/test_zygote.py.
+tests/inprocess/workers/isolation/test_zygote.py.
 """
 
 from __future__ import annotations

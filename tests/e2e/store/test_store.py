@@ -1,7 +1,7 @@
 """The result store's S3 backend against moto's HTTP server, in its own
 process, reached over loopback (no mocks): puts, gets, presigned downloads and
 an outage and recovery. The filesystem backend and the route in a Flask app
-are tests/inprocess/test_store.py.
+are tests/inprocess/ndif_celery/store/test_store.py.
 """
 
 from __future__ import annotations

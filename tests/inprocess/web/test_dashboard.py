@@ -1,7 +1,7 @@
 """The dashboard's parts that need no browser: the charts' SVG, the calendar's
 days, the probe and latency history (a real embedded Redis, a real SQLite
 ledger) and the audit log. The page itself, in headless Chromium, with its
-admin actions, is tests/e2e/api/test_dashboard_admin.py."""
+admin actions, is tests/e2e/monitoring/test_dashboard_admin.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ or from another site's page, no action is done. Screenshots go to
 
 The tests run in order on one stack and one browser; each says what it
 starts from. The parts without a browser (charts, calendar, history, audit)
-are tests/inprocess/test_dashboard_parts.py.
+are tests/inprocess/web/test_dashboard.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ Celery worker, Flower) driven by the real nnsight client: the web's farm-wide
 ``/metrics``, the worker's own ``/metrics``, and the deploy recipes
 (``deploy/prometheus.yml``, its rules, ``deploy/grafana-dashboard.json``)
 checked against what those endpoints really answer. The recipes' parsing and
-the metrics port are tests/unit/test_metrics.py."""
+the metrics port are tests/unit/deploy/test_prometheus.py."""
 
 from __future__ import annotations
 

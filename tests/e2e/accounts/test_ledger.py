@@ -1,7 +1,7 @@
 """The job ledger against real stacks and the real client: ended jobs land in
 the database (through Redis, written by the farm controller) and
 ``ndif-celery jobs`` lists them with their outcome, timings and sizes; a
-database outage leaves them waiting in Redis, and they land once it is back. The pure parts are tests/unit/test_ledger.py."""
+database outage leaves them waiting in Redis, and they land once it is back. The pure parts are tests/unit/ndif_celery/accounts/test_ledger.py."""
 
 from __future__ import annotations
 

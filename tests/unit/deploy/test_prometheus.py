@@ -1,7 +1,7 @@
 """Prometheus metrics without a stack: the deploy recipes
 (``deploy/prometheus.yml``, its rules, ``deploy/grafana-dashboard.json``)
 parse, and a worker whose metrics port is taken moves to the next one. What
-the endpoints really answer is tests/e2e/api/test_metrics.py.
+the endpoints really answer is tests/e2e/monitoring/test_metrics.py.
 """
 
 from __future__ import annotations

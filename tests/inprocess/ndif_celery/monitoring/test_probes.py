@@ -4,7 +4,7 @@ What a probe's answer must be (shape, finite, equal to its reference), and
 what the beat does with it against a real embedded Redis: the reference
 recorded by the first green probe, red and green recorded once per change,
 the webhook POSTed to a real HTTP receiver on loopback (firing, then
-resolved; retries and re-sends are tests/inprocess/test_alerts.py), the
+resolved; retries and re-sends are tests/inprocess/ndif_celery/monitoring/test_alerts.py), the
 series in ``/metrics``. The answers come from a scripted
 runner here (the real one needs a farm to trace against); the real client
 process, a real farm and real corrupted weights are tests/e2e/farm/test_operations.py.

@@ -8,7 +8,7 @@ with ``max_new_tokens`` and ``tracer.iter``. Then the slow job is killed and
 the next job gathers the others (``workers.job.gather``). Every user gets what the
 same block gives run locally: exactly (``torch.equal``), or, where its forward
 was shared with requests of other lengths (``meta["cobatch"]`` > 1), within the
-engine's stated tolerance (``tests.support.load.COBATCH_TOLERANCE``, measured in tests/inprocess/test_cobatch.py, 1e-5 absolute
+engine's stated tolerance (``tests.support.load.COBATCH_TOLERANCE``, measured in tests/inprocess/workers/cobatch/test_engine.py, 1e-5 absolute
 on float values; token ids always exact). The raising user gets its own error,
 and ``meta`` shows that requests shared forwards.
 
@@ -24,7 +24,7 @@ Also: an untrusted job (auth on, a key without the ``trusted`` tag) is never
 merged: it runs in its jailed child while the trusted jobs queued around it
 share a forward. All on the shared auth farm (tests/support/stack_pool.py).
 With ``NDIF_COBATCH_MAX=1`` each waiting job runs alone:
-tests/inprocess/test_worker_pipeline.py.
+tests/inprocess/workers/test_worker_pipeline.py.
 """
 
 from __future__ import annotations

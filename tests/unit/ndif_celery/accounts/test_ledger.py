@@ -1,6 +1,6 @@
 """The job ledger's pure parts: ``--since`` spans and ISO times, the error
 line of a traceback, and pruning past the retention. The ledger against real
-stacks and the real client is tests/e2e/api/test_ledger.py.
+stacks and the real client is tests/e2e/accounts/test_ledger.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.inprocess.test_cobatch import LONG, MID, SHORT, TOLERANCE, capture, logits, worst_difference
+from tests.support.cobatch_cases import LONG, MID, SHORT, capture, logits, worst_difference
+from tests.support.load import COBATCH_TOLERANCE as TOLERANCE
 from tests.support.tiny_model import build_tiny_gpt2, client_model, worker_loaded
 from workers.cobatch import run_alone, run_batch
 

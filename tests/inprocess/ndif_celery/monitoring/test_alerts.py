@@ -5,7 +5,7 @@ A receiver that is down (its port closed), answers 500 or does not answer in
 time leaves the alert pending; it arrives once the receiver takes alerts
 again, once. A changed URL and a restarted beat get the state of every red
 model again. The probes' answers come from a scripted runner, as in
-tests/inprocess/test_probes.py; a real beat on a real stack is
+tests/inprocess/ndif_celery/monitoring/test_probes.py; a real beat on a real stack is
 tests/e2e/farm/test_alerts.py.
 """
 

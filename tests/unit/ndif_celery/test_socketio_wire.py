@@ -1,7 +1,7 @@
 """The 0.6/0.7 clients' wire, written without torch: frames that torch.load
 reads as torch would have written them, statuses those clients know, the
 headers' envelope. The real 0.6.3 and 0.7.0 clients parse these frames in
-tests/e2e/api/test_other_client_versions.py."""
+tests/e2e/clients/test_other_client_versions.py."""
 
 from __future__ import annotations
 

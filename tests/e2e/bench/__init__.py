@@ -1,0 +1,1 @@
+"""End to end: the bench's smoke run (every workload measured and exact); `make test-bench`."""

@@ -1,0 +1,1 @@
+"""End to end: older nnsight clients side by side, their runtimes, and /hub for offline clients."""

@@ -1,0 +1,1 @@
+"""In-process tests of ndif_celery/, one folder per package, one module per product module."""

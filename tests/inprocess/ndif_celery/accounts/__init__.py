@@ -1,0 +1,1 @@
+"""In-process tests of ndif_celery/accounts/: keys, usage, the ledger."""

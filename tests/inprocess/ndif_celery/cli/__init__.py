@@ -1,0 +1,1 @@
+"""In-process tests of ndif_celery/cli/: the commands and the settings checks."""

@@ -1,0 +1,1 @@
+"""In-process tests of ndif_celery/farm/: deployments, schedules, capacity, the watchdog."""

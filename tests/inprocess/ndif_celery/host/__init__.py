@@ -1,0 +1,1 @@
+"""In-process tests of ndif_celery/host/: doctor and the stack's ports."""

@@ -1,0 +1,1 @@
+"""In-process tests of ndif_celery/monitoring/: probes and alerts."""

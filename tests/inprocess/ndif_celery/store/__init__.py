@@ -1,0 +1,1 @@
+"""In-process tests of ndif_celery/store/: the filesystem and S3 result stores."""

@@ -1,0 +1,1 @@
+"""In-process tests of web/: Flask's test client or a loopback server in this process."""

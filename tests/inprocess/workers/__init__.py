@@ -1,0 +1,1 @@
+"""In-process tests of workers/: the worker's job function on the tiny model."""

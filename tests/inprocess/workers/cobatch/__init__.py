@@ -1,0 +1,1 @@
+"""In-process tests of workers/cobatch/: the co-batching engine."""

@@ -1,0 +1,1 @@
+"""In-process tests of workers/isolation/: the zygote and shared weights."""

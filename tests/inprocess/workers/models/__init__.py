@@ -1,0 +1,1 @@
+"""In-process tests of workers/models/: weight integrity and torch threads."""

@@ -1,0 +1,1 @@
+"""Unit tests of deploy/: the recipes checked against the code they run, offline."""

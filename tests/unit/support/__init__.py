@@ -1,0 +1,1 @@
+"""Unit tests of the suite's own helpers (tests/support/)."""
