@@ -1,71 +1,31 @@
-"""The pieces the web relies on without a running stack: envelope validation,
-queue naming, configuration, and the rule that the web never imports torch."""
+"""Configuration: defaults and named errors, exactly the ``VARIABLES`` table
+read, docs/configuration.md true to it both ways, and
+``check_alert_webhook_url``, the one check of ``NDIF_ALERT_WEBHOOK_URL`` that
+``up``, ``doctor`` and the beat make (a bad value is named with what is wrong,
+never repeated: a webhook's path and query often hold a token)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import subprocess
-import sys
 
 import pytest
 
-from ndif_celery import config, wire
-from ndif_celery.celery_app import queue_for
+from ndif_celery import config
 from tests.support.paths import ROOT
 
-KEY = 'nnsight.modeling.transformers.TransformersModel:{"repo_id": "openai-community/gpt2", "revision": null, "task": "text-generation"}'
 
-
-def test_envelope_round_trip():
-    envelope = wire.parse_envelope(
-        json.dumps({"model_key": KEY, "session_id": "ab" * 16, "compress": True, "env": {"attn_implementation": "eager"}})
-    )
-    assert envelope.model_key == KEY and envelope.compress is True
-    assert envelope.env == {"attn_implementation": "eager"}
-
-
-@pytest.mark.parametrize(
-    "raw, words",
-    [
-        ("", "not valid JSON"),
-        ("null", "must be a JSON object"),
-        (json.dumps({"model_key": 3}), "model_key"),
-        (json.dumps({"model_key": KEY, "compress": "yes"}), "'compress'"),
-        (json.dumps({"model_key": KEY, "env": []}), "'env'"),
-        (json.dumps({"model_key": KEY, "session_id": "../../etc"}), "session_id"),
-        (json.dumps({"model_key": "builtins.eval:1+1"}), "Unknown model class 'builtins.eval'"),
-        (json.dumps({"model_key": "x" * 5000}), "too long"),
-    ],
-)
-def test_bad_envelopes_name_the_problem(raw, words):
-    with pytest.raises(wire.WireError) as caught:
-        wire.parse_envelope(raw)
-    assert words in caught.value.detail
-
-
-def test_repo_fields_as_nnsight_status_reads_them():
-    assert wire.repo_fields(KEY) == {
-        "repo_id": "openai-community/gpt2",
-        "revision": None,
-        "task": "text-generation",
-    }
-
-
-def test_queue_names_are_readable_stable_and_distinct():
-    other = KEY.replace("gpt2", "gpt2-medium")
-    assert queue_for(KEY) == queue_for(KEY)
-    assert queue_for(KEY) != queue_for(other)
-    assert queue_for(KEY).startswith("ndif.model.openai-community-gpt2.")
-    assert re.fullmatch(r"[A-Za-z0-9_.-]+", queue_for(KEY))
-
-
-def test_response_json_refuses_statuses_the_client_would_reject():
-    with pytest.raises(ValueError):
-        wire.response_json("id", "FINISHED")
-    frame = json.loads(wire.response_json("id", wire.RUNNING, "go"))
-    assert frame == {"id": "id", "status": "RUNNING", "description": "go", "data": None, "meta": None}
+def documented_rows() -> dict:
+    """docs/configuration.md's table rows: ``{name: default cell}``, each name
+    once, each inside a table (a row after prose renders as a paragraph)."""
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    lines = text.splitlines()
+    stray = [line[:40] for before, line in zip(lines, lines[1:]) if line.startswith("| `NDIF_") and not before.startswith("|")]
+    assert not stray, f"rows outside a table: {stray}"
+    rows = re.findall(r"^\| `(NDIF_[A-Z0-9_]+)` \| (.+?) \| .+ \|$", text, flags=re.MULTILINE)
+    names = [name for name, _ in rows]
+    assert len(names) == len(set(names)), f"documented twice: {sorted({n for n in names if names.count(n) > 1})}"
+    return dict(rows)
 
 
 def test_config_defaults_and_errors(tmp_path):
@@ -84,19 +44,6 @@ def test_config_defaults_and_errors(tmp_path):
     with pytest.raises(ValueError, match="NDIF_SOCKET_LEASE_S must be at least 10"):
         config.load({"NDIF_HOME": str(tmp_path), "NDIF_SOCKET_LEASE_S": "5"})
     assert config.load({"NDIF_HOME": str(tmp_path)}).socket_lease_s == 30.0
-
-
-def documented_rows() -> dict:
-    """docs/configuration.md's table rows: ``{name: default cell}``, each name
-    once, each inside a table (a row after prose renders as a paragraph)."""
-    text = (ROOT / "docs" / "configuration.md").read_text()
-    lines = text.splitlines()
-    stray = [line[:40] for before, line in zip(lines, lines[1:]) if line.startswith("| `NDIF_") and not before.startswith("|")]
-    assert not stray, f"rows outside a table: {stray}"
-    rows = re.findall(r"^\| `(NDIF_[A-Z0-9_]+)` \| (.+?) \| .+ \|$", text, flags=re.MULTILINE)
-    names = [name for name, _ in rows]
-    assert len(names) == len(set(names)), f"documented twice: {sorted({n for n in names if names.count(n) > 1})}"
-    return dict(rows)
 
 
 def test_the_docs_table_is_config_variables_both_ways():
@@ -143,16 +90,35 @@ def test_load_reads_exactly_the_table(tmp_path):
     assert {f.name for f in dataclasses.fields(settings)} == {var.attr for var in config.VARIABLES} | {"embedded_redis"}
 
 
-def test_the_web_never_imports_torch(tmp_path):
-    script = (
-        "import sys\n"
-        "from ndif_celery import config\n"
-        "from web.app import create_app\n"
-        f"app = create_app(config.load({{'NDIF_HOME': {str(tmp_path)!r}}}))\n"
-        "assert app.url_map is not None\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'nnsight') if m in sys.modules)\n"
-        "print(','.join(heavy))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == ""
+@pytest.mark.parametrize("url", [
+    "", "http://127.0.0.1:9000/hook", "https://hooks.example.org/services/T0/B0/abc?token=x",
+    "HTTPS://Hooks.Example.org", "http://user:pass@alerts.internal:8080/a", "http://[::1]:9000/hook",
+    "http://alertmanager/api/v2/alerts",
+])
+def test_an_http_or_https_url_with_a_host_passes(url):
+    config.check_alert_webhook_url(url)
+
+
+@pytest.mark.parametrize("url, problem", [
+    ("htp://x/secret-token", "must begin with http:// or https://"),
+    ("ftp://files.example.org/secret-token", "must begin with http:// or https://"),
+    ("secret-token:1234", "must begin with http:// or https://"),
+    ("http://", "names no host"),
+    ("http:/secret-token", "names no host"),
+    ("http:///secret-token", "names no host"),
+    ("http://?secret-token", "names no host"),
+    ("not a url", "holds a space"),
+    ("http://hooks.example.org/secret-token /x", "holds a space"),
+    ("http://hooks.example.org/secret-token\n", "control character"),
+    ("http://[::1/secret-token", "is not a URL"),
+    ("http://hooks.example.org:99999/secret-token", "is not a URL"),
+    ("http://hooks.example.org:port/secret-token", "is not a URL"),
+    ("http://hooks.example.org:0/secret-token", "port must be from 1 to 65535"),
+    ("http://hooks!example/secret-token", "names no host"),
+])
+def test_a_malformed_url_is_named_with_what_is_wrong_and_not_repeated(url, problem):
+    with pytest.raises(ValueError) as refused:
+        config.check_alert_webhook_url(url)
+    message = str(refused.value)
+    assert message.startswith("NDIF_ALERT_WEBHOOK_URL") and problem in message
+    assert "secret-token" not in message and "url" not in message.replace("URL", "")

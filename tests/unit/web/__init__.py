@@ -1,0 +1,1 @@
+"""Unit tests of web/: what the web app imports."""
