@@ -11,7 +11,7 @@ run a farm across hosts.
 table: the ``Settings`` field, its line in ``load()`` and its row in
 docs/configuration.md would otherwise be written by hand three times, and
 drift. So ``Settings`` takes its fields from the table, :func:`load` is a loop over
-it, and ``tests/unit/ndif_celery/test_wire_and_config.py`` checks docs/configuration.md against
+it, and ``tests/unit/ndif_celery/test_config.py`` checks docs/configuration.md against
 it both ways, names and defaults. The docs stay hand-written (their meanings
 are paragraphs with links, in three topic tables with prose between), checked
 rather than generated, so this file keeps one line of doc per variable.

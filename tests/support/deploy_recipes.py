@@ -69,7 +69,7 @@ def procfile() -> dict[str, list[str]]:
 
 def config_variables() -> set[str]:
     """Every ``NDIF_*`` name the configuration reads: ``config.VARIABLES``, the
-    table ``tests/unit/ndif_celery/test_wire_and_config.py`` keeps docs/configuration.md in sync
+    table ``tests/unit/ndif_celery/test_config.py`` keeps docs/configuration.md in sync
     with, cross-checked against what ``config.load`` asks its environment for
     while it runs."""
     seen: set[str] = set()

@@ -4,7 +4,7 @@ fresh interpreter, on a bare host (an empty ``NDIF_HOME``, free ports), no stack
 A malformed ``NDIF_ALERT_WEBHOOK_URL`` stops ``up`` before anything starts and
 fails ``doctor``, named with what is wrong and never with its path or query; a
 bad ``NDIF_DEPLOYMENTS`` fails ``doctor`` as it stops ``up``. The checks
-themselves are tests/unit/ndif_celery/test_config_alert_webhook.py and
+themselves are tests/unit/ndif_celery/test_config.py and
 tests/inprocess/ndif_celery/farm/test_deployments.py.
 """
 
