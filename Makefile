@@ -34,7 +34,7 @@ run: install
 
 # TEST_WORKERS > 1: that many pytest processes (pytest-xdist) share the modules
 # out, a group at a time: a module, or all the tests on one pool of shared stacks
-# (each stack starts once per run; tests/conftest.py groups them and orders the
+# (each stack starts once per run; tests/support/scheduling.py groups them and orders the
 # longest first). Two by default: a third of the suite waits on deadlines,
 # restarts and leases, and one process leaves a core idle meanwhile. More than
 # two gains nothing on 2 cores: the suite is CPU-bound there, and timing checks

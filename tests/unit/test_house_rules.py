@@ -87,3 +87,52 @@ def _module_aliases() -> set:
 def test_project_modules_are_imported_by_their_own_names():
     assert _module_aliases() - set(MODULE_ALIASES) == set(), "alias a module only with a reason in MODULE_ALIASES"
     assert set(MODULE_ALIASES) - _module_aliases() == set(), "MODULE_ALIASES lists an alias no longer used"
+
+
+# The fast tier mirrors the packages: ndif_celery/state/turns.py is proven in
+# tests/unit/ndif_celery/state/test_turns.py or tests/inprocess/ndif_celery/state/test_turns.py.
+# A module proven elsewhere (by a test of another name, or end to end) has a row
+# in tests/README.md's "Where each module is proven" table naming those tests.
+PRODUCT_FOLDERS = ("ndif_celery", "workers", "web")
+PROOF_ROW = re.compile(r"^\| `((?:ndif_celery|workers|web)/[\w/]+\.py)` \| (.+) \|$", re.MULTILINE)
+
+
+def product_modules() -> list:
+    """Every product module with code of its own (a package face of imports only is not one)."""
+    import ast
+
+    found = []
+    for folder in PRODUCT_FOLDERS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            if any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign))
+                   for node in tree.body):
+                found.append(path.relative_to(ROOT))
+    return found
+
+
+def mirrored_tests(module) -> list:
+    name = module.parent.name if module.name == "__init__.py" else module.stem
+    folder = module.parent.parent if module.name == "__init__.py" else module.parent
+    return [ROOT / "tests" / tier / folder / f"test_{name}.py" for tier in ("unit", "inprocess")]
+
+
+def proof_rows() -> dict:
+    return dict(PROOF_ROW.findall((ROOT / "tests" / "README.md").read_text()))
+
+
+def test_every_product_module_has_its_mirrored_test_or_a_row_naming_its_proof():
+    rows = proof_rows()
+    missing = [str(module) for module in product_modules()
+               if not any(path.exists() for path in mirrored_tests(module)) and str(module) not in rows]
+    assert not missing, "no mirrored test module and no row in tests/README.md:\n" + "\n".join(missing)
+
+
+def test_every_proof_row_names_a_module_and_tests_that_exist():
+    modules = {str(module) for module in product_modules()}
+    wrong = []
+    for module, proof in proof_rows().items():
+        named = re.findall(r"`(tests/[\w/.]+\.py)`", proof)
+        if module not in modules or not named or not all((ROOT / path).exists() for path in named):
+            wrong.append(f"{module}: {proof}")
+    assert not wrong, "\n".join(wrong)

@@ -68,12 +68,12 @@ def test_every_e2e_test_is_marked_and_no_fast_one_is():
 
 
 def test_modules_run_longest_first_by_the_last_runs_times():
-    from tests import conftest
+    from tests.support import scheduling
 
     def order(durations):
         items = [Item(n) for n in ("tests/unit/a.py::x", "tests/unit/a.py::y", "tests/unit/b.py::x", "tests/unit/c.py::x")]
         cache = types.SimpleNamespace(get=lambda key, default: durations)
-        conftest.pytest_collection_modifyitems(types.SimpleNamespace(cache=cache), items)
+        scheduling.pytest_collection_modifyitems(types.SimpleNamespace(cache=cache), items)
         return [item.nodeid for item in items]
 
     assert order({}) == ["tests/unit/a.py::x", "tests/unit/a.py::y", "tests/unit/b.py::x", "tests/unit/c.py::x"]
@@ -111,7 +111,7 @@ def test_the_tests_of_each_pool_share_one_process_and_the_rest_go_by_module():
     """Under ``--dist loadgroup``: one group for the trusted pooled kinds, one for the
     jailed ones, one for the auth farm (each pooled stack starts once per run), a
     module of its own otherwise."""
-    from tests import conftest
+    from tests.support import scheduling
     from tests.support.remote import VARIANTS
 
     by_kind = {variant.stack: variant for variant in VARIANTS}
@@ -125,17 +125,17 @@ def test_the_tests_of_each_pool_share_one_process_and_the_rest_go_by_module():
         Item("tests/e2e/access/h.py::k[sqlite]", ["stack_pool"], [pytest.mark.pools("auth")]),
         Item("tests/e2e/farm/f.py::w", ["hf_home"]),
     ]
-    groups = {item.nodeid: conftest.group_of(item) for item in items}
+    groups = {item.nodeid: scheduling.group_of(item) for item in items}
     assert list(groups.values()) == [
         "pool-trusted", "pool-jailed", "pool-jailed", "pool-trusted", "pool-jailed", "pool-jailed",
         "pool-auth", "tests/e2e/farm/f.py"]
     # The controlling process schedules by what the pytest processes wrote.
-    assert conftest.scope_of("tests/e2e/api/d.py::v[s3]", groups) == "pool-trusted"
-    assert conftest.scope_of("tests/e2e/farm/g.py::not_written", groups) == "tests/e2e/farm/g.py"
+    assert scheduling.scope_of("tests/e2e/api/d.py::v[s3]", groups) == "pool-trusted"
+    assert scheduling.scope_of("tests/e2e/farm/g.py::not_written", groups) == "tests/e2e/farm/g.py"
 
     unnamed = Item("tests/e2e/api/g.py::takes_its_own", ["stack_pool"])
     with pytest.raises(pytest.UsageError, match="mark it @pytest.mark.pools"):
-        conftest.group_of(unnamed)
+        scheduling.group_of(unnamed)
 
 
 def test_make_test_keeps_each_group_in_one_process(tmp_path):
@@ -146,7 +146,7 @@ def test_make_test_keeps_each_group_in_one_process(tmp_path):
     (tmp_path / "test_a.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(6)))
     (tmp_path / "test_b.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(6)))
     (tmp_path / "conftest.py").write_text(
-        "from tests.conftest import pytest_collection_modifyitems, pytest_configure, pytest_xdist_make_scheduler\n")
+        "pytest_plugins = [\"tests.support.scheduling\"]\n")
     result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
                              "-v", "--rootdir", str(tmp_path), str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
