@@ -2,7 +2,7 @@
 
 Both read the farm from Redis (``ndif_celery.monitoring.metrics``, ``registry``,
 ``queues``, the health probes' results and the scheduled pins) and the recent
-jobs and usage from the ledger (``ndif_celery.accounts.ledger``, ``usage``); no
+jobs and usage from the ledger (``ndif_celery.accounts.ledger_queries``, ``usage``); no
 torch, no build step. Every answered request is counted in Redis by
 :func:`count_request` (after_request), so every web process and host adds to
 the same ``ndif_http_requests_total``.
@@ -28,7 +28,7 @@ import redis
 from flask import Blueprint, Response, current_app, render_template_string, request
 
 from ndif_celery import messages, wire
-from ndif_celery.accounts import audit, ledger, usage
+from ndif_celery.accounts import audit, ledger_queries, usage
 from ndif_celery.accounts.auth import AuthError
 from ndif_celery.farm import schedules, wanted
 from ndif_celery.monitoring import history, metrics, probes
@@ -121,10 +121,10 @@ def recent_jobs(client: redis.Redis, limit: int = RECENT_JOBS, probes: bool = Fa
     """The newest ended jobs (waiting in Redis first, then the database), and
     a note when the database could not be read. The health probes' jobs only
     with ``probes`` (``?probes=1``): a probe every few seconds buries the users'."""
-    rows = {row["job_id"]: row for row in ledger.waiting(client, limit, probes=probes)}
+    rows = {row["job_id"]: row for row in ledger_queries.waiting(client, limit, probes=probes)}
     note = ""
     try:
-        for row in ledger.recent(operators.ledger_engine(), limit=limit, probes=probes):
+        for row in ledger_queries.recent(operators.ledger_engine(), limit=limit, probes=probes):
             rows.setdefault(row["job_id"], row)
     except Exception as error:  # noqa: BLE001 - the page still shows the rest
         current_app.config.pop("NDIF_LEDGER_ENGINE", None)

@@ -3,7 +3,7 @@
 :class:`WorkerState` holds the worker's connections (Redis, the result
 store), its resident models, its two executors, its delivery thread
 (``workers.job.deliveries``), the job it runs now (for ``ndif-celery kill`` and
-the watchdog) and its controller; it registers the
+the watchdog), its controller and the ledger's drainer; it registers the
 worker and beats its heart. Its methods are what the Celery tasks and
 signals of ``workers.tasks`` do: run a job (``workers.job.life``), load and evict
 models, sweep expired jobs, get ready, shut down. One object, made once per
@@ -88,6 +88,7 @@ class WorkerState:
         self.job_thread: Optional[int] = None
         self.cancel_texts: dict = {}  # job id -> the ERROR of a cancel landing in its thread (life.fail)
         self.controller: Optional[Controller] = None
+        self.drainer: Optional[ledger.Drainer] = None
         self._job_lock = threading.Lock()
         self._entry_lock = threading.Lock()  # one writer of this worker's registry entry at a time
         self._ledger_engine = None  # opened by the first cleanup that prunes the ledger
@@ -332,7 +333,7 @@ class WorkerState:
     # --- the worker's life --------------------------------------------------------
 
     def ready(self) -> None:
-        """Import the heavy stack, register, start the heartbeat and the controller."""
+        """Import the heavy stack, register, start the heartbeat, the controller and the ledger's drainer."""
         settings = self.settings
         self.check_store()
         import nnsight
@@ -363,6 +364,8 @@ class WorkerState:
         if not runtime:  # a runtime's worker sizes no model of another nnsight: the farm's own workers lead
             self.controller = Controller(self.name, self.redis, self.app, settings)
             self.controller.start()
+            self.drainer = ledger.Drainer(self.name, self.redis, settings.database_url)
+            self.drainer.start()
         registry.wake_controller(self.redis, "worker ready")
         log.info("worker %s ready (%d bytes for models)", self.name, self.info["memory_bytes"])
 
@@ -387,4 +390,6 @@ class WorkerState:
         self.models.drop_zygotes()
         if self.controller is not None:
             self.controller.stop()
+        if self.drainer is not None:
+            self.drainer.stop()
         registry.unregister_worker(self.redis, self.name)

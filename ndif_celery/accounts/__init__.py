@@ -11,5 +11,8 @@ Bottom first:
 - ``usage``: usage per key and per model from the ledger (``ndif-celery
   usage``, the dashboard) and the bounded ``ndif_usage_*`` counters.
 - ``ledger``: one database row per ended job, queued in Redis with its final
-  status and written in batches by the controller, so ending a job never waits on the database.
+  status and written in batches by the ``Drainer`` (a thread in every worker,
+  one leading), so ending a job never waits on the database; pruning.
+- ``ledger_queries``: the ledger read back for ``ndif-celery jobs`` and the
+  dashboard, summaries still waiting in Redis included; ``--since`` times.
 """

@@ -7,7 +7,7 @@ requests may do: ``trusted`` (run in the worker's process), ``priority`` and
 ``NDIF_*`` defaults where set.
 
 The same metadata holds the job ledger (:class:`LedgerEntry`, one row per
-ended job), written in batches by the farm controller (``ndif_celery.accounts.ledger``),
+ended job), written in batches by the ledger's drainer (``ndif_celery.accounts.ledger``),
 and the operators' audit log (:class:`AuditEntry`, ``ndif_celery.accounts.audit``).
 """
 

@@ -3,22 +3,25 @@
 When a job ends, :class:`ndif_celery.statuses.StatusChannel` pushes a compact JSON
 summary (:func:`summary`) onto the Redis list ``ndif:ledger`` in the same
 pipeline as its final status, so finishing a job never waits on the
-database. The farm controller (the leading worker, at most every ``EVERY_S``) moves the list
-into the ``job_ledger`` table (:class:`ndif_celery.accounts.db.LedgerEntry`) in
-batches (:class:`Drainer`); a row is written once per job id, however often it
-is offered. While the database is unreachable the summaries stay in Redis
-(at most ``MAX_PENDING``, the newest kept) and are written once it is back.
+database. A :class:`Drainer` thread in every worker, one of them leading (a
+Redis lease, ``ndif_celery.state.leases``), moves the list into the
+``job_ledger`` table (:class:`ndif_celery.accounts.db.LedgerEntry`) in
+batches, at most every ``EVERY_S``; a row is written once per job id, however
+often it is offered. It is a thread of its own, not a step of the farm
+controller's tick, so a slow database never delays placement. While the
+database is unreachable the summaries stay in Redis (at most
+``MAX_PENDING``, the newest kept) and are written once it is back.
 
-``ndif-celery jobs`` and the dashboard read the table (:func:`recent`); both
-also see summaries still waiting in Redis.
+``ndif-celery jobs`` and the dashboard read the table and the summaries still
+waiting in Redis (``ndif_celery.accounts.ledger_queries``).
 
 Health probes (``ndif_celery.monitoring.probes``) run a real job every few
 seconds per model, and would bury the users' jobs. A row is marked ``probe``
 when it is written: its owner is the probe key's, as the web recorded it in
 Redis (:data:`PROBE_OWNER`). ``jobs``, ``usage`` and the dashboard leave
 those rows out unless asked (``--probes``). Rows written before the column
-existed are marked once, by the controller's drainer, when it first knows
-the probe's owner (:func:`mark_probes`).
+existed are marked once, by the drainer, when it first knows the probe's
+owner (:func:`mark_probes`).
 
 Error kinds (``error_kind``, also the ``kind`` label of ``ndif_jobs_total``):
 ``user`` (the user's code or request failed), ``timeout`` (execution
@@ -28,9 +31,9 @@ be placed or loaded), ``worker_lost`` (its worker died twice), and ``error``:
 an ERROR sent without a kind. No path of the farm's does that; a count
 above 0 names one to fix.
 
-About 480 lines in one file on purpose: the summary a job leaves, its way
-into the table and its way back out (``jobs``, the dashboard) share one row
-shape, and a change to a column touches all three.
+The summary a job leaves and its row in the table have one shape
+(:func:`table_row`), which the queries read back too: a change to a column
+touches this module and ``ledger_queries``.
 """
 
 from __future__ import annotations
@@ -38,13 +41,14 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import re
+import threading
 import time
 from typing import Iterable, Optional
 
 import redis
 
 from ndif_celery import wire
+from ndif_celery.state import leases
 
 from . import usage
 
@@ -54,6 +58,8 @@ PENDING = "ndif:ledger"
 # because the ledger sits below monitoring (tools/import_graph.py).
 PROBE_OWNER = "ndif:probes:owner"
 LOCK = "ndif:ledger:lock"
+LEADER = "ndif:ledger:leader"  # the lease of the drainer that writes; LOCK guards each drain
+LEASE_MS = 10_000
 MAX_PENDING = 100_000
 BATCH = 500
 ERROR_CHARS = 500
@@ -62,7 +68,7 @@ MAX_BACKOFF_S = 8.0
 
 log = logging.getLogger("ndif_celery.ledger")
 
-_TIMINGS = ("queue_ms", "deserialize_ms", "run_ms", "upload_ms")
+TIMINGS = ("queue_ms", "deserialize_ms", "run_ms", "upload_ms")
 
 
 def first_line(description: str) -> str:
@@ -95,7 +101,7 @@ def summary(job, status: str, description: str, meta: Optional[dict], kind: str 
         "payload_bytes": meta.get("payload_bytes", job.payload_bytes or None),
         "result_bytes": meta.get("result_bytes"),
     }
-    for key in _TIMINGS:
+    for key in TIMINGS:
         entry[key] = meta.get(key)
     started = None
     if job.received_at and isinstance(meta.get("queue_ms"), (int, float)):
@@ -113,13 +119,15 @@ def push(pipe, entry: dict) -> None:
 # --- into the database ------------------------------------------------------------
 
 
-def _when(value) -> Optional[datetime.datetime]:
+def as_datetime(value) -> Optional[datetime.datetime]:
+    """Epoch seconds as an aware UTC time; None for a missing or non-positive value."""
     if not isinstance(value, (int, float)) or value <= 0:
         return None
     return datetime.datetime.fromtimestamp(value, datetime.timezone.utc)
 
 
-def _row(entry: dict, emails: dict) -> dict:
+def table_row(entry: dict, emails: dict) -> dict:
+    """A summary as the ``job_ledger`` row it becomes; ``emails``: owner -> the key's email."""
     model_key = str(entry.get("model_key") or "")
     return {
         "job_id": str(entry["job_id"])[:64],
@@ -133,10 +141,10 @@ def _row(entry: dict, emails: dict) -> dict:
         "worker": entry.get("worker") and str(entry["worker"])[:200],
         "isolated": entry.get("isolated"),
         "attempt": int(entry.get("attempt") or 1),
-        "received_at": _when(entry.get("received_at")),
-        "started_at": _when(entry.get("started_at")),
-        "finished_at": _when(entry.get("finished_at")) or datetime.datetime.now(datetime.timezone.utc),
-        **{key: entry.get(key) for key in _TIMINGS},
+        "received_at": as_datetime(entry.get("received_at")),
+        "started_at": as_datetime(entry.get("started_at")),
+        "finished_at": as_datetime(entry.get("finished_at")) or datetime.datetime.now(datetime.timezone.utc),
+        **{key: entry.get(key) for key in TIMINGS},
         "payload_bytes": entry.get("payload_bytes"),
         "result_bytes": entry.get("result_bytes"),
         "devices": entry.get("devices") if isinstance(entry.get("devices"), int) else None,
@@ -190,7 +198,7 @@ def _insert(engine, entries: list[dict]) -> None:
         emails = _emails(session, (entry.get("owner") for entry in entries))
         rows = {}
         for entry in entries:
-            rows.setdefault(str(entry["job_id"]), _row(entry, emails))
+            rows.setdefault(str(entry["job_id"]), table_row(entry, emails))
         dialect = engine.dialect.name
         if dialect in ("sqlite", "postgresql"):
             if dialect == "sqlite":
@@ -235,7 +243,8 @@ def _insert_or_skip(engine, entries: list[dict]) -> None:
                         entry.get("job_id"), str(error).splitlines()[0][:300])
 
 
-def _parse(raw: bytes) -> Optional[dict]:
+def parse_summary(raw: bytes) -> Optional[dict]:
+    """A summary as pushed to ``PENDING``; None for one that is malformed."""
     try:
         entry = json.loads(raw)
     except ValueError:
@@ -259,7 +268,7 @@ def drain(client: redis.Redis, engine, batch: int = BATCH, wait_s: float = 0.0, 
                 break
             entries = []
             for item in raw:
-                entry = _parse(item)
+                entry = parse_summary(item)
                 if entry is None:
                     log.warning("dropping a malformed ledger entry: %.200r", item)
                 else:
@@ -286,26 +295,49 @@ def drain(client: redis.Redis, engine, batch: int = BATCH, wait_s: float = 0.0, 
 
 
 EVERY_S = 2.0
+# How often the leading drainer looks for waiting summaries.
+POLL_S = 0.5
 
 
-class Drainer:
-    """The controller's drain: cheap when nothing waits, quiet while the
-    database is down (one warning, then one line when it is back), and backing
-    off between failed tries so a dead database never slows the farm."""
+class Drainer(threading.Thread):
+    """One per worker, leading by a lease: writes the waiting summaries into the
+    database. Cheap when nothing waits, quiet while the database is down (one
+    warning, then one line when it is back), and backing off between failed
+    tries so a dead database costs little. A thread of its own: a slow
+    database never holds up the farm controller."""
 
-    def __init__(self, database_url: str) -> None:
+    def __init__(self, name: str, redis_client: redis.Redis, database_url: str) -> None:
+        super().__init__(name="ndif-ledger-drainer", daemon=True)
+        self.redis = redis_client
         self.database_url = database_url
+        self.lease = leases.Lease(redis_client, LEADER, name, LEASE_MS)
+        self.stopping = threading.Event()
         self.engine = None
         self.down_since: Optional[float] = None
         self.failures = 0
         self.next_try = 0.0
         self.probes_marked = False
 
-    def __call__(self, client: redis.Redis) -> int:
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                if self.lease.hold():
+                    self.tick()
+            except Exception:  # noqa: BLE001 - the drainer must outlive any one bad pass (or Redis blip)
+                log.exception("ledger drain failed")
+            self.stopping.wait(POLL_S)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.lease.release()
+
+    def tick(self) -> int:
+        """Drain once if summaries wait and no backoff holds it; return how many were written."""
         from sqlalchemy.exc import SQLAlchemyError
 
         from . import db
 
+        client = self.redis
         now = time.monotonic()
         if now < self.next_try or not client.llen(PENDING):
             return 0
@@ -331,8 +363,7 @@ class Drainer:
             log.warning("ledger: the database is back after %.0f s; %d waiting jobs written",
                         time.time() - self.down_since, written)
         self.down_since, self.failures = None, 0
-        # Batched: at most one database transaction per EVERY_S, so a busy
-        # farm's controller (which shares its process with a job) stays light.
+        # Batched: at most one database transaction per EVERY_S.
         self.next_try = now + EVERY_S
         return written
 
@@ -366,105 +397,3 @@ def prune(engine, retention_days: float, now: Optional[datetime.datetime] = None
     cutoff = now - datetime.timedelta(days=retention_days)
     with Session(engine) as session, session.begin():
         return session.execute(delete(LedgerEntry).where(LedgerEntry.finished_at < cutoff)).rowcount or 0
-
-
-# --- reading ----------------------------------------------------------------------
-
-_SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-
-
-def parse_since(text: str, now: Optional[datetime.datetime] = None) -> datetime.datetime:
-    """``1h``, ``30m``, ``2d``, ``1w``, ``45s`` ago, or an ISO date/time (UTC unless it says)."""
-    now = now or datetime.datetime.now(datetime.timezone.utc)
-    match = _SPAN.match(text)
-    if match:
-        return now - datetime.timedelta(seconds=float(match.group(1)) * _UNIT_S[match.group(2)])
-    try:
-        when = datetime.datetime.fromisoformat(text.strip())
-    except ValueError:
-        raise ValueError(f"--since must be like 30m, 1h, 2d or an ISO date/time, got {text!r}") from None
-    return when if when.tzinfo else when.replace(tzinfo=datetime.timezone.utc)
-
-
-def _iso(value) -> Optional[str]:
-    if value is None:
-        return None
-    if isinstance(value, (int, float)):
-        value = _when(value)
-    if value.tzinfo is None:  # SQLite keeps no offset; we wrote UTC
-        value = value.replace(tzinfo=datetime.timezone.utc)
-    return value.isoformat()
-
-
-def _seconds(start, end) -> Optional[float]:
-    if start is None or end is None:
-        return None
-    if isinstance(start, datetime.datetime):
-        start, end = (v if v.tzinfo else v.replace(tzinfo=datetime.timezone.utc) for v in (start, end))
-        return round((end - start).total_seconds(), 3)
-    return round(end - start, 3)
-
-
-def as_dict(row) -> dict:
-    """A ledger row as JSON-ready data (times in ISO 8601, UTC)."""
-    return {
-        "job_id": row.job_id, "owner": row.owner, "email": row.email, "model": row.model,
-        "model_key": row.model_key, "outcome": row.outcome, "error_kind": row.error_kind, "error": row.error,
-        "worker": row.worker, "isolated": row.isolated, "attempt": row.attempt,
-        "received_at": _iso(row.received_at), "started_at": _iso(row.started_at),
-        "finished_at": _iso(row.finished_at), "duration_s": _seconds(row.received_at, row.finished_at),
-        **{key: getattr(row, key) for key in _TIMINGS},
-        "payload_bytes": row.payload_bytes, "result_bytes": row.result_bytes, "devices": row.devices,
-        "probe": bool(row.probe),
-    }
-
-
-def _matches_user(user: Optional[str], email: Optional[str], owner: str) -> bool:
-    return user is None or user in (email, owner)
-
-
-def recent(engine, user: Optional[str] = None, since: Optional[datetime.datetime] = None,
-           limit: int = 50, probes: bool = False) -> list[dict]:
-    """The newest ended jobs, newest first: of one user (an email, ``key:<id>``
-    or ``anonymous``), since a time; the health probes' only with ``probes``."""
-    from sqlalchemy import or_, select
-    from sqlalchemy.orm import Session
-
-    from .db import LedgerEntry
-
-    query = select(LedgerEntry).order_by(LedgerEntry.finished_at.desc(), LedgerEntry.job_id).limit(limit)
-    if user is not None:
-        query = query.where(or_(LedgerEntry.email == user, LedgerEntry.owner == user))
-    if since is not None:
-        # In UTC, as written (SQLite keeps no offset and compares the text).
-        query = query.where(LedgerEntry.finished_at >= since.astimezone(datetime.timezone.utc))
-    if not probes:
-        query = query.where(LedgerEntry.probe.is_not(True))  # NULL (not marked yet) is shown
-    with Session(engine) as session:
-        return [as_dict(row) for row in session.scalars(query)]
-
-
-def waiting(client: redis.Redis, limit: int = 50, probes: bool = False) -> list[dict]:
-    """The newest summaries not yet in the database, as rows (``pending``: true),
-    newest first; the health probes' only with ``probes``."""
-    rows = []
-    owner = probe_owner(client)
-    for raw in reversed(client.lrange(PENDING, -limit, -1) if limit else []):
-        entry = _parse(raw)
-        if entry is None:
-            continue
-        entry["probe"] = owner is not None and entry.get("owner") == owner
-        if entry["probe"] and not probes:
-            continue
-        row = _row(entry, {})
-        rows.append({
-            **{key: row[key] for key in ("job_id", "owner", "email", "model", "model_key", "outcome", "error_kind",
-                                         "error", "worker", "isolated", "attempt", *_TIMINGS, "payload_bytes",
-                                         "result_bytes", "probe")},
-            "received_at": _iso(row["received_at"]), "started_at": _iso(row["started_at"]),
-            "finished_at": _iso(row["finished_at"]),
-            "duration_s": _seconds(entry.get("received_at"), entry.get("finished_at")),
-            "pending": True,
-        })
-    return rows

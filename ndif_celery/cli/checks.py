@@ -69,7 +69,7 @@ def _settings_checks(checks) -> list:
         found.append(checks.Check("alert webhook", checks.FAIL, str(exc),
                                   "set NDIF_ALERT_WEBHOOK_URL to http(s)://host[:port]/path, or unset it"))
     else:
-        from ndif_celery.monitoring.probes import shown_url
+        from ndif_celery.monitoring.alerts import shown_url
 
         if url:
             found.append(checks.Check("alert webhook", checks.OK, shown_url(url)))  # never its path: a token

@@ -28,7 +28,7 @@ def settings() -> config.Settings:
 def from_ledger(current: config.Settings, since: Optional[str], query: Callable, unseen: str):
     """``query(engine, since_at)`` on the job ledger, current up to now (what
     ``ndif-celery jobs`` and ``usage`` read): ``--since`` parsed, the ended jobs
-    the controller has not written yet drained first (when the broker is away,
+    the drainer has not written yet drained first (when the broker is away,
     a note says those are ``unseen``), a database away named as a CLI error.
 
     The database layer is imported here, not at the top: the ledger commands
@@ -36,11 +36,11 @@ def from_ledger(current: config.Settings, since: Optional[str], query: Callable,
     import redis as redis_py
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ndif_celery.accounts import db, ledger
+    from ndif_celery.accounts import db, ledger, ledger_queries
     from ndif_celery.state import jobs
 
     try:
-        since_at = ledger.parse_since(since) if since else None
+        since_at = ledger_queries.parse_since(since) if since else None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     try:
@@ -49,7 +49,7 @@ def from_ledger(current: config.Settings, since: Optional[str], query: Callable,
             ledger.drain(jobs.connect(current.redis_url), engine, wait_s=5)
         except (redis_py.RedisError, OSError):
             click.echo(f"note: the broker at {current.redis_url} is not reachable; jobs that ended since the "
-                       f"controller last wrote the ledger are {unseen}", err=True)
+                       f"drainer last wrote the ledger are {unseen}", err=True)
         return query(engine, since_at)
     except SQLAlchemyError as exc:
         raise click.ClickException(f"the ledger database cannot be reached (NDIF_DATABASE_URL): "

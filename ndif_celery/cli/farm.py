@@ -1,7 +1,7 @@
 """``ndif-celery`` commands an operator runs against the farm, from any host
 that reaches its broker: ``deploy``, ``evict``, ``queue``, ``kill`` and
 ``jobs`` (the ledger). The logic lives in :mod:`ndif_celery.farm.actions`,
-:mod:`ndif_celery.state.queues` and :mod:`ndif_celery.accounts.ledger`; these only parse,
+:mod:`ndif_celery.state.queues` and :mod:`ndif_celery.accounts.ledger_queries`; these only parse,
 print and turn their errors into clean CLI errors. Registered on the group in
 :mod:`ndif_celery.cli`. Nothing of this host's stack is imported here
 (:mod:`ndif_celery.cli.common`, not ``cli.host``), and the ledger's database
@@ -242,9 +242,9 @@ def kill(job_id: str) -> None:
 def jobs_command(user: Optional[str], since: Optional[str], limit: int, probes: bool, as_json: bool) -> None:
     """Ended jobs from the ledger (NDIF_DATABASE_URL), newest first; the health
     probes' own jobs only with --probes (a probe every few seconds would bury the users')."""
-    from ndif_celery.accounts import ledger
+    from ndif_celery.accounts import ledger_queries
 
-    rows = from_ledger(settings(), since, lambda engine, since_at: ledger.recent(
+    rows = from_ledger(settings(), since, lambda engine, since_at: ledger_queries.recent(
         engine, user=user, since=since_at, limit=limit, probes=probes), unseen="not shown")
     echo_rows(rows, as_json, _job_line, empty="no jobs")
 

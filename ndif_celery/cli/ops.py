@@ -164,11 +164,11 @@ def audit_command(since: Optional[str], limit: int, as_json: bool) -> None:
     """The dashboard's admin actions, newest first: who, what, and how each ended."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from ndif_celery.accounts import audit, db, ledger
+    from ndif_celery.accounts import audit, db, ledger_queries
 
     current = settings()
     try:
-        since_at = ledger.parse_since(since) if since else None
+        since_at = ledger_queries.parse_since(since) if since else None
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     try:

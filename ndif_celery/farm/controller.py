@@ -14,12 +14,13 @@ over within seconds). The leader, on every tick or when woken:
 3. adds a replica when a model's oldest waiting job has waited too long, and
    removes extra replicas that sat idle;
 4. tells waiting clients their new queue position when it changes (at most
-   once a second each);
-5. writes the summaries of ended jobs into the ledger database (``ndif_celery.accounts.ledger``).
+   once a second each).
 
 Dead workers and the jobs they were running are not its business: it dies
 with the workers, so the watchdog runs in ``ndif-celery beat``
-(``ndif_celery.farm.watchdog``).
+(``ndif_celery.farm.watchdog``). Nor is the ledger: its drain is a thread of
+its own beside this one (``ndif_celery.accounts.ledger.Drainer``), so a slow
+database never delays a tick.
 
 It only decides and sends: loading and evicting run on the chosen worker as
 tasks on that worker's own queue, one thing at a time with its jobs.
@@ -35,14 +36,13 @@ from collections import defaultdict
 from typing import Optional
 
 from ndif_celery import config, messages, statuses, wire
-from ndif_celery.accounts import ledger
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
 from ndif_celery.farm import deployments, schedules
 from ndif_celery.monitoring import probes
 from ndif_celery.notices import Notices
 from ndif_celery.policy import client_versions
 from ndif_celery.policy import model_policy
-from ndif_celery.state import queues, registry, run_times
+from ndif_celery.state import leases, queues, registry, run_times
 
 from . import placement, sizing
 
@@ -73,7 +73,7 @@ class Controller(threading.Thread):
         self.last_scaled: dict[str, float] = {}
         self.wishes: dict[str, dict] = {}
         self.stopping = threading.Event()
-        self.ledger = ledger.Drainer(settings.database_url)
+        self.lease = leases.Lease(redis_client, LEADER, name, LEASE_MS)
         # The same trouble meets every tick (a model no worker can take): logged once per change.
         self.notices = Notices(log)
         self.known_workers: set = set()  # (name, pid) of the live workers the last tick saw
@@ -87,7 +87,7 @@ class Controller(threading.Thread):
         pubsub.subscribe(registry.WAKE)
         while not self.stopping.is_set():
             try:
-                if self.lead():
+                if self.lease.hold():
                     self.tick()
             except Exception:  # noqa: BLE001 - the controller must outlive any one bad tick
                 log.exception("controller tick failed")
@@ -102,16 +102,7 @@ class Controller(threading.Thread):
 
     def stop(self) -> None:
         self.stopping.set()
-        if self.redis.get(LEADER) == self.worker.encode():
-            self.redis.delete(LEADER)
-
-    def lead(self) -> bool:
-        if self.redis.set(LEADER, self.worker, nx=True, px=LEASE_MS):
-            return True
-        if self.redis.get(LEADER) == self.worker.encode():
-            self.redis.pexpire(LEADER, LEASE_MS)
-            return True
-        return False
+        self.lease.release()
 
     # -- one look at the farm ------------------------------------------------
 
@@ -150,7 +141,6 @@ class Controller(threading.Thread):
         if now - self.status_at >= STATUS_EVERY_S:
             registry.publish_status(self.redis)
             self.status_at = now
-        self.ledger(self.redis)  # ended jobs into the database, off every job's path
         self.positions = {k: v for k, v in self.positions.items() if k in waiting_ids}
 
     def boot_deployments(self, farm: "Farm") -> None:

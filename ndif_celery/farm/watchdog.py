@@ -49,7 +49,7 @@ from typing import Optional
 
 from ndif_celery import config, messages, statuses, wire
 from ndif_celery.celery_app import make_app
-from ndif_celery.state import jobs, queues, registry, turns
+from ndif_celery.state import jobs, leases, queues, registry, turns
 
 log = logging.getLogger("ndif_celery.watchdog")
 
@@ -78,6 +78,7 @@ class FarmWatchdog(threading.Thread):
         self.redis = redis_client or jobs.connect(settings.redis_url, settings.redis_outage_s)
         self.app = app or make_app(settings)
         self.me = name or f"watchdog-{id(self):x}@{time.time():.0f}"
+        self.lease = leases.Lease(self.redis, LEADER, self.me, LEASE_MS)
         self.unserved_since: dict[str, float] = {}
         self.unseen_since: dict[str, float] = {}  # open jobs found nowhere, since when
         self.stopping = threading.Event()
@@ -85,7 +86,7 @@ class FarmWatchdog(threading.Thread):
     def run(self) -> None:
         while not self.stopping.is_set():
             try:
-                if self.lead():
+                if self.lease.hold():
                     self.tick()
             except Exception:  # noqa: BLE001 - the watchdog must outlive any one bad tick (or Redis blip)
                 log.exception("watchdog tick failed")
@@ -93,14 +94,6 @@ class FarmWatchdog(threading.Thread):
 
     def stop(self) -> None:
         self.stopping.set()
-
-    def lead(self) -> bool:
-        if self.redis.set(LEADER, self.me, nx=True, px=LEASE_MS):
-            return True
-        if self.redis.get(LEADER) == self.me.encode():
-            self.redis.pexpire(LEADER, LEASE_MS)
-            return True
-        return False
 
     def tick(self, now: Optional[float] = None) -> None:
         now = time.time() if now is None else now

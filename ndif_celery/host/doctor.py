@@ -179,10 +179,10 @@ def check_database(settings: config.Settings) -> Check:
     shown = re.sub(r"//([^:@/]*):[^@/]*@", r"//\1:***@", url)  # never print a password
     if url.startswith("sqlite") and several_hosts(settings):
         # The default is this host's file: on a farm of several hosts each keeps its own keys,
-        # and the ledger lands on whichever worker host leads the controller at the time.
+        # and the ledger lands on whichever worker host leads the ledger's drainer at the time.
         return Check("database", WARN, f"NDIF_DATABASE_URL is {shown}, this host's own file, on a farm of several "
                      "hosts: each host would keep its own API keys, and the job ledger is written on whichever "
-                     "worker host leads the controller (`ndif-celery jobs` shows a part of it)",
+                     "worker host leads the ledger's drainer (`ndif-celery jobs` shows a part of it)",
                      "point NDIF_DATABASE_URL at one PostgreSQL on every host "
                      "(postgresql+psycopg://user:password@db-host/ndif)")
     if not settings.auth:

@@ -32,28 +32,15 @@ A probe that waits behind users' jobs is no failure: the intake gives it a
 turn of its own at the front of its model's line (``state.turns``), and one
 that still waits when its time is up is recorded as ``queued behind N
 jobs`` (state ``QUEUED``; the model is busy, not broken) and is not sent again
-while it waits, so probes never pile up in a line. A probe judged red turns
-the alert on only after failing for :data:`ALERT_AFTER_S` (consecutive
-failures a minute apart or more), as docs/monitoring.md promises.
+while it waits, so probes never pile up in a line.
 
-Alerts (``NDIF_ALERT_WEBHOOK_URL``, when set): the webhook is told the current
-state of every model, not a stream of events. ``ndif:probes:delivered`` holds,
-per model key, that its ``firing`` alert was taken, and by which URL (a hash
-of it: Redis need not hold the token). A :class:`Courier` thread compares it
-with the results after every round: a red model the URL was not told of gets
-``firing``, a model it was told of that is green again (or no longer
-deployed) gets ``resolved``. So an alert a down receiver missed is sent once
-it is back, and once taken it is not sent again. A failed POST is retried
-with backoff (:data:`RETRY_FIRST_S` doubling to :data:`RETRY_MAX_S`) in that
-thread, so the probes never wait on the webhook. A changed URL has not been
-told anything, so it gets every red model; a beat that starts leading forgets
-what was delivered for the models red now and sends them again, since the
-last receiver may have lost them while no beat led.
+A probe judged red turns its alert on after ``alerts.ALERT_AFTER_S``; the
+prober's :class:`ndif_celery.monitoring.alerts.Courier` tells the webhook
+(``NDIF_ALERT_WEBHOOK_URL``) in a thread of its own.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -62,10 +49,7 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from typing import Callable, Optional
-from urllib.parse import urlsplit
 
 import redis
 
@@ -73,12 +57,11 @@ from pathlib import Path
 
 from ndif_celery import config
 from ndif_celery.celery_app import queue_for
-from ndif_celery.notices import Notices
 from ndif_celery.policy import client_versions
 from ndif_celery.policy import model_policy
-from ndif_celery.state import jobs, queues, registry
+from ndif_celery.state import jobs, leases, queues, registry
 
-from . import history
+from . import alerts, history
 
 log = logging.getLogger("ndif_celery.probes")
 
@@ -89,17 +72,6 @@ REFERENCES = "ndif:probes:references"
 OWNER = "ndif:probes:owner"  # the probe key's job owner (key:<id>), as the web saw it (intake.check_probe)
 TOLERANCE = 1e-3  # of the reference's largest |value|: co-batching and devices differ by ~1e-6
 STARTUP_S = 180.0  # the runner's first import of torch and nnsight, on a loaded host
-DELIVERED = "ndif:probes:delivered"  # model key -> {"url": hash, "entry": ...}: its firing alert was taken there
-WEBHOOK_TIMEOUT_S = 5.0  # one POST; only the courier's thread waits on it
-# After a failed delivery the courier waits RETRY_FIRST_S, then twice as long
-# after each further failure, up to RETRY_MAX_S: a receiver that restarts hears
-# within seconds, one down for hours is tried once a minute, not hammered.
-RETRY_FIRST_S = 1.0
-RETRY_MAX_S = 60.0
-ALERT = "NdifProbeFailing"
-# A red probe alerts once it has failed this long (its first and latest failure
-# this far apart): one probe lost to a restart or a blip does not page anyone.
-ALERT_AFTER_S = 60.0
 SENT = "ndif:probes:sent"  # model key -> the job id of its last probe, as the intake parked it
 SENT_TTL_S = 86400
 OK, FAILING, QUEUED = "ok", "FAILING", "QUEUED"  # a result's state
@@ -174,14 +146,6 @@ def results(client: redis.Redis) -> list[dict]:
     return sorted(rows, key=lambda row: (row.get("repo") or "", row["nnsight"], row.get("model_key") or ""))
 
 
-def alerting(row: dict) -> bool:
-    """Whether a result's alert is on: red, its failures spanning :data:`ALERT_AFTER_S`."""
-    if row.get("ok"):
-        return False
-    failed_at = row.get("failed_at", row.get("at")) or 0.0
-    return failed_at - (row.get("since") or failed_at) >= ALERT_AFTER_S
-
-
 def note_sent(client: "redis.Redis | redis.client.Pipeline", model_key: str, job_id: str) -> None:
     """The intake parked a probe's job: the beat looks for it in the line (:func:`queued_behind`)."""
     client.hset(SENT, model_key, job_id)
@@ -211,15 +175,6 @@ def reset(client: redis.Redis, model_key: str) -> int:
     """Forget the model's references (every dtype); the next green probe records a new one."""
     fields = [f for f in client.hkeys(REFERENCES) if f.decode().rsplit("|", 1)[0] == model_key]
     return client.hdel(REFERENCES, *fields) if fields else 0
-
-
-def post_json(url: str, payload: dict, timeout_s: float = WEBHOOK_TIMEOUT_S) -> None:
-    """POST ``payload`` as JSON; raises OSError (urllib's errors) when it was not taken (2xx)."""
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json", "User-Agent": "ndif-celery"})
-    with urllib.request.urlopen(request, timeout=timeout_s) as answer:  # noqa: S310 - the operator's URL
-        if not 200 <= answer.status < 300:
-            raise OSError(f"the webhook answered {answer.status}")
 
 
 class Runner:
@@ -295,21 +250,20 @@ class Prober(threading.Thread):
     """One per beat process; the lease makes one of them probe (and its courier deliver)."""
 
     def __init__(self, settings: config.Settings, redis_client=None, runner=None,
-                 post: Callable[[str, dict], None] = post_json, name: Optional[str] = None,
+                 post: Callable[[str, dict], None] = alerts.post_json, name: Optional[str] = None,
                  clock: Callable[[], float] = time.time) -> None:
         super().__init__(name="ndif-prober", daemon=True)
         self.settings = settings
         self.redis = redis_client or jobs.connect(settings.redis_url, settings.redis_outage_s)
         self.runner = runner  # one for every runtime (the tests'); else one per runtime, made on first use
         self.runners: dict[str, Runner] = {}
-        self.post = post
         self.clock = clock
         self.me = name or f"prober-{id(self):x}@{time.time():.0f}"
         self.stopping = threading.Event()
-        self.notices = Notices(log)
-        self.lease_ms = int(max(10.0, 3 * settings.probe_interval_s + settings.probe_timeout_s) * 1000)
+        lease_ms = int(max(10.0, 3 * settings.probe_interval_s + settings.probe_timeout_s) * 1000)
+        self.lease = leases.Lease(self.redis, LEADER, self.me, lease_ms)
         self.leading = False
-        self.courier = Courier(self)
+        self.courier = alerts.Courier(self, post)
 
     def run(self) -> None:
         self.courier.start()
@@ -336,23 +290,16 @@ class Prober(threading.Thread):
         return self.runners[runtime]
 
     def lead(self) -> bool:
-        """Take or renew the lease. On taking it, the models red now are sent again (:meth:`resend`)."""
-        leads = bool(self.redis.set(LEADER, self.me, nx=True, px=self.lease_ms))
-        if not leads and self.redis.get(LEADER) == self.me.encode():
-            self.redis.pexpire(LEADER, self.lease_ms)
-            leads = True
+        """Take or renew the lease. On taking it, the models red now are sent again (``alerts.resend``)."""
+        leads = self.lease.hold()
         if leads and not self.leading:
-            self.resend()
+            alerts.resend(self.redis, self.results())
         self.leading = leads
         return leads
 
-    def resend(self) -> None:
-        """Forget that the webhook took the alerts of the models red now, so the courier sends
-        them again. Called when this beat starts leading: a beat restarted, or took over from
-        one that stopped, and the receiver may have lost what it was told meanwhile."""
-        red = [row["model_key"] for row in results(self.redis) if alerting(row)]
-        if red:
-            self.redis.hdel(DELIVERED, *red)
+    def results(self) -> list[dict]:
+        """The last result of every probed deployment (:func:`results`): what the courier reports."""
+        return results(self.redis)
 
     def round(self) -> list[dict]:
         """Probe every target once; forget the results of models no longer served."""
@@ -371,14 +318,14 @@ class Prober(threading.Thread):
             if behind is not None:  # busy, not broken: its job still waits its turn
                 result = {"model_key": target["model_key"], "queued_behind": behind}
             recorded.append(self.record(target, result))
-            self.redis.pexpire(LEADER, self.lease_ms)
+            self.lease.hold()  # a long round keeps its lease
         keys = {t["model_key"] for t in wanted}
         for field in self.redis.hkeys(PROBES):
             if field.decode() not in keys:
                 gone = json.loads(self.redis.hget(PROBES, field) or "{}")
                 self.redis.hdel(PROBES, field)
-                if gone and alerting(gone):
-                    log.warning("%s", alert_text(gone, "resolved", NOT_DEPLOYED))
+                if gone and alerts.alerting(gone):
+                    log.warning("%s", alerts.alert_text(gone, "resolved", alerts.NOT_DEPLOYED))
         self.courier.wake.set()
         return recorded
 
@@ -390,7 +337,7 @@ class Prober(threading.Thread):
         previous_raw = self.redis.hget(PROBES, model_key)
         previous = json.loads(previous_raw) if previous_raw else None
         repo = model_policy.parse(model_key).repo_id
-        was_alerting = previous is not None and alerting(previous)
+        was_alerting = previous is not None and alerts.alerting(previous)
         base = {"model_key": model_key, "repo": repo, "nnsight": target.get("nnsight") or runtime_of(model_key),
                 "dtype": target.get("dtype"), "at": now}
         if "queued_behind" in result:
@@ -422,164 +369,14 @@ class Prober(threading.Thread):
         pipe.hincrby(RUNS, f"{model_key}|{'ok' if ok else 'failed'}", 1)
         pipe.execute()
         history.record_probe(self.redis, model_key, ok, entry["latency_s"], now)  # the dashboard's charts
-        # The log says each change; the webhook hears of it from the courier (deliver).
+        # The log says each change; the webhook hears of it from the courier (``alerts.Courier``).
         if not ok and (previous is None or previous.get("ok")):
             log.warning("the health probe of %s failed (the alert waits %.0f s for it to go on failing): %s",
-                        shown_deployment(entry), ALERT_AFTER_S, why)
-        if alerting(entry) and not was_alerting:
-            log.warning("%s", alert_text(entry, "firing"))
+                        alerts.shown_deployment(entry), alerts.ALERT_AFTER_S, why)
+        if alerts.alerting(entry) and not was_alerting:
+            log.warning("%s", alerts.alert_text(entry, "firing"))
         elif ok and previous is not None and not previous.get("ok"):
-            log.warning("%s", alert_text(entry, "resolved") if was_alerting else
-                        f"the health probe of {shown_deployment(entry)} answers correctly again")
+            log.warning("%s", alerts.alert_text(entry, "resolved") if was_alerting else
+                        f"the health probe of {alerts.shown_deployment(entry)} answers correctly again")
         self.courier.wake.set()
         return entry
-
-    def deliver(self) -> bool:
-        """POST to the webhook every alert it has not taken (:func:`pending`), marking each
-        taken. True when all were taken (or there is no webhook to send to); False at the
-        first that was not: the courier tries again after its backoff."""
-        url = self.settings.alert_webhook_url
-        if not url:
-            return True
-        try:
-            config.check_alert_webhook_url(url)
-        except ValueError as error:
-            self.notices.warn("webhook-url", f"no alert can be sent: {error}")
-            return True  # retrying cannot help; a restart with a good URL sends what is red
-        for entry, status, note in pending(self.redis, url):
-            try:
-                self.post(url, alert_payload(entry, status, note, self.settings.api_url))
-            except Exception as error:  # noqa: BLE001 - urllib's errors, http.client's, anything: retried
-                self.notices.warn("webhook", f"the alert webhook ({shown_url(url)}) did not take the {status} alert "
-                                             f"of {entry.get('repo')}: {_why(error, url)}; retrying with backoff "
-                                             f"(up to {RETRY_MAX_S:.0f} s apart)")
-                return False
-            if status == "firing":
-                told = {"url": url_hash(url), "at": time.time(),
-                        "entry": {k: entry.get(k) for k in ("model_key", "repo", "nnsight", "dtype")}}
-                self.redis.hset(DELIVERED, entry["model_key"], json.dumps(told))
-            else:
-                self.redis.hdel(DELIVERED, entry["model_key"])
-            self.notices.cleared("webhook", "the alert webhook takes alerts again")
-        return True
-
-
-class Courier(threading.Thread):
-    """Delivers the prober's alerts in a thread of its own, so a webhook that is down
-    or slow never holds up the probes. Woken after every round; after a failed
-    delivery it waits :func:`retry_delay` and tries again, while its prober leads."""
-
-    def __init__(self, prober: Prober) -> None:
-        super().__init__(name="ndif-alert-courier", daemon=True)
-        self.prober = prober
-        self.wake = threading.Event()
-
-    def run(self) -> None:
-        failures = 0
-        stopping = self.prober.stopping
-        while not stopping.is_set():
-            if failures:
-                stopping.wait(retry_delay(failures))
-            else:
-                self.wake.wait(RETRY_MAX_S)
-                self.wake.clear()
-            if stopping.is_set() or not self.prober.leading:
-                failures = 0
-                continue
-            try:
-                taken = self.prober.deliver()
-            except Exception as error:  # noqa: BLE001 - Redis away, say: the courier must outlive it
-                log.error("alert delivery failed: %s", _why(error, self.prober.settings.alert_webhook_url))
-                taken = False
-            failures = 0 if taken else failures + 1
-
-
-def retry_delay(failures: int) -> float:
-    """Seconds to wait after ``failures`` failed deliveries in a row (1, 2, 4 ... at most RETRY_MAX_S)."""
-    return min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** max(0, failures - 1))
-
-
-def url_hash(url: str) -> str:
-    """Which URL took an alert, as Redis keeps it: a hash, since the URL often holds a token."""
-    return hashlib.sha256(url.encode()).hexdigest()[:16]
-
-
-NOT_DEPLOYED = "no longer deployed"
-
-
-def pending(client: redis.Redis, url: str) -> list[tuple[dict, str, str]]:
-    """``(entry, status, note)`` of every alert the webhook at ``url`` has not taken: ``firing``
-    for a model red for a minute (:func:`alerting`) it was not told of, ``resolved`` for a
-    model it was told of that is green now or no longer probed. Marks left by another URL, of models not red now, are dropped:
-    that receiver is no longer ours, and this one never heard of them."""
-    token = url_hash(url)
-    current = {row["model_key"]: row for row in results(client)}
-    told = {field.decode(): json.loads(raw) for field, raw in client.hgetall(DELIVERED).items()}
-    out = []
-    for key, row in current.items():
-        if alerting(row) and told.get(key, {}).get("url") != token:
-            out.append((row, "firing", ""))
-    for key, mark in sorted(told.items()):
-        row = current.get(key)
-        if mark.get("url") != token:
-            if row is None or row.get("ok"):
-                client.hdel(DELIVERED, key)
-        elif row is None:
-            out.append(({**mark["entry"], "ok": True, "error": "", "at": time.time()}, "resolved", NOT_DEPLOYED))
-        elif row.get("ok"):
-            out.append((row, "resolved", ""))
-    return out
-
-
-def shown_deployment(entry: dict) -> str:
-    """A deployment as people read it: its repo and the nnsight that serves it."""
-    return f"{entry.get('repo')} (nnsight {entry.get('nnsight') or runtime_of(entry.get('model_key') or '')})"
-
-
-def alert_text(entry: dict, status: str, note: str = "") -> str:
-    """One line for the log and for a chat webhook."""
-    if status == "firing":
-        return f"{ALERT}: the health probe of {shown_deployment(entry)} failed: {entry.get('error')}"
-    return f"{ALERT} resolved: {shown_deployment(entry)} {note or 'answers its probe correctly again'}"
-
-
-def alert_payload(entry: dict, status: str, note: str, farm: str) -> dict:
-    """The JSON the webhook gets (docs/monitoring.md shows one)."""
-    return {
-        "alert": ALERT, "status": status, "model": entry.get("repo"),
-        "nnsight": entry.get("nnsight") or runtime_of(entry.get("model_key") or ""),
-        "model_key": entry.get("model_key"), "error": entry.get("error") or None,
-        "latency_s": entry.get("latency_s"), "worker": entry.get("worker"), "at": entry.get("at"),
-        "failing_since": None if status != "firing" else entry.get("since"),
-        "farm": farm, "text": alert_text(entry, status, note),
-    }
-
-
-def _why(error: BaseException, url: str) -> str:
-    """What went wrong with a POST, without the URL's path, query or password: urllib
-    repeats the whole URL in some messages (an unknown scheme, a control character)."""
-    if isinstance(error, urllib.error.HTTPError):
-        return f"it answered {error.code}"
-    reason = error.reason if isinstance(error, urllib.error.URLError) else error
-    text = str(reason) or type(reason).__name__
-    if not url:
-        return text
-    try:
-        parts = urlsplit(url)
-        secrets = [url, parts.path, parts.query, parts.fragment, parts.password or "", parts.username or ""]
-    except ValueError:
-        return type(reason).__name__  # a URL urllib cannot even split: say nothing of its text
-    for secret in secrets:
-        if len(secret) > 1:
-            text = text.replace(secret, "...")
-    return text
-
-
-def shown_url(url: str) -> str:
-    """The webhook's scheme and host only: its path often holds a token."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError:
-        return "an unreadable URL"
-    return f"{parts.scheme}://{parts.hostname or ''}{':' + str(port) if port else ''}/..."

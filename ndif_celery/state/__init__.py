@@ -14,6 +14,8 @@ name and read them one way. Bottom first:
   estimate (``position 3, about 40 s``).
 - ``byte_quotas``: the bytes each key holds in a shared place, against its
   quota: stored results, and what its jobs park in Redis (payloads, records).
+- ``leases``: ``Lease``, a key one holder at a time renews, so one copy of a
+  thread leads (the controller, the ledger's drainer, the watchdog, the probes).
 - ``expiry``: the sweep the beat schedules (results and job state past
   ``NDIF_JOB_TTL_S``) and the "has expired" answer a late poll gets.
 

@@ -21,14 +21,14 @@ import pytest
 import redis
 
 from ndif_celery.farm.actions import model_key_for
-from ndif_celery.monitoring import probes
+from ndif_celery.monitoring import alerts, probes
 from tests.support.stack import Stack
 from tests.support.tiny_model import build_tiny_gpt2
 from tests.support.webhook import Hook
 
 REPO = "alerts/boot"
 KEY = model_key_for(REPO)
-LEASE_S = max(10.0, 3 * 1 + 15)  # the probes' lease with these settings (probes.Prober.lease_ms)
+LEASE_S = max(10.0, 3 * 1 + 15)  # the probes' lease with these settings (probes.Prober's lease.ms)
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +82,9 @@ def test_an_alert_lost_to_a_down_receiver_arrives_once_it_is_back(farm):
     _skew_reference(client, 3.0)
     red = _until(lambda: (lambda p: p if p and not p["ok"] else None)(_probe(client)), "the probe red", stack)
     assert "differ from the reference" in red["error"]
-    # The alert waits for the probe to fail for a minute (probes.ALERT_AFTER_S), then its delivery fails.
+    # The alert waits for the probe to fail for a minute (alerts.ALERT_AFTER_S), then its delivery fails.
     _until(lambda: "did not take the firing alert of alerts/boot" in _beat_log(stack), "a failed delivery", stack,
-           probes.ALERT_AFTER_S + 30)
+           alerts.ALERT_AFTER_S + 30)
     rounds = _probe(client)["failures"]
     time.sleep(4)
     assert _probe(client)["failures"] > rounds, "the probes go on while the webhook is down"
@@ -109,7 +109,7 @@ def test_a_restarted_beat_sends_the_red_models_again(farm):
     stack, hook, client = farm
     _skew_reference(client, 3.0)
     _until(lambda: len(_alerts(hook, "firing")) == 2, "the second firing alert, a minute red", stack,
-           probes.ALERT_AFTER_S + 60)
+           alerts.ALERT_AFTER_S + 60)
     old = stack.pids()["beat"]
     os.killpg(old, signal.SIGKILL)  # the beat and its probe runner
     _until(lambda: stack.pids().get("beat") not in (None, old), "the beat restarted", stack, 60)

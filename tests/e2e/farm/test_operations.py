@@ -26,7 +26,7 @@ from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.accounts import db
 from ndif_celery.farm.actions import model_key_for
-from ndif_celery.monitoring.probes import ALERT_AFTER_S
+from ndif_celery.monitoring.alerts import ALERT_AFTER_S
 from ndif_celery.policy.model_policy import TRANSFORMERS_MODEL
 from tests.support.load import COBATCH_TOLERANCE
 from tests.support.servers import Receiver

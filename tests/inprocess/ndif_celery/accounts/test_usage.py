@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ndif_celery.accounts import db, ledger, usage
+from ndif_celery.accounts import db, ledger, ledger_queries, usage
 from ndif_celery.monitoring import metrics, probes
 from ndif_celery.state import registry
 
@@ -67,7 +67,7 @@ def test_the_report_counts_jobs_errors_gpu_seconds_and_bytes_per_key_and_model(r
     assert report["total"] == {"jobs": 3, "errors": 1, "gpu_seconds": 4.0, "run_seconds": 6.0,
                                "bytes_in": 207, "bytes_out": 1009}
     assert usage.report(engine, owner="key:2")["total"]["jobs"] == 1
-    assert [r["devices"] for r in ledger.recent(engine, limit=10) if r["job_id"] == "j1"] == [2]
+    assert [r["devices"] for r in ledger_queries.recent(engine, limit=10) if r["job_id"] == "j1"] == [2]
 
 
 def test_the_series_keep_the_top_keys_and_sum_the_rest_as_other(redis_client, engine):
@@ -114,14 +114,14 @@ def test_the_probes_jobs_are_marked_and_left_out_unless_asked(redis_client, engi
         ledger.push(pipe, entry)
     pipe.execute()
     # Still waiting in Redis (the dashboard's first rows).
-    assert _ids(ledger.waiting(redis_client)) == ["user1"]
-    assert _ids(ledger.waiting(redis_client, probes=True)) == ["probe1", "probe2", "user1"]
+    assert _ids(ledger_queries.waiting(redis_client)) == ["user1"]
+    assert _ids(ledger_queries.waiting(redis_client, probes=True)) == ["probe1", "probe2", "user1"]
 
     assert ledger.drain(redis_client, engine) == 3
-    assert _ids(ledger.recent(engine)) == ["user1"]
-    both = ledger.recent(engine, probes=True)
+    assert _ids(ledger_queries.recent(engine)) == ["user1"]
+    both = ledger_queries.recent(engine, probes=True)
     assert {row["job_id"]: row["probe"] for row in both} == {"user1": False, "probe1": True, "probe2": True}
-    assert ledger.recent(engine, user="key:9") == [], "asked by owner, still only with probes"
+    assert ledger_queries.recent(engine, user="key:9") == [], "asked by owner, still only with probes"
     report = usage.report(engine)
     assert report["total"]["jobs"] == 1 and [row["owner"] for row in report["keys"]] == ["key:1"]
     assert usage.report(engine, probes=True)["total"]["jobs"] == 3
@@ -131,7 +131,7 @@ def test_the_probes_jobs_are_marked_and_left_out_unless_asked(redis_client, engi
 
 def test_an_older_ledger_database_gains_the_probe_column_and_its_probe_rows_are_marked(redis_client, tmp_path):
     """A database written before the ``probe`` column: its rows are NULL there and shown,
-    until the controller's drainer, knowing the probe's owner, marks them once."""
+    until the drainer, knowing the probe's owner, marks them once."""
     path = tmp_path / "old.db"
     with sqlite3.connect(path) as old:
         old.execute(OLD_LEDGER + ", devices INTEGER)")
@@ -140,14 +140,14 @@ def test_an_older_ledger_database_gains_the_probe_column_and_its_probe_rows_are_
                         "VALUES (?, ?, 'org/a', 'k', 'COMPLETED', 1, '2026-01-01 00:00:00.000000')", (job_id, owner))
     url = f"sqlite:///{path}"
     engine = db.engine_for(url)
-    assert _ids(ledger.recent(engine)) == ["oldprobe", "olduser"], "not marked yet: shown"
+    assert _ids(ledger_queries.recent(engine)) == ["oldprobe", "olduser"], "not marked yet: shown"
 
     redis_client.set(probes.OWNER, "key:9")
     pipe = redis_client.pipeline()
     ledger.push(pipe, _summary("new", "key:1", "gpu", 5.0))
     pipe.execute()
-    drainer = ledger.Drainer(url)
-    assert drainer(redis_client) == 1
-    assert _ids(ledger.recent(engine)) == ["new", "olduser"]
-    assert _ids(ledger.recent(engine, probes=True)) == ["new", "oldprobe", "olduser"]
+    drainer = ledger.Drainer("w0", redis_client, url)
+    assert drainer.tick() == 1
+    assert _ids(ledger_queries.recent(engine)) == ["new", "olduser"]
+    assert _ids(ledger_queries.recent(engine, probes=True)) == ["new", "oldprobe", "olduser"]
     assert usage.report(engine)["total"]["jobs"] == 2

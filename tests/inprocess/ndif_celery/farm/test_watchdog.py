@@ -153,10 +153,10 @@ def test_jobs_nobody_serves_are_told_once_per_change(client, watchdog, settings)
 def test_two_watchdogs_one_leads(client, settings):
     first = FarmWatchdog(settings, client, make_app(settings), name="first")
     second = FarmWatchdog(settings, client, make_app(settings), name="second")
-    assert first.lead() and not second.lead()
-    assert first.lead(), "the leader keeps its lease"
+    assert first.lease.hold() and not second.lease.hold()
+    assert first.lease.hold(), "the leader keeps its lease"
     client.delete("ndif:watchdog:leader")  # the leader died and its lease ran out
-    assert second.lead() and not first.lead()
+    assert second.lease.hold() and not first.lease.hold()
 
 
 def test_a_job_past_its_deadline_that_its_worker_did_not_answer_gets_the_timeout_error(client, watchdog, settings):

@@ -1,5 +1,5 @@
-"""Alert delivery (``ndif_celery.monitoring.probes``: the prober's ``deliver`` and its
-``Courier``) against a real embedded Redis and real HTTP receivers on loopback.
+"""Alert delivery (``ndif_celery.monitoring.alerts``: the prober's ``Courier`` and its
+``deliver``) against a real embedded Redis and real HTTP receivers on loopback.
 
 A receiver that is down (its port closed), answers 500 or does not answer in
 time leaves the alert pending; it arrives once the receiver takes alerts
@@ -19,7 +19,7 @@ import time
 import pytest
 
 from ndif_celery.farm import actions
-from ndif_celery.monitoring import probes
+from ndif_celery.monitoring import alerts, probes
 from ndif_celery.state import registry
 from tests.support.clocks import StepClock
 from tests.support.webhook import Hook
@@ -51,11 +51,11 @@ def hook():
     server.stop()
 
 
-def _prober(settings, client, url, runner, post=probes.post_json, name="test-prober", clock=None) -> probes.Prober:
+def _prober(settings, client, url, runner, post=alerts.post_json, name="test-prober", clock=None) -> probes.Prober:
     """Each probe a minute after the last (a clock of its own unless given): two red rounds in a row alert."""
     settings = dataclasses.replace(settings, alert_webhook_url=url, probe_interval_s=0.2, probe_timeout_s=5.0)
     return probes.Prober(settings, client, runner, post=post, name=name,
-                         clock=clock or StepClock(step_s=probes.ALERT_AFTER_S))
+                         clock=clock or StepClock(step_s=alerts.ALERT_AFTER_S))
 
 
 def _serve(client, *keys: str) -> None:
@@ -69,7 +69,7 @@ def _statuses(received: list) -> list:
 
 
 def test_the_backoff_doubles_from_one_second_up_to_a_minute():
-    assert [probes.retry_delay(n) for n in range(1, 9)] == [1, 2, 4, 8, 16, 32, 60, 60]
+    assert [alerts.retry_delay(n) for n in range(1, 9)] == [1, 2, 4, 8, 16, 32, 60, 60]
 
 
 def test_an_alert_lost_to_a_down_receiver_arrives_once_it_is_back(redis_client, embedded_settings, hook):
@@ -77,29 +77,29 @@ def test_an_alert_lost_to_a_down_receiver_arrives_once_it_is_back(redis_client, 
     runner = Scripted()
     prober = _prober(embedded_settings, redis_client, hook.url, runner)
     prober.round()
-    assert prober.deliver() and hook.received == []
+    assert prober.courier.deliver() and hook.received == []
 
     hook.stop()
     runner.answers[KEY] = RED
     prober.round()
-    assert prober.deliver(), "red for no time yet: nothing to send"
+    assert prober.courier.deliver(), "red for no time yet: nothing to send"
     prober.round()
-    assert not prober.deliver(), "red for a minute, connection refused: not taken"
+    assert not prober.courier.deliver(), "red for a minute, connection refused: not taken"
     prober.round()
-    assert not prober.deliver()
+    assert not prober.courier.deliver()
 
     hook.start()
-    assert prober.deliver()
+    assert prober.courier.deliver()
     assert _statuses(hook.received) == [("org/alerted", "firing")]
     prober.round()
-    assert prober.deliver() and len(hook.received) == 1, "taken once: not sent again"
+    assert prober.courier.deliver() and len(hook.received) == 1, "taken once: not sent again"
 
     runner.answers[KEY] = GOOD
     hook.status = 500
     prober.round()
-    assert not prober.deliver()
+    assert not prober.courier.deliver()
     hook.status = 200
-    assert prober.deliver() and prober.deliver()
+    assert prober.courier.deliver() and prober.courier.deliver()
     assert _statuses(hook.received) == [("org/alerted", "firing"), ("org/alerted", "resolved")]
 
 
@@ -112,25 +112,25 @@ def test_a_model_that_went_red_and_green_while_the_receiver_was_down_is_not_news
     runner.answers[KEY] = RED
     prober.round()
     prober.round()
-    assert not prober.deliver()
+    assert not prober.courier.deliver()
     runner.answers[KEY] = GOOD
     prober.round()
     hook.start()
-    assert prober.deliver() and hook.received == []
+    assert prober.courier.deliver() and hook.received == []
 
 
 def test_a_receiver_that_does_not_answer_in_time_is_retried(redis_client, embedded_settings, hook):
     _serve(redis_client, KEY)
     runner = Scripted()
     runner.answers[KEY] = RED
-    hurried = functools.partial(probes.post_json, timeout_s=0.5)
+    hurried = functools.partial(alerts.post_json, timeout_s=0.5)
     prober = _prober(embedded_settings, redis_client, hook.url, runner, post=hurried)
     hook.hang_s, hook.status = 2.0, 504  # stuck, then gives up on it (one it took late would come twice)
     prober.round()
     prober.round()
-    assert not prober.deliver()
+    assert not prober.courier.deliver()
     hook.hang_s, hook.status = 0.0, 200
-    assert prober.deliver()
+    assert prober.courier.deliver()
     assert _statuses(hook.received) == [("org/alerted", "firing")]
 
 
@@ -138,21 +138,21 @@ def test_a_restarted_beat_and_a_changed_url_get_every_red_model_again(redis_clie
     _serve(redis_client, KEY, OTHER)
     runner = Scripted()
     runner.answers[KEY] = RED
-    clock = StepClock(step_s=probes.ALERT_AFTER_S)  # one time for the three beats
+    clock = StepClock(step_s=alerts.ALERT_AFTER_S)  # one time for the three beats
     first = _prober(embedded_settings, redis_client, hook.url, runner, name="beat-1", clock=clock)
     assert first.lead()
     first.round()
     first.round()
-    assert first.deliver() and first.deliver()
+    assert first.courier.deliver() and first.courier.deliver()
     assert _statuses(hook.received) == [("org/alerted", "firing")]
 
     # The beat restarts (its lease gone with it), same URL: what is red now is sent again, once.
     redis_client.delete(probes.LEADER)
     restarted = _prober(embedded_settings, redis_client, hook.url, runner, name="beat-2", clock=clock)
     assert restarted.lead()
-    assert restarted.deliver() and restarted.deliver()
+    assert restarted.courier.deliver() and restarted.courier.deliver()
     assert _statuses(hook.received) == [("org/alerted", "firing")] * 2
-    assert restarted.lead() and restarted.deliver(), "renewing its lease is no restart"
+    assert restarted.lead() and restarted.courier.deliver(), "renewing its lease is no restart"
     assert len(hook.received) == 2
 
     # A new URL was never told: it gets every red model; the old one hears nothing more.
@@ -160,12 +160,12 @@ def test_a_restarted_beat_and_a_changed_url_get_every_red_model_again(redis_clie
     try:
         moved = _prober(embedded_settings, redis_client, other_hook.url, runner, name="beat-2", clock=clock)
         moved.round()
-        assert moved.deliver() and moved.deliver()
+        assert moved.courier.deliver() and moved.courier.deliver()
         assert _statuses(other_hook.received) == [("org/alerted", "firing")]
         assert len(hook.received) == 2
         runner.answers[KEY] = GOOD
         moved.round()
-        assert moved.deliver()
+        assert moved.courier.deliver()
         assert _statuses(other_hook.received) == [("org/alerted", "firing"), ("org/alerted", "resolved")]
     finally:
         other_hook.stop()
@@ -180,7 +180,7 @@ def test_the_probes_go_on_while_the_webhook_hangs(redis_client, embedded_setting
     runner = Scripted()
     runner.answers[KEY] = RED
     hook.hang_s, hook.status = 3.0, 504
-    hurried = functools.partial(probes.post_json, timeout_s=2.0)
+    hurried = functools.partial(alerts.post_json, timeout_s=2.0)
     prober = _prober(embedded_settings, redis_client, hook.url, runner, post=hurried)
     prober.start()
     try:
@@ -207,12 +207,12 @@ def test_what_goes_wrong_is_logged_without_the_urls_path_or_query(redis_client, 
     prober = _prober(embedded_settings, redis_client, hook.url, runner)
     prober.round()
     prober.round()
-    assert not prober.deliver()
+    assert not prober.courier.deliver()
     # urllib repeats the whole URL in some errors (a control character in the path, say).
-    assert "secret-token" not in probes._why(ValueError(f"URL can't contain control characters. {hook.url!r}"),
+    assert "secret-token" not in alerts._why(ValueError(f"URL can't contain control characters. {hook.url!r}"),
                                              hook.url)
     bad = _prober(embedded_settings, redis_client, "htp://127.0.0.1/hook/secret-token", runner)
-    assert bad.deliver()
+    assert bad.courier.deliver()
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert "did not take the firing alert of org/alerted" in logged and f"127.0.0.1:{hook.port}/..." in logged
     assert "NDIF_ALERT_WEBHOOK_URL must begin with http:// or https://" in logged

@@ -123,13 +123,13 @@ def test_a_probe_behind_three_long_jobs_is_queued_and_no_alert_goes_out(redis_cl
 
     [entry] = prober.round()
     assert entry["state"] == probes.QUEUED and entry["note"] == "queued behind 3 jobs", entry
-    assert entry["ok"] and prober.deliver() and hook.received == []
+    assert entry["ok"] and prober.courier.deliver() and hook.received == []
     assert _line(redis_client) == [*jobs[1:], runner.sent[0]]
 
     for job in jobs[1:]:  # a round a minute; each 35 s job done in turn
         _take(redis_client, job)
         [entry] = prober.round()
-        assert entry["state"] == probes.QUEUED and prober.deliver()
+        assert entry["state"] == probes.QUEUED and prober.courier.deliver()
     assert entry["note"] == "queued behind 1 job" and len(runner.sent) == 1, "one probe in the line at a time"
     scrape = Scrape(metrics.render(redis_client).decode())
     assert scrape.value("ndif_probe_ok", model="org/busy") == 1.0
@@ -140,7 +140,7 @@ def test_a_probe_behind_three_long_jobs_is_queued_and_no_alert_goes_out(redis_cl
     runner.answer = GOOD
     [entry] = prober.round()
     assert entry["state"] == probes.OK and entry["ok"] and len(runner.sent) == 2
-    assert prober.deliver() and hook.received == [], "a busy model never paged anyone"
+    assert prober.courier.deliver() and hook.received == [], "a busy model never paged anyone"
 
 
 def test_a_broken_model_alerts_once_after_a_minute_and_resolves_once(redis_client, embedded_settings, hook):
@@ -154,12 +154,12 @@ def test_a_broken_model_alerts_once_after_a_minute_and_resolves_once(redis_clien
     for _ in range(4):  # red at 0, 15, 30, 45 s
         [entry] = prober.round()
         queues.drain(redis_client, queue_for(KEY))  # the worker answered each probe (with its error)
-        assert not entry["ok"] and prober.deliver()
+        assert not entry["ok"] and prober.courier.deliver()
     assert hook.received == [], "failing for 45 s: not yet"
     for _ in range(6):  # 60 s and on
         prober.round()
         queues.drain(redis_client, queue_for(KEY))
-        assert prober.deliver()
+        assert prober.courier.deliver()
     assert [a["status"] for a in hook.received] == ["firing"]
     firing = hook.received[0]
     assert firing["at"] - firing["failing_since"] == 60.0
@@ -169,7 +169,7 @@ def test_a_broken_model_alerts_once_after_a_minute_and_resolves_once(redis_clien
     for _ in range(3):
         prober.round()
         queues.drain(redis_client, queue_for(KEY))
-        assert prober.deliver()
+        assert prober.courier.deliver()
     assert [a["status"] for a in hook.received] == ["firing", "resolved"]
 
 
@@ -182,7 +182,7 @@ def test_a_single_failure_between_green_probes_pages_no_one(redis_client, embedd
         runner.answer = answer
         prober.round()
         queues.drain(redis_client, queue_for(KEY))
-        assert prober.deliver()
+        assert prober.courier.deliver()
     assert hook.received == []
 
 

@@ -108,7 +108,7 @@ def test_each_runtime_is_probed_by_its_own_client_and_both_stay_green(two_runtim
     prober = _prober(embedded_settings, client, monkeypatch, hook.url)
     for _ in range(30):  # forced rounds, 20 s apart on the prober's clock: ten minutes
         entries = prober.round()
-        assert prober.deliver()
+        assert prober.courier.deliver()
         assert sorted((e["nnsight"], e["ok"]) for e in entries) == sorted([(MAIN, True), (OLD, True)]), entries
     assert hook.received == [], "no alert"
     assert {runner.runtime: set(runner.probed) for runner in RunnerPerRuntime.made} == {MAIN: {KEY}, OLD: {OLD_KEY}}

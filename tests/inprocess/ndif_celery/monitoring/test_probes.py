@@ -18,7 +18,7 @@ import json
 import pytest
 
 from ndif_celery.farm import actions
-from ndif_celery.monitoring import metrics, probes
+from ndif_celery.monitoring import alerts, metrics, probes
 from ndif_celery.state import registry
 from tests.support.clocks import StepClock
 from tests.support.metrics import Scrape
@@ -53,7 +53,7 @@ def _prober(settings, client, url: str = "", runner=None, clock=None) -> probes.
     """Each probe a minute after the last unless ``clock`` says otherwise: two red rounds in a row alert."""
     settings = dataclasses.replace(settings, alert_webhook_url=url, probe_interval_s=1.0, probe_timeout_s=5.0)
     return probes.Prober(settings, client, runner or Scripted(), name="test-prober",
-                         clock=clock or StepClock(step_s=probes.ALERT_AFTER_S))
+                         clock=clock or StepClock(step_s=alerts.ALERT_AFTER_S))
 
 
 def _serve(client, key: str = KEY) -> None:
@@ -99,13 +99,13 @@ def test_red_then_green_is_recorded_and_posted_once_per_change(redis_client, emb
     runner = Scripted()
     prober = _prober(embedded_settings, redis_client, receiver.url, runner)
     [first] = prober.round()
-    assert prober.deliver() and first["ok"] and receiver.received == []
+    assert prober.courier.deliver() and first["ok"] and receiver.received == []
     assert json.loads(redis_client.hget(probes.REFERENCES, probes.reference_field(KEY, None)))["values"] == GOOD["values"]
 
     runner.next = dict(GOOD, values=[v * 3 for v in GOOD["values"]])  # the weights changed under it
     for _ in range(2):
         [red] = prober.round()
-        assert prober.deliver()
+        assert prober.courier.deliver()
     assert not red["ok"] and red["failures"] == 2
     assert len(receiver.received) == 1, "one alert per change, not one per round"
     alert = receiver.received[0]
@@ -119,7 +119,7 @@ def test_red_then_green_is_recorded_and_posted_once_per_change(redis_client, emb
 
     runner.next = GOOD
     [green] = prober.round()
-    assert prober.deliver()
+    assert prober.courier.deliver()
     assert green["ok"] and green["failures"] == 0
     assert [a["status"] for a in receiver.received] == ["firing", "resolved"]
     assert Scrape(metrics.render(redis_client).decode()).value("ndif_probe_ok", model="org/probed") == 1.0
@@ -132,10 +132,10 @@ def test_a_model_no_longer_served_is_forgotten_and_its_alert_resolved(redis_clie
     prober = _prober(embedded_settings, redis_client, receiver.url, runner)
     prober.round()
     prober.round()
-    prober.deliver()
+    prober.courier.deliver()
     registry.remove_deployment(redis_client, "w0", KEY)
     assert prober.round() == []
-    prober.deliver()
+    prober.courier.deliver()
     assert probes.results(redis_client) == []
     assert [a["status"] for a in receiver.received] == ["firing", "resolved"]
     assert "no longer deployed" in receiver.received[1]["text"]
@@ -150,7 +150,7 @@ def test_a_webhook_that_refuses_is_logged_without_its_token(redis_client, embedd
         prober = _prober(embedded_settings, redis_client, refusing.url, runner)
         prober.round()
         prober.round()
-        assert not prober.deliver(), "not taken: the courier retries it"
+        assert not prober.courier.deliver(), "not taken: the courier retries it"
         assert refusing.received and refusing.received[0]["status"] == "firing"
     finally:
         refusing.close()

@@ -1,16 +1,13 @@
-"""The job ledger's pure parts: ``--since`` spans and ISO times, the error
-line of a traceback, and pruning past the retention. The ledger against real
-stacks and the real client is tests/e2e/accounts/test_ledger.py.
+"""The job ledger's pure parts: the error line of a traceback, and pruning
+past the retention. ``--since`` is tests/unit/ndif_celery/accounts/test_ledger_queries.py;
+the ledger against real stacks and the real client is tests/e2e/accounts/test_ledger.py.
 """
 
 from __future__ import annotations
 
-import datetime
 import time
 
-import pytest
-
-from ndif_celery.accounts import ledger
+from ndif_celery.accounts import ledger, ledger_queries
 
 
 def test_the_error_line_is_the_exception_of_a_traceback():
@@ -18,16 +15,6 @@ def test_the_error_line_is_the_exception_of_a_traceback():
     assert ledger.first_line("Could not deploy x: no room.\nmore") == "Could not deploy x: no room."
     assert ledger.first_line("") == ""
     assert len(ledger.first_line("x" * 2000)) == ledger.ERROR_CHARS
-
-
-def test_since_takes_spans_and_iso_times():
-    now = datetime.datetime(2026, 1, 2, 12, 0, tzinfo=datetime.timezone.utc)
-    assert ledger.parse_since("90m", now) == now - datetime.timedelta(minutes=90)
-    assert ledger.parse_since("2d", now) == now - datetime.timedelta(days=2)
-    assert ledger.parse_since("2026-01-01T00:00:00+02:00", now).utcoffset() == datetime.timedelta(hours=2)
-    assert ledger.parse_since("2026-01-01", now).tzinfo == datetime.timezone.utc
-    with pytest.raises(ValueError, match="--since"):
-        ledger.parse_since("soon", now)
 
 
 def test_rows_past_their_retention_are_pruned(tmp_path):
@@ -42,5 +29,5 @@ def test_rows_past_their_retention_are_pruned(tmp_path):
         ledger._insert(engine, [ledger.summary(job, "COMPLETED", "done", {}, now=now - age_days * 86400)])
     assert ledger.prune(engine, 0) == 0  # 0 keeps everything
     assert ledger.prune(engine, 90) == 1
-    assert [row["job_id"] for row in ledger.recent(engine)] == ["b" * 32]
+    assert [row["job_id"] for row in ledger_queries.recent(engine)] == ["b" * 32]
     assert ledger.prune(engine, 90) == 0

@@ -1,0 +1,1 @@
+"""In-process tests of ndif_celery/state/: the shared keys in Redis."""
