@@ -1,5 +1,5 @@
 """The job ledger against real stacks and the real client: ended jobs land in
-the database (through Redis, written by the farm controller) and
+the database (through Redis, written by the ledger's drainer) and
 ``ndif-celery jobs`` lists them with their outcome, timings and sizes; a
 database outage leaves them waiting in Redis, and they land once it is back. The pure parts are tests/unit/ndif_celery/accounts/test_ledger.py."""
 
@@ -60,7 +60,7 @@ def test_ended_jobs_are_listed_with_outcome_timings_and_bytes(on_fs_stack, model
     meta = _ok_job(model)
     error_id = _error_job(stack.url, model)
     ok_id = meta["job_id"]
-    _wait_drained(redis.Redis.from_url(stack.redis_url))  # the controller wrote them
+    _wait_drained(redis.Redis.from_url(stack.redis_url))  # the drainer wrote them
 
     rows = {row["job_id"]: row for row in _jobs(stack, "--limit", "500")}
     ok, failed = rows[ok_id], rows[error_id]
@@ -139,7 +139,7 @@ def test_a_database_outage_keeps_ended_jobs_in_redis_until_it_is_back(tmp_path_f
             proxy.stop()
             during_ok = _ok_job(model)["job_id"]  # jobs still run and end
             during_error = _error_job(stack.url, model)
-            time.sleep(4)  # several controller ticks and retries
+            time.sleep(4)  # several drainer passes and retries
             assert client.llen(ledger.PENDING) == 2
             waiting = {json.loads(raw)["job_id"] for raw in client.lrange(ledger.PENDING, 0, -1)}
             assert waiting == {during_ok, during_error}
