@@ -15,7 +15,8 @@ enforces; each imports only its own layer or those below:
 2. the protocol and pure rules:
    ``wire`` (the nnsight client's envelope and status frames, without torch);
    ``messages`` (status texts two processes write, kept once so they cannot drift);
-   ``policy/`` (which models load for whom, the client version gate, the jail's layer names);
+   ``policy/`` (which models load for whom, who may use a deployment, the client version gate,
+   the jail's layer names);
 3. ``config`` (every ``NDIF_*`` setting, declared once in one table) and
    ``celery_app`` (the JSON-only Celery app, one queue per model key);
 4. ``state/``: what every process reads and writes in Redis: job keys, the registry, queues, expiry;

@@ -28,8 +28,9 @@ unload, at every sync, the models researchers are using right now on demand.
 (``ndif_celery.accounts.db``, ``ndif_celery.accounts.auth.Identity``): an email (every key of
 that user), ``key:<id>`` (one key), or ``tag:<trusted|priority|admin>``. Keys
 tagged ``admin`` (operators, and the health probe's key) may always use a
-deployment. With ``NDIF_AUTH`` off everyone is anonymous, so a deployment
-with ``users`` refuses every request: ``deploy -f`` says so.
+deployment (the rule: ``ndif_celery.policy.deployment_access``). With
+``NDIF_AUTH`` off everyone is anonymous, so a deployment with ``users``
+refuses every request: ``deploy -f`` says so.
 
 Every file is checked whole before anything is written; an error names the
 entry (its position and repo) and the field. Sizes are bounded: a file of at
@@ -49,8 +50,7 @@ import redis
 
 from ndif_celery.accounts import db
 from ndif_celery.celery_app import EVICT_MODEL, worker_queue
-from ndif_celery.errors import Refused
-from ndif_celery.policy import model_policy
+from ndif_celery.policy import deployment_access, model_policy
 from ndif_celery.state import registry
 
 from . import actions
@@ -233,40 +233,18 @@ def check_users(value: object, where: str) -> tuple:
 # --- who may use a deployment -------------------------------------------------------
 
 
-def may_use(users: "list | tuple", identity) -> bool:
-    """Whether ``identity`` (``auth.Identity``) is one of ``users``; an empty list is everyone.
-    An ``admin`` key may always: the operators', and the health probe's."""
-    if not users or "admin" in identity.tags:
-        return True
-    for user in users:
-        if user.startswith("key:"):
-            if identity.key_id is not None and user == f"key:{identity.key_id}":
-                return True
-        elif user.startswith("tag:"):
-            if user[4:] in identity.tags:
-                return True
-        elif identity.email and user == identity.email.lower():
-            return True
-    return False
-
-
 def check_access(client: redis.Redis, identity, model_key: str, offer: Optional[registry.Offer] = None) -> None:
     """At intake: refuse (403) a key that a deployment of the same weights does
-    not list in ``users``, whatever revision or task names them (a revision
-    that may be the same commit counts as the same: refused rather than guessed).
+    not list in ``users`` (the rule: ``policy.deployment_access``). Reads the
+    wishes, and the repo's refs only when a wish of it is closed to the key.
     ``offer``: the farm as the intake read it (with the repo's refs), else read now."""
     key = model_policy.parse(model_key)
     desired = offer.desired if offer is not None else registry.desired(client)
-    restricted = [wished for wished, wish in desired.items()
-                  if wish.get("users") and not may_use(wish["users"], identity)]
-    others = model_policy.keys_of_repo(restricted, key.repo_id)
+    closed = deployment_access.closed_to(identity, desired, key.repo_id)
     refs: dict = {}
-    if others:
+    if closed:
         refs = offer.refs_of(client, key.repo_id) if offer is not None else registry.refs(client, key.repo_id)
-    for other in others:
-        if model_policy.may_be_same_weights(key, other, refs):
-            raise Refused(f"Model {key.repo_id!r} is deployed on this farm for named users only, and this API key "
-                          "is not one of them. Ask the operator to add your email or key to its deployment.", 403)
+    deployment_access.check(key, closed, refs)
 
 
 # --- applying -----------------------------------------------------------------------

@@ -5,6 +5,8 @@
   ``NDIF_TRUST_REMOTE_CODE``). Not ``workers.models`` (the models a worker
   holds), nor ``IsolationPolicy`` (an untrusted child's limits, in
   ``workers.isolation.parent``).
+- ``deployment_access``: who may use a deployment that names its ``users``
+  (``farm.deployments.check_access`` reads the wishes, then asks it).
 - ``client_versions``: the client version gate the web applies at intake
   (``NDIF_MIN_NNSIGHT_VERSION``, ``NDIF_MIN_PYTHON_VERSION``).
 - ``jail_layers``: the jail's layer names and the settings that name them

@@ -93,19 +93,6 @@ def test_a_missing_file_says_which(tmp_path):
 # --- who may use it -----------------------------------------------------------------
 
 
-def test_users_match_emails_keys_and_tags_and_admin_keys_always():
-    ada = auth.Identity(key_id=3, email="ada@example.org", tags=("trusted",))
-    bob = auth.Identity(key_id=4, email="bob@example.org", tags=())
-    ops = auth.Identity(key_id=5, email="ops@example.org", tags=("admin",))
-    anonymous = auth.Identity()
-    assert deployments.may_use([], bob) and deployments.may_use([], anonymous)
-    assert deployments.may_use(["ada@example.org"], ada) and not deployments.may_use(["ada@example.org"], bob)
-    assert deployments.may_use(["key:4"], bob) and not deployments.may_use(["key:4"], ada)
-    assert deployments.may_use(["tag:trusted"], ada) and not deployments.may_use(["tag:trusted"], bob)
-    assert deployments.may_use(["ada@example.org"], ops)
-    assert not deployments.may_use(["ada@example.org"], anonymous)
-
-
 def test_intake_refuses_a_key_the_deployment_does_not_list(redis_client):
     key = _key("org/a")
     redis_client.hset(registry.DESIRED, key, json.dumps({"pinned": True, "users": ["ada@example.org"]}))
