@@ -123,7 +123,7 @@ def _fresh_url(latest: bytes, job_id: str) -> bytes:
     status = json.loads(latest)
     if status.get("status") != wire.COMPLETED or not isinstance(status.get("data"), str):
         return latest
-    status["data"] = current_app.config["NDIF_STORE"].url(expiry.result_key(job_id))
+    status["data"] = current_app.config["NDIF_STORE"].url(jobs.result_key(job_id))
     return json.dumps(status).encode()
 
 

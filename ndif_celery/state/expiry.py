@@ -23,13 +23,7 @@ from . import byte_quotas, jobs
 EXPIRED = "ndif:jobs:expired"  # zset: job id -> when the sweep removed it
 # How long an expired job is remembered as such (a few bytes each).
 REMEMBER_EXPIRED_S = 30 * 24 * 3600
-RESULTS_PREFIX = "results/"
 BATCH = 500
-
-
-def result_key(job_id: str) -> str:
-    """Where a job's stored result lives in the result store."""
-    return f"{RESULTS_PREFIX}{job_id}.pt"
 
 
 def sweep(client: redis.Redis, store, ttl_s: float, now: Optional[float] = None) -> dict:
@@ -46,7 +40,7 @@ def sweep(client: redis.Redis, store, ttl_s: float, now: Optional[float] = None)
         if not ids:
             break
         for job_id in ids:
-            store.delete(result_key(job_id))
+            store.delete(jobs.result_key(job_id))
         byte_quotas.RESULTS.release(client, ids)  # each key's quotas have room again
         byte_quotas.PARKED.release(client, [byte_quotas.records_entry(job_id) for job_id in ids])
         pipe = client.pipeline(transaction=False)
@@ -56,7 +50,7 @@ def sweep(client: redis.Redis, store, ttl_s: float, now: Optional[float] = None)
             pipe.zrem(jobs.ENDED, job_id)
         pipe.execute()
         swept += len(ids)
-    orphans = store.older_than(RESULTS_PREFIX, cutoff)
+    orphans = store.older_than(jobs.RESULTS_PREFIX, cutoff)
     for key in orphans:
         store.delete(key)
     client.zremrangebyscore(EXPIRED, 0, now - REMEMBER_EXPIRED_S)

@@ -22,6 +22,8 @@ statuses through ``ndif_celery.statuses.StatusChannel``):
                               beat's reconciler checks is queued, running or ended (``ndif_celery.farm.watchdog``)
 - zset ``ndif:jobs:deadlines`` job id -> its execution deadline (epoch seconds) while it runs,
                               so the beat answers a job whose worker cannot (``ndif_celery.farm.watchdog``)
+- ``results/<id>.pt``         in the result store, not Redis: a job's stored result (:func:`result_key`),
+                              deleted by the cleanup (``ndif_celery.state.expiry``)
 - list ``ndif:ledger``         summaries of ended jobs for the ledger database (``ndif_celery.accounts.ledger``);
                               the final status also counts the job in ``ndif:metrics:*`` (``ndif_celery.monitoring.metrics``)
 
@@ -111,6 +113,14 @@ def lost_key(job_id: str) -> str:
 
 def final_key(job_id: str) -> str:
     return f"ndif:job:{job_id}:final"
+
+
+RESULTS_PREFIX = "results/"  # the result store's folder of results
+
+
+def result_key(job_id: str) -> str:
+    """Where a job's stored result lives in the result store (not Redis)."""
+    return f"{RESULTS_PREFIX}{job_id}.pt"
 
 
 @dataclass

@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from ndif_celery import messages, statuses, wire
 from ndif_celery.celery_app import queue_for
-from ndif_celery.state import expiry
 from ndif_celery.state import byte_quotas, jobs, registry, run_times, turns
 from ndif_celery.store import StoreUnavailable
 from workers import metrics, results
@@ -226,7 +225,7 @@ def deliver(worker: JobContext, life: Life, data: bytes) -> None:
         if channel.send_binary(results.completed_frame(job.id, description, data, meta), latest):
             return
         # Nobody listens any more (the client went away): keep the result for a poll.
-    key = expiry.result_key(job.id)
+    key = jobs.result_key(job.id)
     quota = worker.settings.result_quota_bytes
     used = byte_quotas.RESULTS.reserve(worker.redis, job.owner, job.id, len(data), quota)
     if used is not None:

@@ -43,7 +43,7 @@ def test_an_expired_job_is_cleaned_up_and_says_so(stack):
     with model.trace(PROMPT):
         expected = model.transformer.h[1].output.save()
     assert torch.equal(result["out"], expected)
-    stored = stack.home / "results" / expiry.result_key(backend.job_id)
+    stored = stack.home / "results" / jobs.result_key(backend.job_id)
     assert stored.is_file()
     assert backend.job_id in stack.cli("jobs", "--json", check=True).stdout  # in the ledger, for now
     # The first URL has expired by now (NDIF_RESULT_URL_TTL_S): a late poll
@@ -77,7 +77,7 @@ def test_the_sweep_removes_only_what_is_past_its_ttl(stack, tmp_path):
     now = time.time()
     old, fresh = "a" * 32, "b" * 32
     for job_id, ended in ((old, now - 100), (fresh, now - 1)):
-        store.put(expiry.result_key(job_id), b"result")
+        store.put(jobs.result_key(job_id), b"result")
         for key in jobs.job_keys(job_id):
             client.set(key, b"x")
         client.zadd(jobs.ENDED, {job_id: ended})
@@ -90,7 +90,7 @@ def test_the_sweep_removes_only_what_is_past_its_ttl(stack, tmp_path):
 
     assert swept == {"jobs": 1, "orphan_results": 1}
     left = set(store.older_than("results/", now + 1))  # everything still stored
-    assert left == {expiry.result_key(fresh), "results/orphan-new.pt"}
+    assert left == {jobs.result_key(fresh), "results/orphan-new.pt"}
     assert not any(client.exists(key) for key in jobs.job_keys(old))
     assert all(client.exists(key) for key in jobs.job_keys(fresh))
     assert expiry.expired(client, old, 10) and not expiry.expired(client, fresh, 10)

@@ -31,7 +31,6 @@ import zstandard
 from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for, send_job, worker_queue
 from ndif_celery.farm.watchdog import FarmWatchdog
-from ndif_celery.state import expiry
 from ndif_celery.state import jobs, queues, registry
 from tests.support.remote import recorded_request
 from tests.support.tiny_model import REPO_ID, client_model
@@ -138,7 +137,7 @@ def latest(redis, job_id: str) -> dict:
 def result(worker, redis, job_id: str) -> dict:
     status = latest(redis, job_id)
     assert status["status"] == wire.COMPLETED, status
-    raw = bytes(worker.store.get(expiry.result_key(job_id)))
+    raw = bytes(worker.store.get(jobs.result_key(job_id)))
     return torch.load(io.BytesIO(zstandard.ZstdDecompressor().decompress(raw) if raw[:4] == b"\x28\xb5\x2f\xfd"
                                  else raw), weights_only=False)
 

@@ -268,7 +268,7 @@ def test_a_keys_stored_bytes_are_reserved_then_given_back_by_the_sweep(fs_store,
         assert RESULTS.reserve(redis_client, "key:1", "job-b", 600, quota=1000) == 600  # would make 1200
         assert RESULTS.reserve(redis_client, "key:2", "job-c", 900, quota=1000) is None
         assert (RESULTS.used(redis_client, "key:1"), RESULTS.used(redis_client, "key:2")) == (600, 900)
-        fs_store.put(expiry.result_key("job-a"), b"x" * 600)
+        fs_store.put(jobs.result_key("job-a"), b"x" * 600)
         redis_client.zadd(jobs.ENDED, {"job-a": time.time() - 100})
         assert expiry.sweep(redis_client, fs_store, ttl_s=10)["jobs"] == 1
         assert (RESULTS.used(redis_client, "key:1"), RESULTS.used(redis_client, "key:2")) == (0, 900)
