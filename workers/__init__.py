@@ -15,7 +15,8 @@ and Flower too, which must load no torch. Bottom layer first, as
 3. ``isolation/``: untrusted jobs: the zygotes, the jailed child per request, the frames, the jail;
 4. ``models/``: the resident models, their memory budget and their weight checks;
 5. ``cobatch/``: several trusted requests on one model in one batched forward;
-6. ``job/``: a job's life on a worker: the steps, the executors, deadlines, deliveries, co-batch gathering;
+6. ``job/``: a job's life on a worker: the job slot, the steps, the executors, deadlines, deliveries,
+   co-batch gathering;
 7. ``startup``: the worker process's first steps at ``worker_init`` (GPUs, threads, the fork server);
 8. ``worker``: ``WorkerState``, what lives for the whole process: clients, models, executors, heartbeat;
 9. ``tasks``: the Celery entry point: the app, the task wrappers, ``ndif_kill``, the signals.

@@ -2,12 +2,13 @@
 
 :class:`WorkerState` holds the worker's connections (Redis, the result
 store), its resident models, its two executors, its delivery thread
-(``workers.job.deliveries``), the job it runs now (for ``ndif-celery kill`` and
-the watchdog), its controller and the ledger's drainer; it registers the
-worker and beats its heart. Its methods are what the Celery tasks and
-signals of ``workers.tasks`` do: run a job (``workers.job.life``), load and evict
-models, sweep expired jobs, get ready, shut down. One object, made once per
-process (``tasks.ThisWorker``), so nothing here is a module global.
+(``workers.job.deliveries``), its job slot (``workers.job.current``: the job
+it runs now, for ``ndif-celery kill`` and the watchdog), its controller and
+the ledger's drainer; it registers the worker and beats its heart. Its
+methods are what the Celery tasks and signals of ``workers.tasks`` do: run a
+job (``workers.job.life``), load and evict models, sweep expired jobs, get
+ready, shut down. One object, made once per process (``tasks.ThisWorker``),
+so nothing here is a module global.
 
 This module imports torch (through the resident models and the executors):
 ``workers.tasks`` imports it only once the worker's environment is set
@@ -17,7 +18,6 @@ This module imports torch (through the resident models and the executors):
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -50,6 +50,7 @@ from .isolation import parent
 from .job import deadline
 from .job import gather
 from .job import life
+from .job.current import CurrentJob
 from .job.deliveries import Deliveries
 from .job.executors import InProcess, Isolated, JobCancelled, JobTimedOut
 from .models import memory
@@ -83,14 +84,11 @@ class WorkerState:
                                      lambda done: life.close(self, done))
         self.isolated = Isolated(settings, self.models, self.deadlines)
         self.info: dict = {"name": name, "host": socket.gethostname(), "pid": os.getpid()}
-        self.current_job: Optional[str] = None
-        self.batch: tuple = ()  # the current job's co-batch: jobs taken out of the queue with it
-        self.job_thread: Optional[int] = None
-        self.cancel_texts: dict = {}  # job id -> the ERROR of a cancel landing in its thread (life.fail)
+        self._entry_lock = threading.Lock()  # one writer of this worker's registry entry at a time
+        # The job it runs now (workers.job.current): the watchdog and `ndif-celery kill` read it.
+        self.slot = CurrentJob(self.redis, name, settings.job_ttl_s, self._entry_lock, self.registration)
         self.controller: Optional[Controller] = None
         self.drainer: Optional[ledger.Drainer] = None
-        self._job_lock = threading.Lock()
-        self._entry_lock = threading.Lock()  # one writer of this worker's registry entry at a time
         self._ledger_engine = None  # opened by the first cleanup that prunes the ledger
 
     # --- jobs -------------------------------------------------------------------
@@ -104,8 +102,8 @@ class WorkerState:
         chained = 0
         while job is not None:
             ran = life.run(self, job, perform=gather.perform if gather.may_gather(self, job) else life.perform)
-            if self.current_job == job.id:  # taken as the next job, then skipped (it had ended): not running
-                self.end()
+            if self.slot.job_id == job.id:  # taken as the next job, then skipped (it had ended): not running
+                self.slot.end()
             if not ran:  # sent back to its queue: back to Celery, not round again
                 return
             chained += 1
@@ -122,7 +120,7 @@ class WorkerState:
     def registration(self) -> dict:
         """This worker's registry entry: what it holds, the job it runs, that
         job's co-batch, and the jobs whose results its delivery thread still sends."""
-        return dict(self.info, models=self.models.keys(), current_job=self.current_job, batch=list(self.batch),
+        return dict(self.info, models=self.models.keys(), **self.slot.entry(),
                     delivering=self.deliveries.delivering())
 
     def job_waiting(self, model_key: str) -> bool:
@@ -131,58 +129,6 @@ class WorkerState:
         for name in queues.lists(queue_for(model_key)):
             pipe.llen(name)
         return any(pipe.execute())
-
-    def begin(self, job_id: str, pipe) -> None:
-        """Report the job as this worker's (for the watchdog) in ``pipe``, run by
-        this thread; a job of the running co-batch is already reported."""
-        with self._job_lock:
-            if job_id not in self.batch:
-                self.current_job, self.job_thread, self.batch = job_id, threading.get_ident(), ()
-            registry.register_worker(pipe, self.registration())
-
-    def take(self, waiting: list) -> list[jobs.Job]:
-        """Take these waiting jobs (``queues.Waiting``) out of their queue as the
-        running job's co-batch: removed and reported as this worker's in one
-        Redis step (``queues.take``), so none is lost if this process dies."""
-        with self._entry_lock:  # the heartbeat writes the same entry
-            with self._job_lock:  # from here on a kill does not interrupt this thread (see cancel)
-                self.batch = tuple(entry.job.id for entry in waiting)
-            taken = queues.take(self.redis, waiting, self.name, self.registration())
-            self.batch = tuple(job.id for job in taken)
-        return taken
-
-    def take_next(self, waiting: "queues.Waiting") -> Optional[jobs.Job]:
-        """Take this waiting job out of its queue as the worker's next current
-        job (``gather.next_job``), removed and reported in one Redis step
-        (``queues.take``); None when another worker got it first. Until it
-        starts (``begin``) it has no thread to interrupt: a kill meanwhile
-        answers it from here (``cancel``), and ``life.start`` then skips it."""
-        with self._entry_lock:
-            with self._job_lock:
-                self.current_job, self.job_thread, self.batch = waiting.job.id, None, ()
-            taken: list = []
-            try:
-                taken = queues.take(self.redis, [waiting], self.name, self.registration())
-            finally:
-                if not taken:
-                    # Not ours (or the broker went away mid-step: if it was taken, the next
-                    # heartbeat stops naming it, and the watchdog finds it lost and sends it again).
-                    with self._job_lock:
-                        self.current_job = None
-        return taken[0] if taken else None
-
-    def end(self) -> None:
-        """The job (and its co-batch) is answered: this worker runs nothing, and
-        says so in its registry entry now, not at the next heartbeat (``/status``,
-        the watchdog and ``ndif-celery kill`` read it; for up to a heartbeat it
-        named a job that had ended)."""
-        with self._job_lock:
-            self.current_job, self.job_thread, self.batch = None, None, ()
-        try:
-            with self._entry_lock:
-                registry.register_worker(self.redis, self.registration())
-        except Exception:  # noqa: BLE001 - the next heartbeat writes it; the job is answered
-            log.warning("could not clear this worker's current job in its registry entry", exc_info=True)
 
     def cancel(self, job_id: str, text: str = messages.CANCELLED, reason: type = JobCancelled) -> bool:
         """``ndif-celery kill`` (or the job's owner, or its client gone; ``text``
@@ -193,19 +139,7 @@ class WorkerState:
         another user's delivery): then ``ndif-celery kill`` answers it itself."""
         if self.deadlines.kill(job_id, text) or self.deliveries.cancel(job_id, text):
             return True
-        with self._job_lock:
-            thread = self.job_thread
-            taken = self.current_job == job_id and thread is None and not self.batch
-            if not taken:
-                if self.current_job != job_id or thread is None or self.batch:
-                    return False
-                self.cancel_texts[job_id] = text  # for life.fail, where the interruption lands
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(reason))
-                return True
-        # Taken as the next job (take_next) and not started: answered here; it then starts as ended, and is skipped.
-        statuses.answer_for_worker(self.redis, job_id, self.settings.job_ttl_s, f"kill@{self.name}",
-                                   text, "cancelled")
-        return True
+        return self.slot.cancel(job_id, text, reason)
 
     def replace(self, job_id: str, why: str, exit: Callable[[int], None] = os._exit) -> None:
         """The job's thread is stuck in code no exception can reach: let go of

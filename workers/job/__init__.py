@@ -3,13 +3,16 @@
 Not ``ndif_celery.state.jobs``, which holds a job's keys and message in Redis.
 Bottom first (docs/jobs.md tells the whole pipeline):
 
+- ``current``: ``CurrentJob``, the worker's job slot: the job it runs now, its
+  thread and co-batch, written into the worker's registry entry; what a kill interrupts.
 - ``context``: ``JobContext``, what the steps use of their worker (``WorkerState``
   is the one): they never import the module that runs them.
+- ``channel``: ``FinalChannel``, a job's one final status, claimed in this
+  process (its thread or the watchdog) and across processes.
 - ``deadline``: deadlines that always fire: ``DeadlineWatchdog``, one thread per
   worker that publishes the timeout ERROR, interrupts the job's thread and
-  has a stuck worker replace itself; ``Channel``, a job's one final status, claimed across
-  processes; ``backstop``, the C-level last resort. Not ``ndif_celery.farm.watchdog``'s
-  ``FarmWatchdog``, the beat's rescuer of dead workers' jobs.
+  has a stuck worker replace itself; ``backstop``, the C-level last resort. Not
+  ``ndif_celery.farm.watchdog``'s ``FarmWatchdog``, the beat's rescuer of dead workers' jobs.
 - ``deliveries``: the worker's delivery thread: results stored or sent inline,
   COMPLETED published, jobs closed, while the next job's forward runs.
 - ``executors``: where a block runs, each owning its deadline: ``InProcess``

@@ -20,10 +20,10 @@ longer depends on the job's thread:
    the deploy recipes' restart policies) answers with a fresh process at once.
    The fresh process loads the model again when the controller places it.
 
-Exactly one final status: a job's :class:`Channel` lets the first of its two
-possible authors (the job's own thread, the watchdog) send COMPLETED or ERROR
-and drops the other's, so a job that unwinds late publishes no second status
-and no result. Nothing queued is lost by the replacement: the worker runs one
+Exactly one final status: a job's ``channel.FinalChannel`` lets the first of
+its two possible authors (the job's own thread, the watchdog) send COMPLETED
+or ERROR and drops the other's, so a job that unwinds late publishes no
+second status and no result. Nothing queued is lost by the replacement: the worker runs one
 job at a time with a prefetch of one (``celery_app.worker_argv``), so the only
 message it holds unacknowledged is the stuck job's; after the visibility
 timeout the broker hands it out again and ``life.start`` drops it, because the
@@ -63,7 +63,6 @@ import sys
 import threading
 import time
 import traceback
-import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -83,53 +82,6 @@ CLEANUP_S = 3.0
 BACKSTOP_MARGIN_S = CLEANUP_S + 2.0
 #: The ERROR of a job the operator killed while it ran.
 CANCELLED = messages.CANCELLED
-
-JOB, DEADLINE = "job", "deadline"  # the two authors of a final status in this process
-ELSEWHERE = "elsewhere"  # the beat's watchdog or `ndif-celery kill` claimed it first
-
-
-class Channel(statuses.StatusChannel):
-    """A job's status channel whose final status (COMPLETED or ERROR) is sent
-    once: by the job's own thread, or by the watchdog, whichever comes first."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._answer_lock = threading.Lock()
-        self.answered_by: Optional[str] = None
-        self.token = uuid.uuid4().hex  # this worker's claim on the final status in Redis
-
-    def claim(self, by: str) -> bool:
-        """True if ``by`` may send the final status (it is first, or already sent it)."""
-        with self._answer_lock:
-            if self.answered_by is None:
-                self.answered_by = by if self.claim_final(self.token) else ELSEWHERE
-            return self.answered_by == by
-
-    def send(self, status: str, description: str = "", data=None, meta: Optional[dict] = None, kind: str = "",
-             pipe=None) -> None:
-        if status in wire.TERMINAL and not self.claim(JOB):
-            log.info("job %s: its %s came after the deadline's answer; dropped", self.job.id, status)
-            return
-        super().send(status, description, data, meta, kind, pipe)
-
-    def send_binary(self, frame: bytes, latest: str) -> bool:
-        if not self.claim(JOB):
-            log.info("job %s: its result came after the deadline's answer; dropped", self.job.id)
-            return True  # answered: nothing to store either
-        return super().send_binary(frame, latest)
-
-    def answer(self, status: str, description: str, meta: Optional[dict], kind: str) -> bool:
-        """The watchdog's final status; False when the job's thread answered first."""
-        if not self.claim(DEADLINE):
-            return False
-        try:
-            super().send(status, description, meta=meta, kind=kind)
-        except BaseException:
-            with self._answer_lock:
-                self.answered_by = None  # not sent: the job's own thread may still answer
-            raise
-        return True
-
 
 @dataclass
 class Watch:

@@ -10,7 +10,7 @@ forward at a time: only the job's thread touches it.
 What stays true (docs/reliability.md):
 
 - **Exactly one final status.** A job's status goes through its own
-  ``deadline.Channel``, which claims the final status in Redis
+  ``channel.FinalChannel``, which claims the final status in Redis
   (``claim_final``) whoever sends it: this thread's COMPLETED (or the ERROR of
   a store away), the deadline's watchdog, ``ndif-celery kill`` (``cancel``
   below answers a job waiting here at once; its result is then dropped).

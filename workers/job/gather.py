@@ -67,7 +67,7 @@ def next_job(worker: JobContext, done: jobs.Job, chained: int):
     model's queue is a job this worker would be handed next anyway (trusted,
     first attempt, the same model, still here), it is taken out of the queue
     and made this worker's current job in one Redis step (``queues.take``,
-    ``WorkerState.take_next``: no job is lost if the worker dies), and runs at
+    ``CurrentJob.take_next``: no job is lost if the worker dies), and runs at
     once. The queue's order is kept (only its head is taken), and the chain
     ends, back to Celery, whenever anything else waits for this worker: its
     own queue (a load, an eviction), another of its models' queues, the
@@ -94,7 +94,7 @@ def next_job(worker: JobContext, done: jobs.Job, chained: int):
     if not (head.job.trusted and head.job.attempt < 2 and head.job.model_key == key):
         log.debug("after job %s: back to Celery (job %s heads the queue)", done.id, head.job.id)
         return None
-    return worker.take_next(head)
+    return worker.slot.take_next(head)
 
 
 def may_gather(worker: JobContext, job: jobs.Job) -> bool:
@@ -112,7 +112,7 @@ def gather(worker: JobContext, lead: job_life.Life) -> list[jobs.Job]:
                if entry.job.trusted and entry.job.attempt < 2 and entry.job.model_key == key
                and entry.job.id != lead.job.id]
     waiting = waiting[:worker.settings.cobatch_max - 1]
-    return worker.take(waiting) if waiting else []
+    return worker.slot.take(waiting) if waiting else []
 
 
 def perform(worker: JobContext, lead: job_life.Life) -> None:
@@ -137,7 +137,7 @@ def perform(worker: JobContext, lead: job_life.Life) -> None:
         for life in lives:
             if life.job.id not in answered:
                 _answer(worker, life, error, 0.0, answered)
-        _send_back(worker, [j for j in worker.batch if j not in answered and j not in {x.job.id for x in lives}])
+        _send_back(worker, [j for j in worker.slot.batch if j not in answered and j not in {x.job.id for x in lives}])
         raise
     finally:
         for life in lives:

@@ -57,7 +57,7 @@ from ndif_celery.store import StoreUnavailable
 from workers import metrics, results
 from workers.execute import RequestError, result_over_quota, result_too_big
 
-from . import deadline
+from .channel import FinalChannel
 from .executors import JobCancelled, JobTimedOut, ms_since
 
 if TYPE_CHECKING:  # the worker as the steps see it
@@ -162,8 +162,8 @@ def start(worker: JobContext, job: jobs.Job, bounded: bool = True) -> Optional[L
         return SENT_BACK
     settings = worker.settings
     # Its final status sent once: by this thread or by the deadline's watchdog (workers.job.deadline).
-    channel = deadline.Channel(worker.redis, job, settings.job_ttl_s, settings.log_lines_per_s,
-                               settings.log_bytes_per_job)
+    channel = FinalChannel(worker.redis, job, settings.job_ttl_s, settings.log_lines_per_s,
+                           settings.log_bytes_per_job)
     life = Life(job, model, blob, worker.executor_for(job), channel, worker.redis.pipeline(transaction=False))
     life.meta.update(job_id=job.id, worker=worker.name, queue_ms=round((life.started - job.received_at) * 1000, 1))
     life.meta["timeline"] = timeline = {"received_at": job.received_at}
@@ -172,7 +172,7 @@ def start(worker: JobContext, job: jobs.Job, bounded: bool = True) -> Optional[L
     # One more round trip (sent by announce): this worker runs the job (for the
     # watchdog), the model was just used (so a placement decided meanwhile will
     # not evict it), and RUNNING for the client.
-    worker.begin(job.id, life.pipe)
+    worker.slot.begin(job.id, life.pipe)
     turns.started(life.pipe, job, queue, settings.job_ttl_s)  # the model's turn moves on
     life.pipe.hset(registry.DEPLOYMENTS, *registry.touched(deployment, worker.name, job.model_key))
     return life
@@ -296,7 +296,7 @@ def fail(worker: JobContext, life: Life, error: BaseException) -> None:
     while ``error`` is being handled (``log.exception`` logs it)."""
     job, meta, channel = life.job, life.meta, life.channel
     if isinstance(error, JobCancelled):
-        channel.send(wire.ERROR, worker.cancel_texts.pop(job.id, messages.CANCELLED), meta=meta, kind="cancelled")
+        channel.send(wire.ERROR, worker.slot.cancel_texts.pop(job.id, messages.CANCELLED), meta=meta, kind="cancelled")
     elif isinstance(error, JobTimedOut):
         channel.send(wire.ERROR, messages.timed_out(worker.settings.execution_timeout_s), meta=meta, kind="timeout")
     elif isinstance(error, RequestError):
@@ -314,7 +314,7 @@ def fail(worker: JobContext, life: Life, error: BaseException) -> None:
 def finish(worker: JobContext, life: Life) -> None:
     """However the job ended, after its answer and before the next job (after
     every job of its co-batch): the worker free, the weight checks, then :func:`close`."""
-    worker.end()
+    worker.slot.end()
     try:  # how long this model's jobs take: the waiting clients' estimate (ndif_celery.state.run_times)
         pipe = worker.redis.pipeline(transaction=False)
         run_times.record(pipe, life.job.model_key, time.time() - life.started, life.jobs_run)

@@ -107,7 +107,8 @@ def test_every_bad_end_gives_its_error(error, kind, text):
 
     raised = {"cancelled": JobCancelled(), "timeout": JobTimedOut(), "user": RequestError("ValueError: the user's own"),
               "store": StoreUnavailable("down"), "server": KeyError("x")}[error]
-    worker = types.SimpleNamespace(settings=types.SimpleNamespace(execution_timeout_s=42.0), cancel_texts={})
+    worker = types.SimpleNamespace(settings=types.SimpleNamespace(execution_timeout_s=42.0),
+                                   slot=types.SimpleNamespace(cancel_texts={}))
     channel = _Channel()
     life = types.SimpleNamespace(job=types.SimpleNamespace(id="j1"), meta={}, channel=channel)
     try:
@@ -133,8 +134,8 @@ def test_a_workers_entry_stops_naming_its_job_as_soon_as_the_job_ends(embedded_s
         return json.loads(redis_client.hget(registry.WORKERS, "w@entry"))
 
     pipe = redis_client.pipeline()
-    worker.begin("a" * 32, pipe)
+    worker.slot.begin("a" * 32, pipe)
     pipe.execute()
     assert entry()["current_job"] == "a" * 32
-    worker.end()
+    worker.slot.end()
     assert entry()["current_job"] is None and entry()["batch"] == []

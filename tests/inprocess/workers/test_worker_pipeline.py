@@ -404,7 +404,7 @@ def test_a_worker_dead_while_delivering_has_the_job_rescued(redis, settings):
 def test_a_kill_of_a_job_taken_as_the_next_one_before_it_starts(worker, web, redis, client_lm):
     job_id = submit(web, logits, client_lm)
     queue = queue_for(client_model(REPO_ID).to_model_key())
-    taken = worker.take_next(queues.waiting(redis, queue)[0])
+    taken = worker.slot.take_next(queues.waiting(redis, queue)[0])
     assert taken is not None and taken.id == job_id
     assert worker.cancel(job_id)
     assert latest(redis, job_id)["status"] == wire.ERROR

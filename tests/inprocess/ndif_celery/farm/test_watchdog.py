@@ -162,10 +162,10 @@ def test_two_watchdogs_one_leads(client, settings):
 def test_a_job_past_its_deadline_that_its_worker_did_not_answer_gets_the_timeout_error(client, watchdog, settings):
     """User code holding the GIL starves its worker's own deadline thread: the
     beat answers, once, and a worker that answers late sends nothing."""
-    from workers.job import deadline
+    from workers.job.channel import ELSEWHERE, FinalChannel
 
     job = _job(client, "c" * 32)
-    worker_side = deadline.Channel(client, job, 60)
+    worker_side = FinalChannel(client, job, 60)
     client.zadd(jobs.DEADLINES, {job.id: time.time() + 60})
     watchdog.tick()  # not yet due
     assert _latest(client, job.id)["status"] == wire.RUNNING
@@ -179,14 +179,14 @@ def test_a_job_past_its_deadline_that_its_worker_did_not_answer_gets_the_timeout
     # The worker wakes up and answers: dropped, in Redis as in the process.
     worker_side.send(wire.COMPLETED, "done")
     assert _latest(client, job.id)["status"] == wire.ERROR
-    assert worker_side.answered_by == deadline.ELSEWHERE
+    assert worker_side.answered_by == ELSEWHERE
 
 
 def test_a_job_its_worker_answered_is_not_answered_again(client, watchdog):
-    from workers.job import deadline
+    from workers.job.channel import FinalChannel
 
     job = _job(client, "d" * 32)
-    deadline.Channel(client, job, 60).send(wire.COMPLETED, "done")
+    FinalChannel(client, job, 60).send(wire.COMPLETED, "done")
     client.zadd(jobs.DEADLINES, {job.id: time.time() - 10})  # its worker died before clearing it
     watchdog.tick()
     assert _latest(client, job.id)["status"] == wire.COMPLETED

@@ -22,6 +22,7 @@ from ndif_celery.state import jobs
 from tests.support import pace
 from tests.support.servers import embedded_redis
 from workers.job import deadline
+from workers.job.channel import DEADLINE, FinalChannel
 from workers.job.executors import JobCancelled, JobTimedOut
 
 
@@ -35,7 +36,7 @@ def client(tmp_path_factory):
 
 def _job(client, name: str):
     job = jobs.Job(id=f"job-{name}-{time.time_ns()}", model_key="test-model")
-    return job, deadline.Channel(client, job, 60)
+    return job, FinalChannel(client, job, 60)
 
 
 def _latest(client, job) -> dict:
@@ -95,7 +96,7 @@ def test_a_thread_that_unwinds_keeps_its_worker_and_sends_one_final_status(clien
     thread, outcome = _run_in_thread(watchdog, job, channel, 0.3, python_loop)
     thread.join(3)
     assert outcome == {"raised": JobTimedOut}
-    assert channel.answered_by == deadline.DEADLINE
+    assert channel.answered_by == DEADLINE
     assert "execution timeout" in _latest(client, job)["description"]
     time.sleep(1.2)
     assert stuck == []
