@@ -3,7 +3,8 @@
 Counters are Redis hashes that whoever sees the event increments, in the
 pipeline it already sends (no Prometheus multiprocess mode, no state in any
 one process); ``GET /metrics`` on any web reads them back and adds the farm's
-current shape (queues, workers, deployments) through :class:`FarmCollector`.
+current shape (queues, workers, deployments) through :class:`FarmCollector`,
+which calls one small function per metric family, in the order served.
 
 - hash ``ndif:metrics:requests``  "<route>|<method>|<status>" -> count (the web's after_request)
 - hash ``ndif:metrics:jobs``      "<outcome>|<kind>" -> count (a job's final status)
@@ -124,6 +125,237 @@ def _split(field: bytes, parts: int) -> Optional[list[str]]:
     return values if len(values) == parts else None
 
 
+# --- the families: one function each, from what Redis holds to one metric family ---
+
+
+def http_requests(raw: dict):
+    """``ndif_http_requests_total``: the web's ``<route>|<method>|<status>`` counts."""
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(
+        "ndif_http_requests", "HTTP requests answered by the web, by route rule, method and status.",
+        labels=["route", "method", "status"],
+    )
+    for field, count in sorted(raw.items()):
+        parts = _split(field, 3)
+        if parts:
+            family.add_metric(parts, int(count))
+    return family
+
+
+def jobs_ended(raw: dict):
+    """``ndif_jobs_total``: every outcome and error kind, those never seen as 0."""
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(
+        "ndif_jobs", "Jobs ended, by outcome (COMPLETED, ERROR) and error kind (none when completed).",
+        labels=["outcome", "kind"],
+    )
+    counts = {("COMPLETED", NO_KIND): 0, **{("ERROR", kind): 0 for kind in ERROR_KINDS}}
+    for field, count in raw.items():
+        parts = _split(field, 2)
+        if parts:
+            counts[tuple(parts)] = int(count)
+    for labels, count in sorted(counts.items()):
+        family.add_metric(list(labels), count)
+    return family
+
+
+def result_bytes(raw: dict):
+    """``ndif_result_bytes_total``: bytes of ended jobs' results."""
+    return _bytes_total("ndif_result_bytes", raw.get(b"result", 0),
+                        "Bytes of results of ended jobs (after compression).")
+
+
+def payload_bytes(raw: dict):
+    """``ndif_payload_bytes_total``: bytes of ended jobs' request payloads."""
+    return _bytes_total("ndif_payload_bytes", raw.get(b"payload", 0), "Bytes of request payloads of ended jobs.")
+
+
+def _bytes_total(name: str, count, help_text: str):
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(name, help_text)
+    family.add_metric([], int(count))
+    return family
+
+
+def job_phases(raw: dict):
+    """``ndif_job_phase_seconds``: the per-bucket counts made cumulative, as Prometheus reads them."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    family = HistogramMetricFamily(
+        "ndif_job_phase_seconds",
+        "Seconds per phase of ended jobs: queue (intake to a worker taking it, model loading included), "
+        "deserialize, run (deserialize + execute), upload (to the result store), total (intake to the end).",
+        labels=["phase"],
+    )
+    by_phase = {(k.decode(errors="replace")): float(v) for k, v in raw.items()}
+    for phase in PHASE_NAMES:
+        cumulative, buckets = 0, []
+        for le in BUCKETS:
+            cumulative += int(by_phase.get(f"{phase}|{_le(le)}", 0))
+            buckets.append((_le(le), cumulative))
+        cumulative += int(by_phase.get(f"{phase}|{INF}", 0))
+        buckets.append((INF, cumulative))
+        family.add_metric([phase], buckets, by_phase.get(f"{phase}|sum", 0.0))
+    return family
+
+
+def queue_totals(client: redis.Redis) -> dict:
+    """``[depth, head wait]`` per deployment's labels, its queues added up."""
+    per_model: dict[tuple, list] = {}
+    for row in queues.summary(client):
+        labels = deployment_labels(row["model_key"] or "", queues.model_name(row))
+        entry = per_model.setdefault(labels, [0, 0.0])
+        entry[0] += row["depth"]
+        entry[1] = max(entry[1], row["head_wait_s"])
+    return per_model
+
+
+def queue_depth(totals: dict):
+    """``ndif_queue_depth``: jobs waiting per deployment."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily("ndif_queue_depth", "Jobs waiting per deployment (repo id, the nnsight "
+                               "runtime that serves it, its model key).", labels=DEPLOYMENT_LABELS)
+    for labels, (count, _) in sorted(totals.items()):
+        family.add_metric(list(labels), count)
+    return family
+
+
+def queue_head_wait(totals: dict):
+    """``ndif_queue_head_wait_seconds``: the oldest waiting job's wait per deployment."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily(
+        "ndif_queue_head_wait_seconds", "How long the oldest waiting job of each deployment has waited.",
+        labels=DEPLOYMENT_LABELS,
+    )
+    for labels, (_, head) in sorted(totals.items()):
+        family.add_metric(list(labels), head)
+    return family
+
+
+def worker_count(workers: dict):
+    """``ndif_workers``: the live workers."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily("ndif_workers", "Live workers (heard from in the last 10 s).")
+    family.add_metric([], len(workers))
+    return family
+
+
+def deployment_states(client: redis.Redis, workers: dict):
+    """``ndif_deployments``: replicas by state, RUNNING and DEPLOYING always shown."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    states = {registry.RUNNING: 0, registry.DEPLOYING: 0}
+    for entry in registry.live_deployments(client, workers):
+        states[entry["state"]] = states.get(entry["state"], 0) + 1
+    family = GaugeMetricFamily(
+        "ndif_deployments", "Models held by live workers (one per replica), by state.", labels=["state"]
+    )
+    for state, count in sorted(states.items()):
+        family.add_metric([state], count)
+    return family
+
+
+def ledger_pending(pending: int):
+    """``ndif_ledger_pending``: ended jobs not yet in the ledger database."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily(
+        "ndif_ledger_pending", "Ended jobs waiting in Redis to be written to the ledger database."
+    )
+    family.add_metric([], int(pending))
+    return family
+
+
+def worker_replacements(raw: dict):
+    """``ndif_worker_replacements_total``: counted here, since the worker that replaced itself exits."""
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(
+        "ndif_worker_replacements", "Times each worker replaced itself: a job did not unwind from its "
+        "deadline or a kill.", labels=["worker"],
+    )
+    for worker, count in sorted(raw.items()):
+        family.add_metric([worker.decode(errors="replace")], int(count))
+    return family
+
+
+def probe_ok(rows: list):
+    """``ndif_probe_ok``: whether each deployment's last probe answered right."""
+    return _probe_gauge("ndif_probe_ok", "1 when the last health probe of the deployment answered correct "
+                        "values (or waits behind users' jobs), 0 when it failed.",
+                        rows, lambda row: 1 if row.get("ok") else 0)
+
+
+def probe_queued(rows: list):
+    """``ndif_probe_queued``: whether each deployment's probe waits behind users' jobs."""
+    from . import probes
+
+    return _probe_gauge("ndif_probe_queued", "1 while the deployment's probe waits behind users' jobs.",
+                        rows, lambda row: 1 if row.get("state") == probes.QUEUED else 0)
+
+
+def probe_latency(rows: list):
+    """``ndif_probe_latency_seconds``: the last answered probe's time per deployment."""
+    return _probe_gauge("ndif_probe_latency_seconds", "Seconds the last answered health probe of the deployment took.",
+                        rows, lambda row: float(row.get("latency_s") or 0.0))
+
+
+def probe_last_run(rows: list):
+    """``ndif_probe_last_run_timestamp_seconds``: when each deployment was last probed."""
+    return _probe_gauge("ndif_probe_last_run_timestamp_seconds", "When the deployment was last probed (Unix time).",
+                        rows, lambda row: float(row.get("at") or 0.0))
+
+
+def _probe_gauge(name: str, help_text: str, rows: list, value):
+    """A gauge with one series per probed deployment, ``value`` read from its result row."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily(name, help_text, labels=DEPLOYMENT_LABELS)
+    for row in rows:
+        family.add_metric(list(deployment_labels(row["model_key"], row.get("repo"))), value(row))
+    return family
+
+
+def probe_runs(raw: dict):
+    """``ndif_probe_runs_total``: probes judged per deployment and result."""
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily("ndif_probe_runs", "Health probes judged, by deployment and result (ok, failed).",
+                                 labels=[*DEPLOYMENT_LABELS, "result"])
+    for field, count in sorted(raw.items()):
+        parts = _split(field, 2)
+        if parts and ":" in parts[0]:  # "<model key>|<result>"; a repo's count from before runtimes is left out
+            family.add_metric([*deployment_labels(parts[0]), parts[1]], int(count))
+    return family
+
+
+#: The usage families (``ndif_usage_<name>_total{key}``) and their help, in the order they are served.
+USAGE_SERIES = (
+    ("jobs", "Jobs ended, per key (top NDIF_USAGE_TOP_KEYS, the rest as other)."),
+    ("errors", "Jobs ended with an error, per key."),
+    ("gpu_seconds", "Run time times the worker's GPUs of ended jobs, per key."),
+    ("run_seconds", "Run time (deserialize and execute) of ended jobs, per key."),
+    ("bytes_in", "Request payload bytes of ended jobs, per key."),
+    ("bytes_out", "Result bytes of ended jobs, per key."),
+)
+
+
+def usage_family(name: str, help_text: str, rows: dict):
+    """``ndif_usage_<name>_total``: one of ``usage.series``' values, per key."""
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(f"ndif_usage_{name}", help_text, labels=["key"])
+    for owner, values in rows.items():
+        family.add_metric([owner], values[name])
+    return family
+
+
 class FarmCollector:
     """A prometheus_client collector reading the farm's series from Redis."""
 
@@ -133,168 +365,50 @@ class FarmCollector:
         self.per_key = per_key  # the usage series name keys: only for a scraper allowed to see them
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
-
+        """Every family, in the order ``/metrics`` has always listed them."""
         pipe = self.redis.pipeline(transaction=False)
         for key in (REQUESTS, JOBS, BYTES, PHASES):
             pipe.hgetall(key)
         pipe.llen(ledger.PENDING)
         pipe.hgetall(REPLACEMENTS)
         requests_raw, jobs_raw, bytes_raw, phases_raw, pending, replacements = pipe.execute()
-
-        requests = CounterMetricFamily(
-            "ndif_http_requests", "HTTP requests answered by the web, by route rule, method and status.",
-            labels=["route", "method", "status"],
-        )
-        for field, count in sorted(requests_raw.items()):
-            parts = _split(field, 3)
-            if parts:
-                requests.add_metric(parts, int(count))
-        yield requests
-
-        jobs = CounterMetricFamily(
-            "ndif_jobs", "Jobs ended, by outcome (COMPLETED, ERROR) and error kind (none when completed).",
-            labels=["outcome", "kind"],
-        )
-        counts = {("COMPLETED", NO_KIND): 0, **{("ERROR", kind): 0 for kind in ERROR_KINDS}}
-        for field, count in jobs_raw.items():
-            parts = _split(field, 2)
-            if parts:
-                counts[tuple(parts)] = int(count)
-        for labels, count in sorted(counts.items()):
-            jobs.add_metric(list(labels), count)
-        yield jobs
-
-        for name, field, help_text in (
-            ("ndif_result_bytes", b"result", "Bytes of results of ended jobs (after compression)."),
-            ("ndif_payload_bytes", b"payload", "Bytes of request payloads of ended jobs."),
-        ):
-            family = CounterMetricFamily(name, help_text)
-            family.add_metric([], int(bytes_raw.get(field, 0)))
-            yield family
-
-        histogram = HistogramMetricFamily(
-            "ndif_job_phase_seconds",
-            "Seconds per phase of ended jobs: queue (intake to a worker taking it, model loading included), "
-            "deserialize, run (deserialize + execute), upload (to the result store), total (intake to the end).",
-            labels=["phase"],
-        )
-        by_phase = {(k.decode(errors="replace")): float(v) for k, v in phases_raw.items()}
-        for phase in PHASE_NAMES:
-            cumulative, buckets = 0, []
-            for le in BUCKETS:
-                cumulative += int(by_phase.get(f"{phase}|{_le(le)}", 0))
-                buckets.append((_le(le), cumulative))
-            cumulative += int(by_phase.get(f"{phase}|{INF}", 0))
-            buckets.append((INF, cumulative))
-            histogram.add_metric([phase], buckets, by_phase.get(f"{phase}|sum", 0.0))
-        yield histogram
-
-        depth = GaugeMetricFamily("ndif_queue_depth", "Jobs waiting per deployment (repo id, the nnsight "
-                                  "runtime that serves it, its model key).", labels=DEPLOYMENT_LABELS)
-        wait = GaugeMetricFamily(
-            "ndif_queue_head_wait_seconds", "How long the oldest waiting job of each deployment has waited.",
-            labels=DEPLOYMENT_LABELS,
-        )
-        per_model: dict[tuple, list] = {}
-        for row in queues.summary(self.redis):
-            labels = deployment_labels(row["model_key"] or "", queues.model_name(row))
-            entry = per_model.setdefault(labels, [0, 0.0])
-            entry[0] += row["depth"]
-            entry[1] = max(entry[1], row["head_wait_s"])
-        for labels, (count, head) in sorted(per_model.items()):
-            depth.add_metric(list(labels), count)
-            wait.add_metric(list(labels), head)
-        yield depth
-        yield wait
-
+        yield http_requests(requests_raw)
+        yield jobs_ended(jobs_raw)
+        yield result_bytes(bytes_raw)
+        yield payload_bytes(bytes_raw)
+        yield job_phases(phases_raw)
+        totals = queue_totals(self.redis)
+        yield queue_depth(totals)
+        yield queue_head_wait(totals)
         workers = registry.live_workers(self.redis)
-        family = GaugeMetricFamily("ndif_workers", "Live workers (heard from in the last 10 s).")
-        family.add_metric([], len(workers))
-        yield family
-
-        states = {registry.RUNNING: 0, registry.DEPLOYING: 0}
-        for entry in registry.live_deployments(self.redis, workers):
-            states[entry["state"]] = states.get(entry["state"], 0) + 1
-        family = GaugeMetricFamily(
-            "ndif_deployments", "Models held by live workers (one per replica), by state.", labels=["state"]
-        )
-        for state, count in sorted(states.items()):
-            family.add_metric([state], count)
-        yield family
-
-        family = GaugeMetricFamily(
-            "ndif_ledger_pending", "Ended jobs waiting in Redis to be written to the ledger database."
-        )
-        family.add_metric([], int(pending))
-        yield family
-
-        family = CounterMetricFamily(
-            "ndif_worker_replacements", "Times each worker replaced itself: a job did not unwind from its "
-            "deadline or a kill.", labels=["worker"],
-        )
-        for worker, count in sorted(replacements.items()):
-            family.add_metric([worker.decode(errors="replace")], int(count))
-        yield family
-
+        yield worker_count(workers)
+        yield deployment_states(self.redis, workers)
+        yield ledger_pending(pending)
+        yield worker_replacements(replacements)
         yield from self.probe_families()
         if self.per_key:
             yield from self.usage_families()
 
     def probe_families(self):
         """The health probes' last results (``ndif_celery.monitoring.probes``), one series per probed model."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         from . import probes
 
-        ok = GaugeMetricFamily("ndif_probe_ok", "1 when the last health probe of the deployment answered correct "
-                               "values (or waits behind users' jobs), 0 when it failed.", labels=DEPLOYMENT_LABELS)
-        queued = GaugeMetricFamily("ndif_probe_queued", "1 while the deployment's probe waits behind users' jobs.",
-                                   labels=DEPLOYMENT_LABELS)
-        latency = GaugeMetricFamily("ndif_probe_latency_seconds",
-                                    "Seconds the last answered health probe of the deployment took.",
-                                    labels=DEPLOYMENT_LABELS)
-        last = GaugeMetricFamily("ndif_probe_last_run_timestamp_seconds",
-                                 "When the deployment was last probed (Unix time).", labels=DEPLOYMENT_LABELS)
-        for row in probes.results(self.redis):
-            labels = list(deployment_labels(row["model_key"], row.get("repo")))
-            ok.add_metric(labels, 1 if row.get("ok") else 0)
-            queued.add_metric(labels, 1 if row.get("state") == probes.QUEUED else 0)
-            latency.add_metric(labels, float(row.get("latency_s") or 0.0))
-            last.add_metric(labels, float(row.get("at") or 0.0))
-        yield ok
-        yield queued
-        yield latency
-        yield last
-        runs = CounterMetricFamily("ndif_probe_runs", "Health probes judged, by deployment and result (ok, failed).",
-                                   labels=[*DEPLOYMENT_LABELS, "result"])
-        for field, count in sorted(self.redis.hgetall(probes.RUNS).items()):
-            parts = _split(field, 2)
-            if parts and ":" in parts[0]:  # "<model key>|<result>"; a repo's count from before runtimes is left out
-                runs.add_metric([*deployment_labels(parts[0]), parts[1]], int(count))
-        yield runs
+        rows = probes.results(self.redis)
+        yield probe_ok(rows)
+        yield probe_queued(rows)
+        yield probe_latency(rows)
+        yield probe_last_run(rows)
+        yield probe_runs(self.redis.hgetall(probes.RUNS))
 
     def usage_families(self):
         """Usage per key (``ndif_celery.accounts.usage``): the top NDIF_USAGE_TOP_KEYS, the rest as ``other``."""
-        from prometheus_client.core import CounterMetricFamily
-
         from ndif_celery import config
         from ndif_celery.accounts import usage
 
         top = config.load().usage_top_keys if self.top_keys is None else self.top_keys
         rows = usage.series(self.redis, top)
-        for name, help_text in (
-            ("jobs", "Jobs ended, per key (top NDIF_USAGE_TOP_KEYS, the rest as other)."),
-            ("errors", "Jobs ended with an error, per key."),
-            ("gpu_seconds", "Run time times the worker's GPUs of ended jobs, per key."),
-            ("run_seconds", "Run time (deserialize and execute) of ended jobs, per key."),
-            ("bytes_in", "Request payload bytes of ended jobs, per key."),
-            ("bytes_out", "Result bytes of ended jobs, per key."),
-        ):
-            family = CounterMetricFamily(f"ndif_usage_{name}", help_text, labels=["key"])
-            for owner, values in rows.items():
-                family.add_metric([owner], values[name])
-            yield family
+        for name, help_text in USAGE_SERIES:
+            yield usage_family(name, help_text, rows)
 
 
 def worker_replaced(client: redis.Redis, worker: str) -> None:
