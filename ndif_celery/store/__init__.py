@@ -20,7 +20,9 @@ backends; a backend that cannot be reached raises :class:`StoreUnavailable`.
 
 This module chooses the backend (:func:`open_store`) and names the public
 types; each backend is its own module (``fs``, ``s3``) over what they share
-(``base``: the key rule, the byte view and the error).
+(``base``: the key rule, the byte view and the error). A backend's module is
+imported only when it is opened or named: a filesystem farm never loads the
+S3 client, and importing this package loads neither.
 """
 
 from __future__ import annotations
@@ -28,21 +30,41 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Union
 
 from .base import Data, StoreUnavailable, check_key
-from .fs import FilesystemStore
-from .s3 import S3Store
 
 if TYPE_CHECKING:
     from ndif_celery.config import Settings
 
+    from .fs import FilesystemStore
+    from .s3 import S3Store
+
+    Store = Union[FilesystemStore, S3Store]
+
 __all__ = ["Data", "FilesystemStore", "S3Store", "Store", "StoreUnavailable", "check_key", "open_store"]
 
 
-Store = Union[FilesystemStore, S3Store]
+def __getattr__(name: str):
+    """The backends' names, each imported on first use (PEP 562)."""
+    if name == "FilesystemStore":
+        from .fs import FilesystemStore
+
+        return FilesystemStore
+    if name == "S3Store":
+        from .s3 import S3Store
+
+        return S3Store
+    if name == "Store":
+        from .fs import FilesystemStore
+        from .s3 import S3Store
+
+        return Union[FilesystemStore, S3Store]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def open_store(settings: "Settings") -> Store:
+def open_store(settings: "Settings") -> "Store":
     """The store the settings describe: S3 when an object store URL is set."""
     if settings.uses_s3:
+        from .s3 import S3Store
+
         return S3Store(
             endpoint_url=settings.object_store_url,
             public_url=settings.object_store_public_url,
@@ -53,6 +75,8 @@ def open_store(settings: "Settings") -> Store:
             verify=settings.object_store_verify,
             url_ttl_s=settings.result_url_ttl_s,
         )
+    from .fs import FilesystemStore
+
     return FilesystemStore(
         settings.results_dir,
         settings.api_url,
