@@ -10,7 +10,8 @@
 - ``hub``: one Redis pub/sub connection per process for all its websockets.
 - ``results``: downloads of results kept in the filesystem store.
 - ``model_files``: ``/hub``, cached models' config and tokenizer files in the hub's shapes, for clients without the hub.
-- ``dashboard``: ``/metrics`` and ``/dashboard``.
+- ``prometheus``: ``/metrics``, and every answered request counted for it.
+- ``dashboard``: ``/dashboard``, its data; its page is ``templates/dashboard.html``.
 - ``admin``: the dashboard's admin actions (deploy, evict, scale, kill, schedules), their form tokens and audit.
 - ``operators``: who the operator is (an admin key by HTTP Basic), the HTML refusal, the database handle.
 - ``charts``: the dashboard's SVG charts and the schedule's calendar, drawn on the server.

@@ -7,6 +7,7 @@ code. Everything it knows about a job comes from Redis (see
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Optional
 
@@ -22,7 +23,7 @@ from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import check_shared
 
-from . import admin, dashboard, model_files, results, routes, sio, subscribe, uploads
+from . import admin, dashboard, model_files, prometheus, results, routes, sio, subscribe, uploads
 from .open_sockets import OpenSockets
 
 
@@ -38,6 +39,9 @@ SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "sam
 #: On every HTML page (the dashboard, its admin forms): no other site may frame it.
 PAGE_HEADERS = {"X-Frame-Options": "DENY", "Content-Security-Policy": "frame-ancestors 'none'"}
 
+#: The pages' templates, beside this file: for the name "ndif_celery.web" Flask would look in the working directory.
+TEMPLATES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
+
 
 def secure_headers(response):
     """The browser-facing headers (``after_request``): the dashboard's forms post
@@ -50,7 +54,7 @@ def secure_headers(response):
 
 def create_app(settings: Optional[config.Settings] = None) -> Flask:
     settings = settings or config.load()
-    app = Flask("ndif_celery.web")
+    app = Flask("ndif_celery.web", template_folder=TEMPLATES)
     app.config["NDIF_SETTINGS"] = settings
     app.config["NDIF_REDIS"] = jobs.connect(settings.redis_url, settings.redis_outage_s, settings.web_redis_connections)
     app.config["NDIF_CELERY"] = make_app(settings)
@@ -71,7 +75,8 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
 
     app.register_blueprint(routes.bp)
     app.register_blueprint(results.bp)
-    app.register_blueprint(dashboard.bp)  # /metrics, /dashboard, and every request counted
+    app.register_blueprint(prometheus.bp)  # /metrics, and every request counted
+    app.register_blueprint(dashboard.bp)  # /dashboard
     app.register_blueprint(admin.bp)  # the dashboard's admin actions
     app.register_blueprint(model_files.bp)  # /hub: config and tokenizer files for clients without the hub
     app.config.setdefault("SOCK_SERVER_OPTIONS", subscribe.SERVER_OPTIONS)

@@ -1,21 +1,27 @@
 """The dashboard's parts that need no browser: the charts' SVG, the calendar's
 days, the probe and latency history (a real embedded Redis, a real SQLite
-ledger) and the audit log. The page itself, in headless Chromium, with its
-admin actions, is tests/e2e/monitoring/test_dashboard_admin.py."""
+ledger), the audit log, and the page's template (what users wrote shown as
+text, the file shipped with the package). The page itself, in headless
+Chromium, with its admin actions, is tests/e2e/monitoring/test_dashboard_admin.py."""
 
 from __future__ import annotations
 
+import configparser
 import datetime
+import fnmatch
 
 from ndif_celery.accounts import audit, db
 from ndif_celery.farm import actions
 from ndif_celery.monitoring import history
 from ndif_celery.policy import client_versions
 from ndif_celery.policy import model_policy
+from tests.support.paths import ROOT
 from web import charts
 
 DAY, HOUR = 86400, 3600
 NOW = 1_800_000_000.0  # 2027-01-15 08:00 UTC, a Friday
+#: What a user may put in a model name, an e-mail or an error: the page must show it as text.
+HOSTILE = '<script>alert("x")</script>'
 
 
 def test_a_latency_chart_draws_one_point_per_bucket_with_jobs():
@@ -101,3 +107,40 @@ def test_the_audit_log_keeps_each_action_newest_first(tmp_path):
     rows = audit.recent(engine)
     assert [(r["action"], r["outcome"]) for r in rows] == [("kill", "refused"), ("deploy", "done")]
     assert audit.get(engine, first)["detail"] == {"replicas": "2"} and rows[1]["at"].endswith("+00:00")
+
+
+def test_the_page_shows_what_users_wrote_as_text(embedded_settings, redis_client, monkeypatch):
+    from web import dashboard
+    from web.app import create_app
+
+    real = dashboard.page_data
+
+    def hostile(client):
+        data = real(client)
+        data["deployments"] = [{"model": HOSTILE, "nnsight": "0.8.1", "level": "HOT", "state": "RUNNING",
+                                "probe": "ok", "worker": HOSTILE, "pinned": "", "size": "-", "load": "-",
+                                "last_used": "-"}]
+        data["usage"] = [{"user": HOSTILE, "owner": HOSTILE, "jobs": 1, "errors": 0, "gpu_seconds": "0.000",
+                          "run_seconds": "0.000", "bytes_in": 0, "bytes_out": 0}]
+        data["jobs"] = [{"finished": "-", "job_id": HOSTILE, "user": HOSTILE, "model": HOSTILE, "nnsight": "-",
+                         "status": "ERROR", "kind": HOSTILE, "duration": "-", "worker": "-", "error": HOSTILE,
+                         "pending": False}]
+        data["ledger_note"] = HOSTILE
+        return data
+
+    monkeypatch.setattr(dashboard, "page_data", hostile)
+    answer = create_app(embedded_settings).test_client().get("/dashboard")
+    page = answer.get_data(as_text=True)
+    assert answer.status_code == 200 and answer.mimetype == "text/html"
+    assert "<script>" not in page
+    assert page.count("&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;") == 10
+    assert 'id="read-only"' in page, "with auth off the page is read-only"
+
+
+def test_the_template_ships_with_the_package():
+    parser = configparser.ConfigParser()
+    parser.read(ROOT / "setup.cfg")
+    patterns = parser["options.package_data"]["web"].split()
+    templates = sorted(path.relative_to(ROOT / "web").as_posix() for path in (ROOT / "web" / "templates").iterdir())
+    assert "templates/dashboard.html" in templates
+    assert [name for name in templates if not any(fnmatch.fnmatch(name, p) for p in patterns)] == []
