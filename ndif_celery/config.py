@@ -468,7 +468,8 @@ class Settings:
     (its ``attr``), plus ``embedded_redis`` (no ``NDIF_REDIS_URL`` given).
 
     The fields come from the table, so a setting is declared in one place;
-    each field's type is its parser's return type."""
+    each field's type is its parser's return type. Editors read them from
+    ``config.pyi``, which ``tools/config_stub.py`` writes from the table."""
 
     __annotations__ = {**{var.attr: var.parse.__annotations__.get("return", "Any") for var in VARIABLES},
                        "embedded_redis": "bool"}
