@@ -627,7 +627,8 @@ def attempt(fn, model, remote, where):
         return fn(model, remote, MODE == "blocking"), None
     except BaseException as error:
         traceback.print_exc(file=sys.stderr)
-        return None, {"error": type(error).__name__, "said": str(error)[:4000], "where": where}
+        return None, {"error": type(error).__name__, "said": str(error)[:4000], "where": where,
+                      "trace": traceback.format_exc()[-4000:]}
 
 
 def main(CASE):
