@@ -16,8 +16,6 @@ import functools
 import json
 import time
 
-import pytest
-
 from ndif_celery.farm import actions
 from ndif_celery.monitoring import alerts, probes
 from ndif_celery.state import registry
@@ -42,13 +40,6 @@ class Scripted:
 
     def stop(self) -> None:
         pass
-
-
-@pytest.fixture
-def hook():
-    server = Hook().start()
-    yield server
-    server.stop()
 
 
 def _prober(settings, client, url, runner, post=alerts.post_json, name="test-prober", clock=None) -> probes.Prober:

@@ -17,8 +17,6 @@ import dataclasses
 import io
 import json
 
-import pytest
-
 from ndif_celery.accounts import auth
 from ndif_celery.celery_app import queue_for
 from ndif_celery.farm import actions
@@ -26,20 +24,12 @@ from ndif_celery.monitoring import metrics, probes
 from ndif_celery.state import queues, registry
 from tests.support.clocks import StepClock
 from tests.support.metrics import Scrape
-from tests.support.webhook import Hook
 
 KEY = actions.model_key_for("org/busy")
 PROBE_KEY = "probe-key"
 GOOD = {"ok": True, "latency_s": 0.3, "worker": "w0", "shape": [1, 7, 50], "vocab": 50, "finite": True,
         "values": [0.5, -1.25, 3.0, 0.1, 0.2]}
 LATE = {"ok": False, "timed_out": True, "error": "no answer within 60 s (NDIF_PROBE_TIMEOUT_S)"}
-
-
-@pytest.fixture
-def hook():
-    server = Hook().start()
-    yield server
-    server.stop()
 
 
 def _settings(embedded_settings, **changes):

@@ -29,7 +29,6 @@ from ndif_celery.monitoring import metrics, probes
 from ndif_celery.policy import client_versions
 from ndif_celery.state import registry
 from tests.support.clocks import StepClock
-from tests.support.webhook import Hook
 
 REPO = "org/shared"
 OLD = "0.7.0"
@@ -60,13 +59,6 @@ class RunnerPerRuntime:
 
     def stop(self) -> None:
         pass
-
-
-@pytest.fixture
-def hook():
-    server = Hook().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -1,0 +1,14 @@
+"""What the monitoring tests share: a webhook receiver on loopback, one per test."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.webhook import Hook
+
+
+@pytest.fixture
+def hook():
+    server = Hook().start()
+    yield server
+    server.stop()
