@@ -319,13 +319,7 @@ class Drainer(threading.Thread):
         self.probes_marked = False
 
     def run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                if self.lease.hold():
-                    self.tick()
-            except Exception:  # noqa: BLE001 - the drainer must outlive any one bad pass (or Redis blip)
-                log.exception("ledger drain failed")
-            self.stopping.wait(POLL_S)
+        self.lease.lead(self.tick, self.stopping, POLL_S, log, "ledger drain")
 
     def stop(self) -> None:
         self.stopping.set()

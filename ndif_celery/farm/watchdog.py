@@ -84,13 +84,7 @@ class FarmWatchdog(threading.Thread):
         self.stopping = threading.Event()
 
     def run(self) -> None:
-        while not self.stopping.is_set():
-            try:
-                if self.lease.hold():
-                    self.tick()
-            except Exception:  # noqa: BLE001 - the watchdog must outlive any one bad tick (or Redis blip)
-                log.exception("watchdog tick failed")
-            self.stopping.wait(INTERVAL_S)
+        self.lease.lead(self.tick, self.stopping, INTERVAL_S, log, "watchdog tick")
 
     def stop(self) -> None:
         self.stopping.set()

@@ -10,6 +10,10 @@ another copy takes over.
 
 from __future__ import annotations
 
+import logging
+import threading
+from typing import Callable
+
 import redis
 
 # Take the key if free, renew it if ours: one step, so it cannot expire between the two.
@@ -49,3 +53,16 @@ class Lease:
     def release(self) -> None:
         """Give the lease up if ours, so another copy takes it without waiting for expiry."""
         self.redis.eval(_RELEASE, 1, self.key, self.holder)
+
+    def lead(self, tick: Callable[[], object], stopping: threading.Event, every_s: float,
+             log: logging.Logger, what: str) -> None:
+        """Call ``tick`` every ``every_s`` while this copy holds the lease, until ``stopping``.
+
+        A failed tick is logged on ``log`` as ``what failed`` and the loop goes on: the thread outlives any one bad pass."""
+        while not stopping.is_set():
+            try:
+                if self.hold():
+                    tick()
+            except Exception:  # noqa: BLE001 - one bad pass (or Redis blip) never ends the thread
+                log.exception("%s failed", what)
+            stopping.wait(every_s)

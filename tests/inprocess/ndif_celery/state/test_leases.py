@@ -52,3 +52,34 @@ def test_release_hands_it_over_at_once_and_only_by_its_holder(redis_client):
     first.release()
     assert redis_client.get(KEY) is None
     assert second.hold() and not first.hold()
+
+
+def test_lead_ticks_only_while_held_and_outlives_a_failed_tick(redis_client, caplog):
+    import logging
+    import threading
+
+    first, second = _pair(redis_client)
+    ticks = {"first": 0, "second": 0}
+    stopping = threading.Event()
+
+    def tick_of(name):
+        def tick():
+            ticks[name] += 1
+            if name == "first" and ticks[name] == 1:
+                raise RuntimeError("one bad pass")
+            if ticks["first"] >= 5:
+                stopping.set()
+        return tick
+
+    assert first.hold()  # the first copy leads from the start
+    log = logging.getLogger("test.leases")
+    threads = [threading.Thread(target=lease.lead, args=(tick_of(name), stopping, 0.01, log, name))
+               for name, lease in (("first", first), ("second", second))]
+    with caplog.at_level(logging.ERROR, logger="test.leases"):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=10)
+    assert not any(thread.is_alive() for thread in threads)
+    assert ticks == {"first": 5, "second": 0}, "the holder ticks on after its failed pass; the other never"
+    assert [record.getMessage() for record in caplog.records] == ["first failed"]
