@@ -2,17 +2,17 @@
 
 Bottom first:
 
-- ``db``: users, hashed API keys and the ledger's table (SQLAlchemy: SQLite on
-  one host, PostgreSQL in production).
-- ``auth``: who is asking (the ``ndif-api-key`` header), trust, priority and
-  ownership; fails closed when the database is away.
-- ``limits``: payload size, rate and concurrency per key, sockets and uploads
-  in flight per key, queue depth; counters in Redis so every web process shares them.
-- ``usage``: usage per key and per model from the ledger (``ndif-celery
-  usage``, the dashboard) and the bounded ``ndif_usage_*`` counters.
-- ``ledger``: one database row per ended job, queued in Redis with its final
-  status and written in batches by the ``Drainer`` (a thread in every worker,
-  one leading), so ending a job never waits on the database; pruning.
-- ``ledger_queries``: the ledger read back for ``ndif-celery jobs`` and the
-  dashboard, summaries still waiting in Redis included; ``--since`` times.
+``db`` - the tables: users, hashed API keys, the ledger, the audit log. SQLite on one
+  host, PostgreSQL in production.
+``audit`` - every operator action taken from the dashboard, allowed or not.
+``auth`` - who is asking (the ``ndif-api-key`` header): trust, priority, ownership.
+  It fails closed when the database is away.
+``limits`` - payload size, rate, concurrency, sockets and uploads per key, and queue
+  depth. The counters live in Redis, so every web process shares them.
+``usage`` - usage per key and per model from the ledger, and the bounded
+  ``ndif_usage_*`` counters.
+``ledger`` - one database row per ended job. Rows wait in Redis and the ``Drainer``
+  writes them in batches, so ending a job never waits on the database.
+``ledger_queries`` - the ledger read back for ``ndif-celery jobs`` and the dashboard.
+  Rows still waiting in Redis are included. Also ``--since`` times.
 """

@@ -1,25 +1,22 @@
 """The ``ndif-celery`` command: one click group, its commands in six modules.
 
-- :mod:`ndif_celery.cli.host`: this host's stack and services (``up``,
-  ``down``, ``status``, ``logs``, and ``web``, ``worker``, ``beat``,
-  ``flower``, ``redis`` in the foreground);
-- :mod:`ndif_celery.cli.checks`: ``version`` and ``doctor`` (apart for their
-  imports: sqlalchemy, the result stores, huggingface_hub);
-- :mod:`ndif_celery.cli.farm`: the farm, from any host that reaches its broker
-  (``deploy``, ``scale``, ``evict``, ``queue``, ``kill``, ``jobs``,
-  ``deployments``, ``export``);
-- :mod:`ndif_celery.cli.ops`: operations over time (``schedule``, ``usage``, ``probes``, ``audit``);
-- :mod:`ndif_celery.cli.keys`: ``keys create|list|revoke``;
-- :mod:`ndif_celery.cli.runtimes`: ``runtime add|list|remove``, this host's other nnsight versions;
-- :mod:`ndif_celery.cli.common`: the settings and listing helpers they share, nothing heavy.
+``host`` - this host's stack and services: ``up``, ``down``, ``status``, ``logs``.
+  Also ``web``, ``worker``, ``beat``, ``flower`` and ``redis`` in the foreground.
+``checks`` - ``version`` and ``doctor``, apart for their imports: sqlalchemy, the
+  result stores, huggingface_hub.
+``farm`` - the farm, from any host that reaches its broker: ``deploy``, ``scale``,
+  ``evict``, ``queue``, ``kill``, ``jobs``, ``deployments``, ``export``.
+``ops`` - operations over time: ``schedule``, ``usage``, ``probes``, ``audit``.
+``keys`` - ``keys create|list|revoke``.
+``runtimes`` - ``runtime add|list|remove``: this host's other nnsight versions.
+``common`` - the settings and listing helpers they share, nothing heavy.
+``__main__`` - ``python -m ndif_celery.cli``, the same command. The tests and the
+  stack run it that way.
 
-``python -m ndif_celery.cli`` is the same command (the tests and the stack
-run it that way).
-
-The group imports a command's module only when that command runs (a listing,
-``--help``, imports them all): ``ndif-celery kill`` is what an operator types
-while a job holds a model, and loading this host's stack, doctor, result
-stores and ledger database for it cost more than the kill itself.
+The group imports a command's module only when that command runs. A listing,
+or ``--help``, imports them all. ``ndif-celery kill`` is what an operator types
+while a job holds a model. Loading this host's stack, doctor, result stores and
+ledger database for it would cost more than the kill itself.
 """
 
 from __future__ import annotations

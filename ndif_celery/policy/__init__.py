@@ -1,15 +1,14 @@
 """Pure rules, with no Redis and no torch, so the web, the controller and the worker check alike.
 
-- ``model_policy``: ``ModelPolicy``: a model key and ``env`` reduced to a canonical
-  form, and which repos load for whom (``NDIF_MODELS``,
-  ``NDIF_TRUST_REMOTE_CODE``). Not ``workers.models`` (the models a worker
-  holds), nor ``IsolationPolicy`` (an untrusted child's limits, in
-  ``workers.isolation.parent``).
-- ``deployment_access``: who may use a deployment that names its ``users``
-  (``farm.deployments.check_access`` reads the wishes, then asks it).
-- ``client_versions``: the client version gate the web applies at intake
+``model_policy`` - ``ModelPolicy``: which repos load for whom (``NDIF_MODELS``,
+  ``NDIF_TRUST_REMOTE_CODE``), and a model key and ``env`` in canonical form.
+  Not ``workers.models``, the models a worker holds. Nor ``IsolationPolicy``,
+  an untrusted child's limits in ``workers.isolation.parent``.
+``deployment_access`` - who may use a deployment that names its ``users``.
+  ``farm.deployments.check_access`` reads the wishes, then asks it.
+``client_versions`` - the client version gate the web applies at intake
   (``NDIF_MIN_NNSIGHT_VERSION``, ``NDIF_MIN_PYTHON_VERSION``).
-- ``jail_layers``: the jail's layer names and the settings that name them
-  (``NDIF_JAIL_REQUIRE``, ``NDIF_JAIL_DISABLE``), apart from the jail so any
-  process can check them without loading it.
+``jail_layers`` - the jail's layer names and the settings that name them
+  (``NDIF_JAIL_REQUIRE``, ``NDIF_JAIL_DISABLE``). They live apart from the jail,
+  so any process can check them without loading it.
 """

@@ -3,22 +3,24 @@
 One package for the shared keys, so the web, the workers, the beat and the CLI
 name and read them one way. Bottom first:
 
-- ``jobs``: the bottom of job state: key names, ``Job`` (the Celery message),
-  the Redis client, the latest status; imports nothing of the project but
-  ``wire``. Not ``workers.job``, which is a job's life on a worker.
-- ``registry``: the farm's shared picture: live workers (heartbeats),
-  deployments, operator wishes, the jobs each worker runs, ``/status``.
-- ``queues``: what waits in each per-model queue, read from the broker;
-  ``take`` removes a co-batch's jobs and records them as the worker's, in one Lua step.
-- ``run_times``: how long each model's jobs took lately; a waiting job's
+``jobs`` - the bottom of job state: key names, ``Job`` (the Celery message), the
+  Redis client, the latest status. It imports nothing of the project but
+  ``wire``. Not ``workers.job``, a job's life on a worker.
+``registry`` - the farm's shared picture: live workers (heartbeats), deployments,
+  operator wishes, the jobs each worker runs, ``/status``.
+``queues`` - what waits in each per-model queue, read from the broker. ``take``
+  removes a co-batch's jobs and records them as the worker's, in one Lua step.
+``turns`` - fair turns between keys on a model's queue, and each key's bound on
+  jobs running at once.
+``run_times`` - how long each model's jobs took lately, for a waiting job's
   estimate (``position 3, about 40 s``).
-- ``byte_quotas``: the bytes each key holds in a shared place, against its
-  quota: stored results, and what its jobs park in Redis (payloads, records).
-- ``leases``: ``Lease``, a key one holder at a time renews, so one copy of a
-  thread leads (the controller, the ledger's drainer, the watchdog, the probes).
-- ``expiry``: the sweep the beat schedules (results and job state past
-  ``NDIF_JOB_TTL_S``) and the "has expired" answer a late poll gets.
+``byte_quotas`` - the bytes each key holds in a shared place, against its quota:
+  stored results, and what its jobs park in Redis.
+``leases`` - ``Lease``, a key one holder at a time renews, so one copy of a thread
+  leads. The controller, the ledger's drainer, the watchdog and the probes use it.
+``expiry`` - the sweep the beat schedules for results and job state past
+  ``NDIF_JOB_TTL_S``, and the "has expired" answer a late poll gets.
 
-Publishing a status is one layer up, in ``ndif_celery.statuses``, because a
-final status also touches limits, the ledger and the metrics.
+Publishing a status is one layer up, in ``ndif_celery.statuses``. A final status
+also touches limits, the ledger and the metrics.
 """

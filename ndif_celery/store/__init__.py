@@ -1,28 +1,29 @@
 """Where finished results live until the client downloads them.
 
-Two backends with the same small interface:
+This module chooses the backend (:func:`open_store`) and names the public types.
+Each backend is its own module:
 
-* :class:`FilesystemStore` keeps results as files under a directory and hands
-  out URLs to the web app (``/results/<key>``) signed with an HMAC, so the web
-  app can serve them without a database lookup. This is the default: one host,
-  nothing else to run.
-* :class:`S3Store` keeps results in a bucket of any S3 server (MinIO first) and
-  hands out presigned GET URLs, so downloads never pass through the web app.
-  This is what a farm spread over several hosts uses.
+``base`` - what both backends share: the key rule, the byte view, the error.
+``fs`` - :class:`FilesystemStore`, results as files under a directory.
+``s3`` - :class:`S3Store`, results in a bucket of any S3 server (MinIO first).
+
+:class:`FilesystemStore` hands out URLs to the web app (``/results/<key>``),
+signed with an HMAC. So the web app can serve them without a database lookup.
+It is the default: one host, nothing else to run.
+
+:class:`S3Store` hands out presigned GET URLs, so downloads never pass through
+the web app. A farm spread over several hosts uses it.
 
 Both take the same keys: relative, ``/``-separated names without ``..`` or
-hidden components. The rule is the filesystem's (a key must never escape the
-result directory), applied to S3 too so a key that works on one backend works
+hidden components. The rule is the filesystem's: a key must never escape the
+result directory. S3 applies it too, so a key that works on one backend works
 on the other.
 
-Missing results raise :class:`FileNotFoundError` from ``get`` on both
-backends; a backend that cannot be reached raises :class:`StoreUnavailable`.
+On both backends, ``get`` raises :class:`FileNotFoundError` for a missing
+result. A backend that cannot be reached raises :class:`StoreUnavailable`.
 
-This module chooses the backend (:func:`open_store`) and names the public
-types; each backend is its own module (``fs``, ``s3``) over what they share
-(``base``: the key rule, the byte view and the error). A backend's module is
-imported only when it is opened or named: a filesystem farm never loads the
-S3 client, and importing this package loads neither.
+A backend's module is imported only when it is opened or named. A filesystem
+farm never loads the S3 client, and importing this package loads neither.
 """
 
 from __future__ import annotations

@@ -1,26 +1,30 @@
 """What differs between the nnsight versions a worker can run: one module per minor version.
 
-A request runs only under its client's own nnsight (docs/versions.md), so a
-worker of a runtime (``ndif-celery worker --nnsight 0.7.0``) imports that
-version, not the farm's. Everything else of a job's life (the queue, the
-deadline, the jail, the store, the ledger) is the same; what is not is here,
-behind one small interface per minor:
+A request runs only under its client's own nnsight (docs/versions.md). So a
+runtime's worker (``ndif-celery worker --nnsight 0.7.0``) imports that version,
+not the farm's. The rest of a job's life is the same: the queue, the deadline,
+the jail, the store, the ledger. What differs is here, behind one small
+interface per minor:
 
-- ``nnsight_08``: the farm's own (0.8.x): the model by its key, the payload
-  read under the request's env, the block run for its saves.
-- ``nnsight_06_07``: the 0.6.x and 0.7.0 clients: the model keyed as their
-  ``LanguageModel``, the payload a pickled ``RequestModel`` of the compiled
-  block and its tracer, the saves what the tracer pushes back.
+``nnsight_08`` - the farm's own (0.8.x): the model by its key, the payload read
+  under the request's env, the block run for its saves.
+``nnsight_06_07`` - the 0.6.x and 0.7.0 clients. The model is keyed as their
+  ``LanguageModel``. The payload is a pickled ``RequestModel`` of the compiled
+  block and its tracer. The saves are what the tracer pushes back.
 
-Each module gives: ``load(model_key, **kwargs)`` (a canonical key, from
-``ndif_celery.policy.model_policy``), ``set_env(model, env)``, ``deserialize(model,
-blob, compress, persistent)``, ``run(prepared)``, ``caches(model)`` (the
-process-global dicts a request may fill, restored after it; what it changes
-on the model itself is ``workers.baseline``'s), ``after_run()``,
-``unwind(model)`` (cancel what a failed run left parked),
-``clean_traceback(tb)``, ``unknown_module(error)`` (the module path a payload
-named that this model lacks, or None) and ``COBATCH`` (whether co-batching
-runs on it).
+Each module gives:
+
+- ``load(model_key, **kwargs)``, for a canonical key from ``ndif_celery.policy.model_policy``;
+- ``set_env(model, env)``;
+- ``deserialize(model, blob, compress, persistent)``;
+- ``run(prepared)``;
+- ``caches(model)``: the process-global dicts a request may fill, restored after it.
+  What a request changes on the model itself is ``workers.baseline``'s;
+- ``after_run()``;
+- ``unwind(model)``: cancel what a failed run left parked;
+- ``clean_traceback(tb)``;
+- ``unknown_module(error)``: the module path a payload named that this model lacks, or None;
+- ``COBATCH``: whether co-batching runs on it.
 """
 
 from __future__ import annotations

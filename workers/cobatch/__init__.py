@@ -1,12 +1,12 @@
 """Co-batching: several trusted users' traces on one model, one forward.
 
-Different users' nnsight 0.8.1 requests for the same resident model are
-prepared each in its own greenlet up to their forward, merged through
-nnsight's own interleaving into one batched forward, and finished one by one,
-so each user gets exactly their own saves, logs, errors and ``meta``. A
-request that cannot share safely runs alone, through the trusted path, and
+Different users' nnsight 0.8.1 requests for the same resident model share one
+forward. Each is prepared in its own greenlet up to its forward. nnsight's own
+interleaving merges them into one batched forward. Then each is finished on its
+own, so each user gets exactly their own saves, logs, errors and ``meta``. A
+request that cannot share safely runs alone, through the trusted path.
 ``meta["cobatch_solo"]`` says why. The design, its guards and what it refuses
-are in docs/cobatching.md; the decision and its measurements are in
+are in docs/cobatching.md. The decision and its measurements are in
 docs/decisions/cobatching.md.
 
 Public entry::
@@ -17,16 +17,16 @@ Public entry::
 
 Modules, one job each:
 
-* ``request``: :class:`Request`, :class:`Outcome` and ``run_alone`` (the
-  trusted path of today, for whatever does not share);
-* ``screen``: what may share a forward, and the sentence for what may not;
-* ``park``: a request's greenlet, parked at its forward; per-request saves,
-  depth and logs; errors kept to their own worker;
-* ``batcher``: the co-batcher (rows, sequence window, flattened rows, each
-  worker served copies of its own part and their writes put back, cache
-  snapshots, refused changes of shared values) and ``compact`` of saved views;
-* ``engine``: ``run_batch``: prepare, group, one forward per group with its
-  guards, finish, and the runs alone.
+``request`` - :class:`Request`, :class:`Outcome` and ``run_alone``, the trusted
+  path for whatever does not share.
+``screen`` - what may share a forward, and the sentence for what may not.
+``park`` - a request's greenlet, parked at its forward. Saves, depth and logs are
+  per request; errors are kept to their own worker.
+``batcher`` - the co-batcher: rows, sequence window, flattened rows, cache
+  snapshots, and ``compact`` of saved views. Each worker is served copies of its
+  own part, and their writes are put back. Changes of shared values are refused.
+``engine`` - ``run_batch``: prepare, group, one guarded forward per group, finish,
+  and the runs alone.
 """
 
 from .request import Outcome, Request, run_alone
