@@ -1,24 +1,27 @@
 """The intake of ``POST /request``: from what the client sent to a QUEUED job.
 
 The route (``web/routes.py``) only reads the HTTP request and answers. This
-module is the pipeline, one named step each, in the order a request meets
-them. The order is part of the contract: a request wrong in two ways is
-refused for the first, as on NDIF (a bad envelope before an old client):
+module is the pipeline: one named step each, in the order a request meets
+them. The order is part of the contract. A request wrong in two ways is
+refused for the first, as on NDIF: a bad envelope before an old client.
+The steps:
 
     envelope -> version gate -> model policy (and a deployment's users) -> session -> payload
              -> limits -> turn -> park (QUEUED, the Celery message at its turn) -> controller
 
-Before any of this the web has checked what the headers tell (the key, the
-client's nnsight against the versions the farm runs, :func:`check_runtime`;
-the body's size, the key's rate and concurrency, room to read the body:
-``web/uploads.py``), so a request refused there is never read. The runtime
-comes before the envelope because another client version sends another
-body: a 0.7 client gets the sentence about versions, not one about form fields.
+Before any of this, the web checks what the headers tell. It checks the key,
+and the client's nnsight against the versions the farm runs
+(:func:`check_runtime`). ``web/uploads.py`` checks the body's size, the key's
+rate and concurrency, and room to read the body. A request refused there is
+never read. The runtime comes before the envelope because another client
+version sends another body. A 0.7 client gets the sentence about versions,
+not one about form fields.
 
-Every refusal raises ``errors.Refused`` (or a subclass) before anything is
-written, so a refused request leaves nothing in Redis (tests/inprocess/ndif_celery/test_intake.py).
-Settings, Redis and the Celery app are passed in, no Flask: the fast tier and
-any other front end can drive it directly.
+Every refusal raises ``errors.Refused`` (or a subclass) before the job is
+parked. So a refused request leaves no job in Redis
+(tests/inprocess/ndif_celery/test_intake.py). Settings, Redis and the Celery
+app are passed in, with no Flask. The fast tier and any other front end can
+drive it directly.
 """
 
 from __future__ import annotations
@@ -53,16 +56,18 @@ def accept(
     arrived: Optional[float] = None,
     runtime: str = "",
 ) -> jobs.Job:
-    """Check ``data`` (the envelope form field) and ``blob`` (the payload part,
-    None when absent) for ``identity``; park, enqueue and return the job.
-    ``arrived``: when the request reached the web (the job's timeline).
-    ``runtime``: the nnsight runtime that serves the client (:func:`check_runtime`);
-    a 0.6/0.7 client's envelope is in its headers (``socketio_wire``)."""
+    """Check the request for ``identity``, then park, enqueue and return the job.
+
+    ``data`` is the envelope form field. ``blob`` is the payload part, None
+    when absent. A 0.6/0.7 client's envelope is in its headers
+    (``socketio_wire``). ``arrived`` is when the request reached the web, for
+    the job's timeline. ``runtime`` is the nnsight runtime that serves the
+    client (:func:`check_runtime`)."""
     protocol = check_protocol(headers, runtime)
     envelope = socketio_wire.envelope(headers) if protocol else wire.parse_envelope(data)
-    # After the envelope, as NDIF: NDIF_MIN_NNSIGHT_VERSION / NDIF_MIN_PYTHON_VERSION.
+    # After the envelope, as on NDIF: NDIF_MIN_NNSIGHT_VERSION, NDIF_MIN_PYTHON_VERSION.
     client_versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
-    # What the checks read, on one round trip: the farm's offer, the session's owner.
+    # What the checks read, in one round trip: the farm's offer, the session's owner.
     reads = client.pipeline(transaction=False)
     repo = wire.repo_id(envelope.model_key)
     registry.read_offer(reads, repo)
@@ -74,13 +79,13 @@ def accept(
     admit_model(client, settings, identity, envelope, offer, runtime)
     probe = check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
     owner = answers[-1]
-    unclaimed = bool(protocol and envelope.session_id and owner == b"")  # a Socket.IO socket no key claimed yet
+    unclaimed = bool(protocol and envelope.session_id and owner == b"")  # a Socket.IO socket no key claimed
     if not unclaimed:
         check_session(identity, envelope.session_id, owner)
     blob = check_payload(blob, envelope.compress, settings)
-    if unclaimed:  # claimed by the first key whose request passed its checks (at once: a race has one winner)
+    if unclaimed:  # the first key whose request passes its checks claims it. A race has one winner.
         check_session(identity, envelope.session_id, jobs.claim_session(client, envelope.session_id, identity.owner))
-        # From now on the socket is the key's, counted as its /subscribe sockets are (the web renews it).
+        # The socket is the key's now. It counts like the key's /subscribe sockets; the web renews it.
         limits.claim_socket(client, identity, envelope.session_id, settings)
     job = jobs.Job(
         id=uuid.uuid4().hex,
@@ -96,11 +101,11 @@ def accept(
         protocol=protocol,
     )
     queue = queue_for(job.model_key)
-    depths = limits.check_and_count(client, identity, queue, settings)  # of the queue's lists, in serving order
+    depths = limits.check_and_count(client, identity, queue, settings)  # the queue's lists, in serving order
     served_with = len(queues.lists_up_to(queue, PRIORITY_FIRST if job.priority else PRIORITY_NORMAL))
-    if settings.fair_turns:  # its turn among the keys waiting: behind the lists served first, and its turn's place
+    if settings.fair_turns:  # behind the lists served first, then its place among the keys' turns
         position = sum(depths[:served_with - 1]) + turns.plan(client, job, queue, settings.job_ttl_s, first=probe) + 1
-    else:  # first in, first out: behind every job of its priority or before it
+    else:  # first in, first out: behind every job in its list or a list served first
         position = sum(depths[:served_with]) + 1
     job.queued_at = jobs.now()
     job.queued_position = position
@@ -114,8 +119,8 @@ def accept(
         raise
     if probe:  # the beat finds its probe in the line by this id (probes.queued_behind)
         probes.note_sent(client, job.model_key, job.id)
-    # The controller deploys the model if no worker serves it (``ndif_celery.farm.controller``);
-    # a model served needs nothing of it now (its ticks tell positions and add replicas).
+    # The controller deploys the model if no worker serves it (``ndif_celery.farm.controller``).
+    # A served model needs nothing of it now: its ticks tell positions and add replicas.
     if job.model_key not in offer.serving:
         registry.wake_controller_once(client, queue)
     return job
@@ -123,11 +128,12 @@ def accept(
 
 def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mapping[str, str],
                   added_here: Callable[[], set] = set) -> str:
-    """Before the body is read: the client's nnsight is one this farm runs
-    (``policy.client_versions``); the live workers are read only for a version
-    other than the farm's own. A client below NDIF_MIN_NNSIGHT_VERSION reads
-    NDIF's own sentence for it, as it did before runtimes were gated.
-    Returns the runtime that serves it: its version, or "" for the farm's own."""
+    """Before the body is read: the client's nnsight must be one this farm runs.
+
+    The rules are ``policy.client_versions``. The live workers are read only
+    for a version other than the farm's own. NDIF_MIN_NNSIGHT_VERSION is
+    checked first, so a client below it reads NDIF's own sentence. Returns the
+    runtime that serves the client: its version, or "" for the farm's own."""
     reported = headers.get(client_versions.NNSIGHT_HEADER)
     if reported:
         client_versions.check_nnsight(reported, settings.min_nnsight_version)
@@ -137,8 +143,10 @@ def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mappi
 
 
 def check_protocol(headers: Mapping[str, str], runtime: str) -> str:
-    """The protocol the request came in (``jobs.Job.protocol``), which must be
-    its client version's: a 0.6/0.7 client's headers envelope, or the form."""
+    """The protocol the request came in (``jobs.Job.protocol``).
+
+    It must be its client version's: a 0.6/0.7 client's envelope in headers,
+    or the form."""
     spoken = socketio_wire.PROTOCOL if socketio_wire.speaks(headers) else ""
     expected = client_versions.protocol_of(runtime or client_versions.MAIN)
     if spoken != expected:
@@ -152,25 +160,28 @@ def check_protocol(headers: Mapping[str, str], runtime: str) -> str:
 
 def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
                 envelope: wire.Envelope, offer: registry.Offer, runtime: str = "") -> None:
-    """The key and env as nnsight sends them, made canonical in ``envelope``
-    (the deployment serving the same weights, if one does, under the same
-    ``runtime``); what this key may load (``policy.model_policy``)."""
+    """Make the key and env in ``envelope`` canonical, and check what this key may load.
+
+    Canonical means the deployment serving the same weights under the same
+    ``runtime``, if one does. What a key may load is ``policy.model_policy``."""
     envelope.model_key, envelope.env = model_policy.ModelPolicy.from_settings(settings).admit(
         envelope.model_key, envelope.env, identity.trusted, offer.keys,
         lambda repo_id: offer.refs_of(client, repo_id), runtime=runtime)
-    # A deployment that lists its users (``deploy -f``: ``users``) serves only them.
+    # A deployment that lists its ``users`` (``deploy -f``) serves only them.
     deployments.check_access(client, identity, envelope.model_key, offer)
 
 
 def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
                 headers: Mapping[str, str], model_key: str, offered: set) -> bool:
-    """Whether the request is the health probe's (``ndif_celery.monitoring.probes``, its key
-    ``NDIF_PROBE_API_KEY``), which takes a turn of its own at the front of the line
-    (``turns.plan``'s ``first``). It never deploys a model: a probe sent just as the
-    model was evicted would load it again.
-    Refused here when the model is not deployed; its owner is recorded
-    (``probes.OWNER``) for the controller, which fails a probe's job left waiting
-    for a model evicted after it was accepted instead of loading the model again."""
+    """Whether the request is the health probe's (``ndif_celery.monitoring.probes``).
+
+    The probe's key is ``NDIF_PROBE_API_KEY``. Its job takes a turn of its own
+    at the front of the line (``turns.plan``'s ``first``). A probe never
+    deploys a model. Else a probe sent just as the model was evicted would
+    load it again. So it is refused here when the model is not deployed. Its
+    owner is recorded (``probes.OWNER``) for the controller. The controller
+    fails a probe's job left waiting for an evicted model, rather than load
+    the model again."""
     if not settings.probe_api_key:
         return False
     sent = headers.get(auth.HEADER) or ""
@@ -184,15 +195,19 @@ def check_probe(client: redis.Redis, settings: config.Settings, identity: auth.I
 
 
 def check_session(identity: auth.Identity, session_id: str, owner: Optional[bytes]) -> None:
-    """Only the key that opened a /subscribe socket (``owner``, as recorded then),
-    or that claimed a Socket.IO socket first, may submit jobs that report to it."""
+    """Only the socket's owner may submit jobs that report to it.
+
+    The owner (``owner``) is the key that opened a /subscribe socket, or that
+    claimed a Socket.IO socket first."""
     if session_id and owner != identity.owner.encode():
         raise Refused("session_id was not opened by this API key (open /subscribe with the same key).", 403)
 
 
 def check_payload(blob: Optional[bytes], compress: bool, settings: config.Settings) -> bytes:
-    """The payload, present, within ``NDIF_MAX_PAYLOAD_BYTES``, and a sized zstd
-    frame when declared compressed (the worker decompresses into that size)."""
+    """The payload: present and within ``NDIF_MAX_PAYLOAD_BYTES``.
+
+    When declared compressed, it must be a zstd frame with its size. The
+    worker decompresses into that size."""
     if blob is None:
         raise Refused("Missing file part 'blob' (the serialized request payload).", 400)
     if not blob:
@@ -218,10 +233,13 @@ def zstd_problem(blob: bytes) -> str:
 
 def park(client: redis.Redis, celery: Celery, job: jobs.Job, blob: bytes, queued: str,
          settings: config.Settings) -> None:
-    """One round trip for the job's state, its QUEUED status (the text
-    ``queued``: the first the client sees after RECEIVED), the queue's registration, and last the
-    Celery message (``queues.job_message``) moved to its turn: a worker
-    sees the job only once everything it reads is written."""
+    """Write the job in one round trip. The Celery message goes last.
+
+    The round trip holds the job's state, its QUEUED status and the queue's
+    registration. The status text is ``queued``, the first the client sees
+    after RECEIVED. Last comes the Celery message (``queues.job_message``),
+    moved to its turn. So a worker sees the job only once everything it
+    reads is written."""
     queue = queue_for(job.model_key)
     pipe = client.pipeline(transaction=False)
     pipe.set(jobs.payload_key(job.id), blob, ex=settings.job_ttl_s)

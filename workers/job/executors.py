@@ -1,29 +1,32 @@
 """Executors: where a job's block runs, each owning its deadline.
 
-A job's life (``workers.job.life``) does not care where the user's code runs: it
-hands the payload to an executor and gets the result bytes back, or an
-exception that ``life.fail`` turns into the ERROR the client reads. Two
-executors, behind one small interface:
+A job's life (``workers.job.life``) does not care where the user's code runs.
+It hands the payload to an executor and gets the result bytes back. Or it
+gets an exception, which ``life.fail`` turns into the ERROR the client reads.
+Two executors share one small interface:
 
-- ``run(model, job, blob, channel, meta) -> bytes``: run the block, fill
-  ``meta`` with what the client may see about the run;
-- ``after(job)``: after the answer is sent, before the next job: check the
-  weights the job could have touched;
+- ``run(model, job, blob, channel, meta) -> bytes``: run the block. Fill
+  ``meta`` with what the client may see about the run.
+- ``after(job)``: after the answer is sent, before the next job. Check the
+  weights the job could have touched.
 - ``prepare_next(model_key)``: make the next job on the model cheaper.
 
-:class:`InProcess` (trusted keys) runs in this worker's own process, against
-the resident model itself; its deadline is the worker's watchdog
-(``workers.job.deadline``), which sends the ERROR at the limit itself, then
-interrupts the job's thread with :class:`JobTimedOut` (the way ``ndif-celery
-kill`` interrupts it with :class:`JobCancelled`), and replaces the worker if
-the thread is stuck in C where no exception reaches it. :class:`Isolated` (untrusted keys) runs a fresh
-jailed child per request (``workers.isolation.parent``), forked by the model's zygote
-(``workers.isolation.zygote``: an exec'd interpreter with ``NDIF_ISOLATION=zygote``, or
-a fork of the fork server with ``=fork``), never by this worker, which holds
-secrets and what earlier jobs left in its memory; its deadline is the
-isolation policy's, which bounds every wait on the child (the watchdog stands
-behind it, ``deadline.ISOLATED_MARGIN_S`` later). The policy (what the
-jail lets the child read, as whom, with which limits) is built here too.
+:class:`InProcess` serves trusted keys. It runs in this worker's own process,
+against the resident model itself. Its deadline is the worker's watchdog
+(``workers.job.deadline``). At the limit the watchdog sends the ERROR itself.
+Then it interrupts the job's thread with :class:`JobTimedOut`, as ``ndif-celery
+kill`` does with :class:`JobCancelled`. If the thread is stuck in C, where no
+exception reaches it, the watchdog replaces the worker.
+
+:class:`Isolated` serves untrusted keys. It runs a fresh jailed child per
+request (``workers.isolation.parent``). The model's zygote forks the child
+(``workers.isolation.zygote``). This worker never does: it holds secrets and
+what earlier jobs left in its memory. The zygote is an exec'd interpreter
+with ``NDIF_ISOLATION=zygote``, or a fork of the fork server with ``=fork``.
+Its deadline is the isolation policy's, which bounds every wait on the child.
+The watchdog stands behind it, ``deadline.ISOLATED_MARGIN_S`` later. The
+policy is built here too: what the jail lets the child read, as whom, with
+which limits.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ REAP_WAIT_S = 30.0
 
 
 class JobCancelled(BaseException):
-    """Raised in the job's thread by ``ndif-celery kill``; BaseException so user
-    code's ``except Exception`` cannot swallow it."""
+    """Raised in the job's thread by ``ndif-celery kill``.
+
+    It is a BaseException so user code's ``except Exception`` cannot swallow it."""
 
 
 class JobTimedOut(BaseException):
@@ -68,9 +72,11 @@ def ms_since(start: float) -> float:
 
 
 class InProcess:
-    """Trusted: run in this process, against the resident model itself; one job
-    (:meth:`run`) or a co-batch of them (:meth:`run_together`), through the
-    co-batching engine's one trusted path (``cobatch.run_alone``, ``run_batch``)."""
+    """Trusted: run in this process, against the resident model itself.
+
+    It runs one job (:meth:`run`) or a co-batch (:meth:`run_together`). Both go
+    through the co-batching engine's trusted path (``cobatch.run_alone``,
+    ``run_batch``)."""
 
     def __init__(self, settings: config.Settings, models: ResidentModels, watchdog: deadline.DeadlineWatchdog,
                  job_waiting: Callable[[str], bool] = lambda model_key: False) -> None:
@@ -78,7 +84,7 @@ class InProcess:
         self.cobatch_max, self.cobatch_pad = settings.cobatch_max, settings.cobatch_pad
         self.models = models
         self.watchdog = watchdog  # the worker's: answers at the deadline, interrupts, replaces if stuck
-        self.job_waiting = job_waiting  # whether a job waits for this model (then the whole check may wait)
+        self.job_waiting = job_waiting  # whether a job waits for this model; if so the whole check may wait
 
     def run(self, model, job: jobs.Job, blob: bytes, channel: statuses.StatusChannel, meta: dict) -> bytes:
         with self.watchdog.watch(job.id, channel, meta, self.timeout_s), deadline.backstop(self._last_resort()):
@@ -94,10 +100,12 @@ class InProcess:
             return data
 
     def run_together(self, model, runs: list[tuple]) -> list:
-        """A co-batch: ``runs`` is (job, blob, channel, meta) per job, every one
-        trusted and of one model. One watch covers them all (one deadline, the
-        job limit: at it every job of the batch gets its timeout ERROR); each
-        job's result bytes, or the exception that is its answer, in order."""
+        """A co-batch: ``runs`` is (job, blob, channel, meta) per job.
+
+        Every job is trusted and of one model. One watch covers them all, with
+        one deadline: the job limit. At it, every job of the batch gets its
+        timeout ERROR. Returns each job's result bytes, or the exception that
+        is its answer, in order."""
         (lead, _, lead_channel, lead_meta), *others = runs
         others = [(job.id, channel, meta) for job, _, channel, meta in others]
         with self.watchdog.watch(lead.id, lead_channel, lead_meta, self.timeout_s, others), \
@@ -123,8 +131,8 @@ class InProcess:
         return self.timeout_s + self.watchdog.grace_s + deadline.BACKSTOP_MARGIN_S
 
     def _restored(self, model_key: str):
-        """A co-batch's stamps showed a write: the whole check (a reload where a
-        weight changed), and the model to go on with."""
+        """A co-batch's stamps showed a write. Run the whole check; a changed
+        weight reloads the model. Returns the model to go on with."""
         why, restored = self.models.check_written(model_key)
         if restored:
             log.warning("a co-batch on %s changed %d weight tensors; model reloaded", model_key, len(restored))
@@ -133,10 +141,12 @@ class InProcess:
         return self.models.get(model_key)
 
     def after(self, job: jobs.Job, jobs_run: int = 1) -> None:
-        """After the job (or the co-batch of ``jobs_run`` it led), before the
-        next: the stamps of every weight, and the whole plain check when they
-        show a write, when no job waits (at most every 10 s), or every ``NDIF_TRUSTED_CHECK_EVERY``-th
-        job (``ResidentModels.check_after_trusted``); a change reloads the model."""
+        """After the job, or the co-batch of ``jobs_run`` it led, before the next.
+
+        It reads the stamps of every weight. The whole plain check runs when
+        they show a write, or when no job waits (at most every 10 s). It also
+        runs every ``NDIF_TRUSTED_CHECK_EVERY``-th job
+        (``ResidentModels.check_after_trusted``). A change reloads the model."""
         started = time.perf_counter()
         idle = False
         if self.models.idle_check_due(job.model_key):  # else no need to ask the broker
@@ -161,17 +171,19 @@ class Isolated:
         self.settings = settings
         self.models = models
         self.watchdog = watchdog  # the backstop behind the policy's deadline
-        # What an isolated job may read, and whether it can run as nobody:
-        # learnt once, when the worker is ready (learn_host).
+        # What an isolated job may read, and whether it can run as nobody.
+        # Learnt once, when the worker is ready (learn_host).
         self.readable: tuple = ()
         self.as_nobody = True
-        self.cache_exposed = ""  # why the jail could not keep the model cache private, if it could not
+        self.cache_exposed = ""  # why the jail cannot keep the model cache private, or ""
 
     def learn_host(self) -> None:
-        """Read once from this host: the paths the jail leaves readable (the
-        interpreter, the packages, system libraries; each job adds its model's
-        own files), whether that leaves the rest of the model cache and the hub
-        token private, and whether user ``nobody`` can read the interpreter's prefixes."""
+        """Read once from this host what the jail needs.
+
+        First, the paths the jail leaves readable: the interpreter, the
+        packages, system libraries. Each job adds its model's own files. Then,
+        whether that keeps the rest of the model cache and the hub token
+        private. Last, whether user ``nobody`` can read the interpreter's prefixes."""
         self.readable = tuple(jail.readable_paths())
         path, private = jail.covering(self.readable, (hf_constants.HF_HUB_CACHE, hf_constants.HF_TOKEN_PATH,
                                                       hf_constants.HF_STORED_TOKENS_PATH))
@@ -187,21 +199,23 @@ class Isolated:
             raise execute.RequestError(f"This worker does not run untrusted code: {self.cache_exposed} "
                                        "(see docs/security.md). Ask the operator.")
         zygote = self.zygote(job.model_key)
-        # Armed once the zygote is ready (its start is not the job's time), as parent.run's own deadline is.
+        # Armed once the zygote is ready, as parent.run's own deadline is. Its start is not the job's time.
         backstop_s = self.settings.execution_timeout_s + deadline.ISOLATED_MARGIN_S
         with self.watchdog.watch(job.id, channel, meta, backstop_s):
             outcome = parent.run(model, blob, job.compress, job.env, self.policy(zygote, job.model_key), channel.log,
                                   zygote=zygote)
-        # Only what isolate vouches for (the child's jail layers and timings, checked
-        # by isolate.child_meta; its own isolated_ms and spare): never a key of ours.
+        # Only what parent vouches for, never a key of ours. That is the child's
+        # jail layers and timings (checked by parent.child_meta), isolated_ms and spare.
         meta.update({key: value for key, value in outcome.meta.items()
                      if key in parent.OUTCOME_META and key not in meta})
         meta["isolation"] = zygote.mode
         return outcome.data
 
     def zygote(self, model_key: str):
-        """The model's zygote (started on first use): exec'd (NDIF_ISOLATION=zygote)
-        or forked from the fork server (=fork). None can be had: the job is refused."""
+        """The model's zygote, started on first use.
+
+        It is exec'd (NDIF_ISOLATION=zygote) or forked from the fork server
+        (=fork). When none can be had, the job is refused."""
         try:
             server = None
             if self.settings.isolation == "fork":
@@ -219,8 +233,10 @@ class Isolated:
         return zygote
 
     def start_zygote(self, model_key: str) -> None:
-        """Right after a load, when untrusted jobs can come: started now, ready by
-        the first untrusted job (an exec'd one takes seconds of imports)."""
+        """Start the zygote right after a load, when untrusted jobs can come.
+
+        It is then ready by the first untrusted job. An exec'd one takes
+        seconds of imports."""
         server = forkserver.current() if self.settings.isolation == "fork" else None
         self.models.zygote(model_key, fork_server=server)
 
@@ -240,17 +256,19 @@ class Isolated:
             jail_waived=settings.jail_waived,
             jail_disabled=settings.jail_disabled,
             cgroup_root=settings.jail_cgroup_root,
-            # Hidden from the child's view (its UNIX sockets included), on top of Landlock.
+            # Hidden from the child's view, UNIX sockets included, on top of Landlock.
             hidden=(str(settings.home), str(settings.results_dir)),
         )
 
     def after(self, job: jobs.Job, jobs_run: int = 1) -> None:
-        """After every untrusted job, however it ended (success, user error,
-        timeout, cancel, a crashed child, a server fault), before the next job:
-        the keyed weight check, where a child could have written the weights (a
-        GPU model: CUDA IPC has no read-only mapping) or the operator asked for it
-        (NDIF_VERIFY_UNTRUSTED). A child not dead in time, or a check that fails,
-        evicts the model: it is not served unverified."""
+        """The keyed weight check, after every untrusted job, before the next.
+
+        It runs however the job ended: success, user error, timeout, cancel, a
+        crashed child, a server fault. It runs where a child could have written
+        the weights: a GPU model, since CUDA IPC has no read-only mapping. It
+        also runs when the operator asks (NDIF_VERIFY_UNTRUSTED). A child not
+        dead in time, or a check that fails, evicts the model. The model is
+        never served unverified."""
         if not self.models.checks_untrusted(job.model_key):
             return
         started = time.perf_counter()
@@ -267,8 +285,10 @@ class Isolated:
             log.info("untrusted job %s: keyed weight check intact (%.0f ms)", job.id, ms_since(started))
 
     def prepare_next(self, model_key: str) -> None:
-        """After an untrusted job: fork and jail the next one's child now, while
-        idle (``isolate.Spare``). Best effort: a failure here only costs speed."""
+        """After an untrusted job: fork and jail the next one's child now, while idle.
+
+        The child waits as a ``parent.Spare``. Best effort: a failure here only
+        costs speed."""
         model = self.models.get(model_key)
         if model is None:
             return
@@ -282,14 +302,18 @@ class Isolated:
 
 
 def model_files(model_key: str) -> tuple:
-    """The served model's own folder in the hub cache (its snapshots, the blobs
-    they link to, its refs: weights, tokenizer, config): the one part of the
-    cache a child of this model may read."""
+    """The served model's own folder in the hub cache.
+
+    It holds the snapshots, the blobs they link to, and the refs: weights,
+    tokenizer, config. It is the one part of the cache a child of this model
+    may read."""
     folder = file_download.repo_folder_name(repo_id=wire.repo_id(model_key), repo_type="model")
     return (os.path.join(hf_constants.HF_HUB_CACHE, folder),)
 
 
 def _gpu_readable() -> tuple:
-    """What a CUDA child may still read once locked in: the driver's device
-    nodes and its /proc and /sys entries (not tested on a GPU yet)."""
+    """What a CUDA child may still read once locked in.
+
+    That is the driver's device nodes and its /proc and /sys entries. This
+    list is untested on a GPU."""
     return tuple(glob.glob("/dev/nvidia*")) + tuple(p for p in ("/proc/driver/nvidia", "/sys") if os.path.exists(p))
