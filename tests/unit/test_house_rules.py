@@ -52,7 +52,7 @@ MODULE_ALIASES = {
     ("ndif_celery/cli/checks.py", "checks"): "the `doctor` command's function has the module's name",
     ("workers/worker.py", "farm_metrics"): "the worker has metrics of its own (workers.metrics) beside the farm's",
     ("workers/job/gather.py", "job_life"): "``life`` names a job's Life in every step",
-    ("tests/inprocess/workers/test_tasks.py", "job_life"): "``life`` names a job's Life in the tests",
+    ("tests/inprocess/workers/job/test_life.py", "job_life"): "``life`` names a job's Life in the tests",
     ("workers/cobatch/engine.py", "parking"): "``park`` names one parked request there",
     ("workers/adapters/__init__.py", "adapter"): "the one adapter of the nnsight installed, picked at import",
     ("web/gunicorn_conf.py", "_config"): "gunicorn reads every public name of its config file as a setting",

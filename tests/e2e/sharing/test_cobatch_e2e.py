@@ -24,7 +24,7 @@ Also: an untrusted job (auth on, a key without the ``trusted`` tag) is never
 merged: it runs in its jailed child while the trusted jobs queued around it
 share a forward. All on the shared auth farm (tests/support/stack_pool.py).
 With ``NDIF_COBATCH_MAX=1`` each waiting job runs alone:
-tests/inprocess/workers/test_worker_pipeline.py.
+tests/inprocess/workers/job/test_gather.py.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""The worker's entry module and a job's life, without a stack (fast tier).
+"""The worker's entry module, without a stack (fast tier).
 
 ``celery -A workers.tasks:app`` imports ``workers.tasks`` in the worker, in
 beat and in Flower, so importing it must load no settings, edit no
 environment and import no torch; the worker sets its environment at
 ``worker_init``, before torch. Each check runs in a fresh interpreter: this
 one has long imported torch.
-
-A job's ending is ``workers.job.life.fail``: each way a job ends badly gives the
-ERROR the client reads, with its kind.
 """
 
 from __future__ import annotations
@@ -16,9 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import types
-
-import pytest
 
 from tests.support.paths import ROOT
 
@@ -82,42 +76,6 @@ def test_torch_threads_setting_reaches_the_workers_torch():
     import torch
 
     assert torch.get_num_threads() > 1, "this machine has one core: the test shows nothing"
-
-
-class _Channel:
-    def __init__(self) -> None:
-        self.sent: list = []
-
-    def send(self, status, description, meta=None, kind=None, **_) -> None:
-        self.sent.append((status, description, kind))
-
-
-@pytest.mark.parametrize("error, kind, text", [
-    ("cancelled", "cancelled", "Your job was cancelled by the operator."),
-    ("timeout", "timeout", "Your job exceeded the execution timeout of 42s."),
-    ("user", "user", "ValueError: the user's own"),
-    ("store", "store", "the result store is unavailable"),
-    ("server", "server", "Server error while running your job: KeyError"),
-])
-def test_every_bad_end_gives_its_error(error, kind, text):
-    from ndif_celery.store import StoreUnavailable
-    from workers.execute import RequestError
-    from workers.job import life as job_life
-    from workers.job.executors import JobCancelled, JobTimedOut
-
-    raised = {"cancelled": JobCancelled(), "timeout": JobTimedOut(), "user": RequestError("ValueError: the user's own"),
-              "store": StoreUnavailable("down"), "server": KeyError("x")}[error]
-    worker = types.SimpleNamespace(settings=types.SimpleNamespace(execution_timeout_s=42.0),
-                                   slot=types.SimpleNamespace(cancel_texts={}))
-    channel = _Channel()
-    life = types.SimpleNamespace(job=types.SimpleNamespace(id="j1"), meta={}, channel=channel)
-    try:
-        raise raised
-    except BaseException as caught:  # noqa: BLE001 - fail is called while the error is handled
-        job_life.fail(worker, life, caught)
-    [(status, description, sent_kind)] = channel.sent
-    assert (status, sent_kind) == ("ERROR", kind)
-    assert text in description
 
 
 def test_a_workers_entry_stops_naming_its_job_as_soon_as_the_job_ends(embedded_settings, redis_client):
