@@ -52,9 +52,10 @@ test: install
 test-bench: install
 	$(BIN)/python -m pytest -q -m bench_smoke tests/e2e/bench/test_bench_smoke.py $(PYTEST_ARGS)
 
-# The fast tier: tests/unit and tests/inprocess; the end-to-end tier (tests/e2e, real stacks) is left out.
+# The fast tier: tests/unit and tests/inprocess, in the same pytest processes as make test;
+# the end-to-end tier (tests/e2e, real stacks) is left out.
 test-fast: install
-	$(BIN)/python -m pytest -q tests/unit tests/inprocess $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) tests/unit tests/inprocess $(PYTEST_ARGS)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache tests/_out

@@ -6,7 +6,7 @@
 
 A blocking nnsight client holds one ``/subscribe`` websocket for its job's whole
 life, so a busy farm's web is mostly *waiting*. This starts a real stack with
-the default settings (``tests.support.stack.Stack``: embedded Redis, gunicorn web, a
+the default settings (``tests.support.stacks.stack.Stack``: embedded Redis, gunicorn web, a
 Celery worker) and, for each N, opens N websockets from one asyncio process
 (raw streams doing the RFC 6455 handshake: a socket costs the client a few KiB,
 so the client is not what is measured), and reports:
@@ -212,7 +212,7 @@ class Capacity:
 
     def trace_ms(self) -> list[float]:
         """Wall times of one ordinary remote trace by the real client, each with a new websocket."""
-        from tests.support.tiny_model import PROMPT
+        from tests.support.cases.tiny_model import PROMPT
 
         times = []
         for _ in range(self.trace_reps):
@@ -233,8 +233,8 @@ class Capacity:
         import nnsight
         import websocket
 
-        from tests.support.stack import Stack
-        from tests.support.tiny_model import REPO_ID, build_tiny_gpt2, client_model
+        from tests.support.stacks.stack import Stack
+        from tests.support.cases.tiny_model import REPO_ID, build_tiny_gpt2, client_model
 
         fds = raise_open_files_limit()
         need = max(self.sizes) + 512

@@ -62,7 +62,7 @@ class NullServer:
     """``bench/null_server.py`` in a process of its own, and the answer it gives every job."""
 
     def __init__(self) -> None:
-        from tests.support.servers import free_port
+        from tests.support.stacks.servers import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -208,8 +208,8 @@ def run_clients(client, count: int, barrier: threading.Barrier, nice: int = CLIE
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)  # this thread only
         client(i)
 
-    # Here, not at the top: tests.support.load imports torch, and this module must not (see above).
-    from tests.support.load import compile_one_at_a_time  # (CPython 3.11's parser and client threads)
+    # Here, not at the top: tests.support.clients.load imports torch, and this module must not (see above).
+    from tests.support.clients.load import compile_one_at_a_time  # (CPython 3.11's parser and client threads)
 
     threads = [threading.Thread(target=niced, args=(i,), daemon=True) for i in range(count)]
     with compile_one_at_a_time():

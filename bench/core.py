@@ -98,7 +98,7 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
         return env
 
     def new_stack(self, **extra: str):
-        from tests.support.stack import Stack
+        from tests.support.stacks.stack import Stack
 
         home = Path(tempfile.mkdtemp(prefix="ndif-bench-"))
         self.homes.append(home)
@@ -120,7 +120,7 @@ class Bench(TimedSections, IsolationSection, ThroughputSection, CobatchSection, 
         """A client model; ``local`` ones carry the device/dtype of the local column."""
         import torch
 
-        from tests.support.tiny_model import client_model
+        from tests.support.cases.tiny_model import client_model
 
         kwargs: dict = {}
         if local and self.args.device == "cuda":

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/hosts.py [--clients 4,16] [--requests 48] [--rounds 2] [--out PATH]
 
-Six hosts as network namespaces (``tests/support/host_farm.py``: a broker host with
+Six hosts as network namespaces (``tests/support/stacks/host_farm.py``: a broker host with
 Redis, the S3-protocol store and beat; two web hosts; two worker hosts holding
 the model; a client host), every service started from the CLI, one gunicorn
 process per web host. For each number of clients, ``--requests`` blocking
@@ -55,7 +55,7 @@ def _web_cpu_s(host) -> float:
 
 
 def _small_trace(model, url):
-    from tests.support.tiny_model import PROMPT
+    from tests.support.cases.tiny_model import PROMPT
 
     with model.trace(PROMPT, remote=url) if url else model.trace(PROMPT):
         out = model.transformer.h[0].output.save()
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     hf_home = Path(args.hf_home or os.environ.get("HF_HOME") or ROOT / "tests" / "_out" / "hf").resolve()
     os.environ.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
-    from tests.support import netns
+    from tests.support.stacks import netns
 
     why = netns.unavailable()
     if why:
@@ -115,8 +115,8 @@ def main(argv=None) -> int:
     import nnsight
 
     from bench import measure
-    from tests.support.host_farm import HostFarm
-    from tests.support.tiny_model import REPO_ID, build_tiny_gpt2, client_model
+    from tests.support.stacks.host_farm import HostFarm
+    from tests.support.cases.tiny_model import REPO_ID, build_tiny_gpt2, client_model
 
     build_tiny_gpt2(hf_home, REPO_ID)
     nnsight.CONFIG.APP.REMOTE_LOGGING = False

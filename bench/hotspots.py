@@ -116,8 +116,8 @@ def main(argv=None) -> int:
     import nnsight
 
     from bench import models, workloads
-    from tests.support.stack import Stack
-    from tests.support.tiny_model import client_model
+    from tests.support.stacks.stack import Stack
+    from tests.support.cases.tiny_model import client_model
 
     model_info = MODELS[args.model]
     models.build(model_info, hf_home)

@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HOME", str(ROOT / "tests" / "_out" / "hf"))
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from tests.support.load import expected_results, run_load  # noqa: E402
-from tests.support.stack import Stack  # noqa: E402
-from tests.support.tiny_model import REPO_ID, build_tiny_gpt2, client_model  # noqa: E402
+from tests.support.clients.load import expected_results, run_load  # noqa: E402
+from tests.support.stacks.stack import Stack  # noqa: E402
+from tests.support.cases.tiny_model import REPO_ID, build_tiny_gpt2, client_model  # noqa: E402
 
 
 def commit() -> str:

@@ -1,6 +1,6 @@
 """The models the bench runs on, built offline as Hugging Face cache entries.
 
-- ``tiny``: the test suite's tiny random GPT-2 (``tests/support/tiny_model.py``), plus a
+- ``tiny``: the test suite's tiny random GPT-2 (``tests/support/cases/tiny_model.py``), plus a
   second copy under another repo id (another seed) for the cold start, so the
   main model stays deployed while the cold one is evicted and loaded again.
 - ``llama-1b``: a ~1.1B-parameter Llama (TinyLlama's shape) with random
@@ -35,7 +35,7 @@ for _path in (ROOT, ROOT / "tests"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from tests.support import tiny_model  # noqa: E402  (imports no torch/transformers at import time)
+from tests.support.cases import tiny_model  # noqa: E402  (imports no torch/transformers at import time)
 
 LLAMA_REPO = "ndif-bench/random-llama-1b"
 TINY_COLD_REPO = "ndif-bench/tiny-gpt2-cold"

@@ -14,7 +14,7 @@ Every answer is ``torch.equal`` to the local run, or the run stops.
 
     .venv/bin/python bench/pipeline_ab.py --base /tmp/base [--rounds 8] [--clients 16]
 
-Each stack runs its own checkout's code: ``tests/support/stack.py`` starts the CLI
+Each stack runs its own checkout's code: ``tests/support/stacks/stack.py`` starts the CLI
 with the checkout as its working directory.
 """
 
@@ -40,7 +40,7 @@ PROMPT = "It was the best of times, it was the worst of times."
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", required=True, help="another checkout of the project (its tests/support/stack.py is used)")
+    parser.add_argument("--base", required=True, help="another checkout of the project (its tests/support/stacks/stack.py is used)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--hf-home", default=os.environ.get("HF_HOME", str(ROOT / "tests" / "_out" / "hf")))
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
 
     from bench import models
     from bench.columns import run_clients
-    from tests.support.stack import Stack
-    from tests.support.tiny_model import client_model
+    from tests.support.stacks.stack import Stack
+    from tests.support.cases.tiny_model import client_model
 
     info = models.MODELS["gpt2-medium"]
     models.build(info, Path(args.hf_home))

@@ -23,7 +23,7 @@ ALL = TIME_WORKLOADS + ("cold_start", "isolation", "throughput", "cobatch", "fai
 # the CPU a request costs (its numbers are in docs/performance.md, "CPU per request").
 CPU_BASE = "6cb6711"
 # Co-batched values against the local solo run: torch.equal where no padding is involved, else within
-# the engine's stated tolerance (tests/support/load.py's COBATCH_TOLERANCE, measured in
+# the engine's stated tolerance (tests/support/clients/load.py's COBATCH_TOLERANCE, measured in
 # tests/inprocess/workers/cobatch/test_engine.py; a smoke test keeps them equal).
 COBATCH_TOLERANCE = 1e-5
 TITLES = {

@@ -10,7 +10,7 @@ Columns, for the same block run by the unmodified nnsight 0.8.1 client:
 - **local**: in this process with nnsight, no server (the compute floor);
 - **null**: ``bench/null_server.py``, the wire protocol answering at once with
   the result prepared in advance (the protocol floor);
-- **ours**: the full stack started through the real CLI (``tests.support.stack.Stack``:
+- **ours**: the full stack started through the real CLI (``tests.support.stacks.stack.Stack``:
   embedded Redis, gunicorn web, a Celery worker, Flower, filesystem store).
 
 Workloads: ``small_trace``, ``every_layer``, ``generate`` (20 tokens, per-step
@@ -117,7 +117,7 @@ def dry_run(args: argparse.Namespace, plan: Plan, model: BenchModel, hf_home: Pa
     info, twin = models.dry_run(model, hf_home)
     spec = workloads.Spec(gpt2=twin.gpt2, gen_tokens=plan.gen_tokens, session_traces=plan.session_traces,
                           big_bytes=4 * MiB)
-    from tests.support.tiny_model import client_model
+    from tests.support.cases.tiny_model import client_model
 
     local = client_model(twin.repo_id, dtype=getattr(torch, twin.dtype))
     ran = {}

@@ -29,10 +29,10 @@ os.environ.setdefault("HF_HOME", str(ROOT / "tests" / "_out" / "hf"))
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 from bench.load import commit  # noqa: E402
-from tests.support.load import block, expected_results, prompt_of  # noqa: E402
-from tests.support.remote import poll, slow_job  # noqa: E402
-from tests.support.stack import Stack  # noqa: E402
-from tests.support.tiny_model import REPO_ID, build_tiny_gpt2, client_model  # noqa: E402
+from tests.support.clients.load import block, expected_results, prompt_of  # noqa: E402
+from tests.support.clients.remote import poll, slow_job  # noqa: E402
+from tests.support.stacks.stack import Stack  # noqa: E402
+from tests.support.cases.tiny_model import REPO_ID, build_tiny_gpt2, client_model  # noqa: E402
 
 MiB = 1024 * 1024
 PROMPTS_EACH = 20  # each client cycles through this many prompts of its own

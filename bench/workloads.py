@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import nnsight
 import torch
 
-from tests.support.tiny_model import PROMPT
-from tests.support.tiny_model import PROMPTS as TEST_PROMPTS
+from tests.support.cases.tiny_model import PROMPT
+from tests.support.cases.tiny_model import PROMPTS as TEST_PROMPTS
 
 PROMPTS = [*TEST_PROMPTS, "It was the best of times, it was the worst of times."]
 

@@ -9,13 +9,13 @@ nnsight, which read these variables once, at their own import):
   without them loading sits in retry backoff for minutes);
 * ``HF_HOME`` = ``tests/_out/hf`` (gitignored), unless ``HF_HOME`` already points
   at a folder holding the tiny model;
-* the tiny model is built there once (`tests.support.tiny_model.build_tiny_gpt2` is idempotent
+* the tiny model is built there once (`tests.support.cases.tiny_model.build_tiny_gpt2` is idempotent
   and safe against concurrent builders).
 
 Fixtures: ``hf_home`` (the folder), ``tiny_model_factory`` (build more tiny
 models under it), ``model`` (the shared client model on ``REPO_ID``).
 Constants (``PROMPT``, ``HIDDEN``, ``VOCAB``, ``N_LAYER``, ``REPO_ID``) live in
-``tests.support.tiny_model`` and are re-exported here and by ``tests.support.conformance``.
+``tests.support.cases.tiny_model`` and are re-exported here and by ``tests.support.cases.conformance``.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.paths import E2E_DIR, OUT_DIR
-from tests.support.tiny_model import (
+from tests.support.cases.tiny_model import (
     HIDDEN,
     N_LAYER,
     PROMPT,
@@ -116,9 +116,9 @@ def model():
 @pytest.fixture(scope="module")
 def embedded_settings(tmp_path_factory, request):
     """Settings of a real embedded redis-server of this module's own
-    (``tests.support.servers.embedded_redis``): the fast tier's in-process tests (the
+    (``tests.support.stacks.servers.embedded_redis``): the fast tier's in-process tests (the
     intake, the watchdogs) drive the real code against a real Redis."""
-    from tests.support.servers import embedded_redis
+    from tests.support.stacks.servers import embedded_redis
 
     with embedded_redis(tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])) as settings:
         yield settings
@@ -158,7 +158,7 @@ def local_results(model, tmp_path_factory):
 # client, an embedded Redis, the worker's job function called directly).
 #
 # A fast-tier test that starts a stack or moto anyway fails at once, naming the
-# fix (``tests.support.servers.refuse_in_fast_tier``), so the fast tier stays fast.
+# fix (``tests.support.stacks.servers.refuse_in_fast_tier``), so the fast tier stays fast.
 
 
 def in_e2e_tier(path) -> bool:
@@ -169,8 +169,8 @@ def in_e2e_tier(path) -> bool:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before the test's fixtures: a fast-tier test that starts a stack or a
-    server process fails, naming the fix (``tests.support.servers.refuse_in_fast_tier``)."""
-    from tests.support import servers
+    server process fails, naming the fix (``tests.support.stacks.servers.refuse_in_fast_tier``)."""
+    from tests.support.stacks import servers
 
     servers.FAST_TIER_TEST = "" if in_e2e_tier(item.path) else item.nodeid
 

@@ -48,7 +48,7 @@ KINDS = (
     (("celery", " beat"), "beat"),
     (("celery", " flower"), "flower"),  # before the worker: Flower's app is workers.tasks too
     (("celery", " worker"), "worker"),
-    (("tests.support.launcher",), "worker"),  # the tests' warm launcher and the workers it forks
+    (("tests.support.stacks.launcher",), "worker"),  # the tests' warm launcher and the workers it forks
     (("workers.isolation.zygote",), "zygote"),
     (("redis-server",), "redis"),
     (("ndif_celery.cli",), "cli"),

@@ -1,7 +1,7 @@
 """The CPU one small trace costs each process, the farm's code of a base
 commit against this checkout's, side by side in one run.
 
-Two stacks, each started from its own checkout (``tests/support/stack.py``
+Two stacks, each started from its own checkout (``tests/support/stacks/stack.py``
 runs the CLI with the checkout as its working directory): ``base`` from
 ``Plan.cpu_base`` (``git archive`` of that commit into a temporary folder;
 ``--cpu-base`` names another commit or a folder), ``new`` from this one. In
@@ -30,7 +30,7 @@ from bench.plan import ROOT
 
 KINDS = ("client", "web", "worker", "redis", "other")
 # Both stacks start cold, each process its own tree: the test suite's warm start
-# (tests/support/launcher.py, which the bench's smoke run inherits) forks workers
+# (tests/support/stacks/launcher.py, which the bench's smoke run inherits) forks workers
 # from a launcher outside the stack's process trees, where their CPU is not seen.
 COLD = {"NDIF_TEST_LAUNCHER": ""}
 FARM = ("web", "worker", "redis")

@@ -71,8 +71,8 @@ class FairnessSection:
         import redis
 
         from ndif_celery.state import jobs
-        from tests.support.remote import poll, slow_job
-        from tests.support.tiny_model import PROMPT
+        from tests.support.clients.remote import poll, slow_job
+        from tests.support.cases.tiny_model import PROMPT
 
         def key(email: str) -> str:
             made = stack.cli("keys", "create", "--email", email, "--trusted", check=True)

@@ -15,7 +15,7 @@ import pytest
 def stack_pool(tmp_path_factory, hf_home):
     """Real stacks (redis, gunicorn web, celery worker, flower) started through
     the CLI on first use, one per kind, stopped at the end of the session."""
-    from tests.support.stack_pool import StackPool
+    from tests.support.stacks.stack_pool import StackPool
 
     pool = StackPool(
         tmp_path_factory.mktemp("stacks"),
@@ -33,14 +33,14 @@ def fs_stack(stack_pool):
 @pytest.fixture
 def on_fs_stack(fs_stack):
     """The client pointed at the default stack (inline results, filesystem store)."""
-    from tests.support.remote import client_pointed_at
+    from tests.support.clients.remote import client_pointed_at
 
     with client_pointed_at(fs_stack.url):
         yield fs_stack
 
 
 def _variant_params():
-    from tests.support.remote import VARIANTS
+    from tests.support.clients.remote import VARIANTS
 
     return [pytest.param(v, id=v.id) for v in VARIANTS]
 
@@ -50,7 +50,7 @@ def variant(request, stack_pool):
     """One way of reaching the farm; the client is pointed at its stack."""
     v = request.param
     stack = stack_pool.get(v.stack)
-    from tests.support.remote import client_pointed_at
+    from tests.support.clients.remote import client_pointed_at
 
     with client_pointed_at(stack.url, compress=v.compress):
         yield v

@@ -41,7 +41,7 @@ def pytest_configure(config):
 # ``make test`` runs ``--dist loadgroup``: the tests of one group run in one
 # pytest process, a group at a time. A module is a group of its own (its
 # module-scoped stack starts once), except the tests on the shared stacks of
-# tests/support/stack_pool.py: every user of the trusted kinds joins one group,
+# tests/support/stacks/stack_pool.py: every user of the trusted kinds joins one group,
 # every user of the jailed kinds another, so each kind starts once per run, not
 # once per process. A test names the kinds it takes from ``stack_pool`` by hand
 # with ``@pytest.mark.pools(...)``; the pool fixtures say it for themselves.

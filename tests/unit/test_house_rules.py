@@ -58,7 +58,7 @@ MODULE_ALIASES = {
     ("web/gunicorn_conf.py", "_config"): "gunicorn reads every public name of its config file as a setting",
     ("tests/inprocess/ndif_celery/farm/test_watchdog.py", "watchdog_module"): "``watchdog`` is the fixture under test",
     ("tests/inprocess/web/test_hub.py", "hub_module"): "``hub`` is the fixture under test",
-    ("tests/support/servers.py", "redis_server"): "``embedded_redis`` names the server object it starts",
+    ("tests/support/stacks/servers.py", "redis_server"): "``embedded_redis`` names the server object it starts",
 }
 
 

@@ -11,8 +11,8 @@ import types
 import pytest
 
 from tests.support.paths import E2E_DIR, OUT_DIR, ROOT, TESTS_DIR
-from tests.support.servers import MotoServer
-from tests.support.stack import Stack
+from tests.support.stacks.servers import MotoServer
+from tests.support.stacks.stack import Stack
 
 FAST_DIRS = (TESTS_DIR / "unit", TESTS_DIR / "inprocess")
 
@@ -88,7 +88,7 @@ def test_every_test_module_is_in_a_tier_and_every_folder_is_a_package():
     for folder in [TESTS_DIR, *(p for p in TESTS_DIR.rglob("*") if p.is_dir())]:
         if folder.name in ("__pycache__", "_out") or "_out" in folder.relative_to(TESTS_DIR).parts:
             continue
-        if folder == TESTS_DIR / "support" / "warm_start":
+        if folder == TESTS_DIR / "support" / "stacks" / "warm_start":
             continue  # a directory put on PYTHONPATH for its sitecustomize.py, not a package
         assert (folder / "__init__.py").is_file(), f"{folder.relative_to(ROOT)} needs an __init__.py"
 
@@ -112,7 +112,7 @@ def test_the_tests_of_each_pool_share_one_process_and_the_rest_go_by_module():
     jailed ones, one for the auth farm (each pooled stack starts once per run), a
     module of its own otherwise."""
     from tests.support import scheduling
-    from tests.support.remote import VARIANTS
+    from tests.support.clients.remote import VARIANTS
 
     by_kind = {variant.stack: variant for variant in VARIANTS}
     items = [

@@ -14,17 +14,17 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
-from tests.support import raw_websocket
-from tests.support.remote import client_pointed_at, poll
-from tests.support.servers import postgres_database
-from tests.support.stack import client_on_stack
-from tests.support.stack_pool import AUTH_LIMITS_OFF
-from tests.support.tiny_model import PROMPT
+from tests.support.clients import raw_websocket
+from tests.support.clients.remote import client_pointed_at, poll
+from tests.support.stacks.servers import postgres_database
+from tests.support.stacks.stack import client_on_stack
+from tests.support.stacks.stack_pool import AUTH_LIMITS_OFF
+from tests.support.cases.tiny_model import PROMPT
 
 
 @pytest.fixture(scope="module", params=[pytest.param("sqlite", marks=pytest.mark.pools("auth")), "postgresql"])
 def stack(request, tmp_path_factory, hf_home):
-    """The shared auth farm (SQLite keys; tests/support/stack_pool.py), and a
+    """The shared auth farm (SQLite keys; tests/support/stacks/stack_pool.py), and a
     stack of the same settings whose keys live in PostgreSQL."""
     if request.param == "sqlite":
         stack = request.getfixturevalue("stack_pool").get("auth")
@@ -186,7 +186,7 @@ def _recording_start(model):
 def test_a_priority_key_is_served_before_the_queue(stack, model, use_key):
     """Four jobs wait behind a running one; the last, from a key tagged
     ``priority``, runs first, and is told position 1 when it is queued."""
-    from tests.support.remote import slow_job, wait_status
+    from tests.support.clients.remote import slow_job, wait_status
 
     ordinary = make_key(stack, "queue@example.org", "--trusted")
     vip = make_key(stack, "first@example.org", "--trusted", "--priority")  # both made before the clock runs

@@ -27,9 +27,9 @@ from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery import config
 from ndif_celery.accounts import auth, db, limits
-from tests.support.remote import final_status, poll, slow_job, wait_status
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import PROMPT
+from tests.support.clients.remote import final_status, poll, slow_job, wait_status
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import PROMPT
 
 MiB = 1024 * 1024
 LIMITS = ("NDIF_MAX_CONCURRENT_JOBS", "NDIF_MAX_QUEUE_DEPTH", "NDIF_RATE_LIMIT_PER_MIN",

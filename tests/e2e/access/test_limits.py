@@ -32,9 +32,9 @@ from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery import config
 from tests.support import pace
-from tests.support.remote import final_status, poll, slow_job, wait_status
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import PROMPT
+from tests.support.clients.remote import final_status, poll, slow_job, wait_status
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import PROMPT
 from tests.support.waiting import wait_until
 
 PAYLOAD_LIMIT = 200_000
@@ -193,7 +193,7 @@ def test_rate_limit_per_key(stack, model, monkeypatch):
 def test_handshakes_that_submit_nothing_count_against_the_keys_rate(stack, model, monkeypatch):
     """A key may not open /subscribe sockets it never submits on faster than
     twice its rate: the handshakes have a window of their own."""
-    from tests.support import raw_websocket
+    from tests.support.clients import raw_websocket
 
     key = make_key(stack, "--trusted", "--rate-limit", "3")
     _wait_for_minute_start()

@@ -24,8 +24,8 @@ import torch
 
 from ndif_celery import config
 from ndif_celery.policy import model_policy
-from tests.support.stack import Stack
-from tests.support.tiny_model import PROMPT, REPO_ID, client_model
+from tests.support.stacks.stack import Stack
+from tests.support.cases.tiny_model import PROMPT, REPO_ID, client_model
 
 KEY = 'nnsight.modeling.transformers.TransformersModel:{"repo_id": "ndif-celery/tiny-gpt2", "revision": null, "task": "text-generation"}'
 CLS = model_policy.TRANSFORMERS_MODEL

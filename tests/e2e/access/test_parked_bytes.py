@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from tests.support import pace
-from tests.support.remote import client_pointed_at, final_status, slow_job, wait_status
+from tests.support.clients.remote import client_pointed_at, final_status, slow_job, wait_status
 from tests.support.waiting import wait_until
 
 JOBS = 100

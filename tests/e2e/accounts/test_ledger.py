@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from ndif_celery.accounts import ledger
-from tests.support.remote import final_status
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import PROMPT, REPO_ID
+from tests.support.clients.remote import final_status
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
 
 def _ok_job(model) -> dict:
@@ -116,7 +116,7 @@ def test_a_database_outage_keeps_ended_jobs_in_redis_until_it_is_back(tmp_path_f
     in the worker's log), and they land once it is back, without a restart."""
     from sqlalchemy import create_engine, text
 
-    from tests.support.servers import TcpProxy, postgres_database
+    from tests.support.stacks.servers import TcpProxy, postgres_database
 
     url, drop = postgres_database()
     proxy = TcpProxy("127.0.0.1", 5432).start()

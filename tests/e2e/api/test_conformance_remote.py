@@ -2,7 +2,7 @@
 must give exactly what the same block gives locally (``torch.equal``).
 
 Which cases run where, and why. A case computes the same thing whichever way
-the request travels; what a transport variant (``tests/support/remote.py`` VARIANTS)
+the request travels; what a transport variant (``tests/support/clients/remote.py`` VARIANTS)
 changes is only how the request and its result move: blocking over the
 websocket or non-blocking by polling, zstd or raw, inline in the COMPLETED
 frame or through the filesystem store or S3 by URL. So:
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import conformance
-from tests.support.remote import VARIANTS
+from tests.support.cases import conformance
+from tests.support.clients.remote import VARIANTS
 
 MAIN_VARIANTS = ("fs-blocking-zstd", "isolated-blocking-zstd", "zygote-blocking-zstd")
 
@@ -46,7 +46,7 @@ TRANSPORT_CASES = (
     conformance.case_local_module,
 )
 
-assert set(MAIN_VARIANTS) <= {v.id for v in VARIANTS}, "a main variant is not in tests/support/remote.py VARIANTS"
+assert set(MAIN_VARIANTS) <= {v.id for v in VARIANTS}, "a main variant is not in tests/support/clients/remote.py VARIANTS"
 assert set(TRANSPORT_CASES) <= set(conformance.CASES)
 
 

@@ -19,9 +19,9 @@ import torch
 import zstandard
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
-from tests.support import conformance
-from tests.support.remote import final_status, poll, same_as_local
-from tests.support.tiny_model import REPO_ID, build_tiny_gpt2, client_model
+from tests.support.cases import conformance
+from tests.support.clients.remote import final_status, poll, same_as_local
+from tests.support.cases.tiny_model import REPO_ID, build_tiny_gpt2, client_model
 
 PROMPT = conformance.PROMPT
 SECOND_REPO = "ndif-celery/tiny-gpt2-second"

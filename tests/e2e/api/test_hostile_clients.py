@@ -18,8 +18,8 @@ import zlib
 import psutil
 import pytest
 
-from tests.support import raw_websocket
-from tests.support.remote import same_as_local
+from tests.support.clients import raw_websocket
+from tests.support.clients.remote import same_as_local
 
 BOMB_BYTES = 256 << 20  # what the bomb inflates to
 RSS_SLACK = 64 << 20  # the web may grow this much for unrelated reasons, not more

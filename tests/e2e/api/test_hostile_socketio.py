@@ -22,9 +22,10 @@ import psutil
 import pytest
 
 from ndif_celery import config
-from tests.support import pace, raw_websocket
-from tests.support.raw_websocket import SOCKETIO_PATH
-from tests.support.remote import client_pointed_at, same_as_local
+from tests.support import pace
+from tests.support.clients import raw_websocket
+from tests.support.clients.raw_websocket import SOCKETIO_PATH
+from tests.support.clients.remote import client_pointed_at, same_as_local
 from tests.support.waiting import wait_until
 from web import sio
 

@@ -28,9 +28,9 @@ import httpx
 import pytest
 
 from ndif_celery.host import log_rotation
-from tests.support import raw_websocket
+from tests.support.clients import raw_websocket
 from tests.support.paths import ROOT
-from tests.support.stack import Stack
+from tests.support.stacks.stack import Stack
 
 MAX_BYTES = 64 * 1024
 BACKUPS = 2

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from nnsight.intervention.backends.remote import RemoteError
 
-from tests.support.status_feed import STORED_LIMIT, logs_of, published, stored_status, the_job
-from tests.support.tiny_model import PROMPT
+from tests.support.stacks.status_feed import STORED_LIMIT, logs_of, published, stored_status, the_job
+from tests.support.cases.tiny_model import PROMPT
 
 
 def test_a_trusted_job_printing_and_raising_50_mb_is_bounded_too(on_fs_stack, model):

@@ -33,8 +33,8 @@ import pytest
 from ndif_celery import config
 from ndif_celery.accounts import db
 from tests.support import pace
-from tests.support.remote import same_as_local
-from tests.support.stack import client_on_stack
+from tests.support.clients.remote import same_as_local
+from tests.support.stacks.stack import client_on_stack
 
 ATTEMPTS = 200  # the attacker's sockets open at once
 ATTACK_PER_S = 100  # how fast it opens them

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests.support import launcher
+from tests.support.stacks import launcher
 from tests.support.paths import ROOT
 
 TIMED = ("small_trace", "every_layer", "generate", "session", "big_result", "cold_start")
@@ -27,7 +27,7 @@ COLUMNS = ("local", "null", "ours")
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     # The bench's stacks inherit this environment: their workers start warm, forked
-    # from this pytest process's launcher (tests/support/launcher.py), since what a
+    # from this pytest process's launcher (tests/support/stacks/launcher.py), since what a
     # smoke run proves is that every workload is measured and exact, not a worker's start.
     env = dict(os.environ)
     # Unpinned (tests/conftest.py pins it for the suite): the bench's workers measure
@@ -222,7 +222,7 @@ def test_cobatch_targets_are_checked_on_the_compute_bound_cells():
     sys.path.insert(0, str(ROOT))
     from bench import run
     from bench.plan import COBATCH_TOLERANCE
-    from tests.support.load import COBATCH_TOLERANCE as STATED
+    from tests.support.clients.load import COBATCH_TOLERANCE as STATED
 
     assert STATED == COBATCH_TOLERANCE
 

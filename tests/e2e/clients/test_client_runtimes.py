@@ -3,10 +3,10 @@
 One stack (auth on, jailed children from per-model zygotes) runs its own
 workers and, through ``NDIF_RUNTIMES``, one worker per runtime; each older
 client lives in its own environment made from the package index, which is
-also the runtime its worker runs (``tests/support/client_envs.py``). Each
+also the runtime its worker runs (``tests/support/clients/client_envs.py``). Each
 client runs the conformance cases written in its own API
-(``tests/support/old_client_cases.py``; the 0.8.1 client's are
-``tests/support/conformance.py``) once locally and once on the farm, and must
+(``tests/support/cases/old_client_cases.py``; the 0.8.1 client's are
+``tests/support/cases/conformance.py``) once locally and once on the farm, and must
 get exactly its local values: with a trusted key (the worker's own process)
 and with an untrusted one (a jailed child), all three clients at once.
 ``nnsight.status()`` and ``nnsight.compare()`` work from each client on its
@@ -23,13 +23,14 @@ import redis
 
 from ndif_celery.accounts import ledger
 from ndif_celery.policy import client_versions
-from tests.support import client_envs, conformance
-from tests.support import old_client_cases
-from tests.support.remote import client_pointed_at
-from tests.support.servers import free_ports
-from tests.support.stack import Stack, offline_env
-from tests.support.stack_pool import AUTH_LIMITS_OFF
-from tests.support.tiny_model import PROMPT, REPO_ID
+from tests.support.clients import client_envs
+from tests.support.cases import conformance
+from tests.support.cases import old_client_cases
+from tests.support.clients.remote import client_pointed_at
+from tests.support.stacks.servers import free_ports
+from tests.support.stacks.stack import Stack, offline_env
+from tests.support.stacks.stack_pool import AUTH_LIMITS_OFF
+from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
 OLD = ("0.6.3", "0.7.0")
 # The 0.8.1 client's cases that run beside the older clients' (every case runs on every

@@ -23,7 +23,7 @@ import uuid
 import pytest
 import torch
 
-from tests.support.tiny_model import PROMPT, REPO_ID
+from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
 OUTSIDE = "ndif-celery/not-listed-here"  # a repo this farm's NDIF_MODELS does not list
 LAYER = 2
@@ -116,8 +116,8 @@ def farm(tmp_path_factory, hf_home):
     """A farm of this module's own: auth on, NDIF_MODELS listing only the tiny model
     (the policy refuses every other repo), a worker of the nnsight 0.7.0 runtime;
     with that client's interpreter."""
-    from tests.support import client_envs
-    from tests.support.stack import Stack, offline_env
+    from tests.support.clients import client_envs
+    from tests.support.stacks.stack import Stack, offline_env
 
     home = tmp_path_factory.mktemp("model-files")
     runtime = client_envs.shared("0.7.0")

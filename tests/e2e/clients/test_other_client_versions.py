@@ -11,8 +11,8 @@ import pytest
 
 from ndif_celery import socketio_wire, wire
 from ndif_celery.policy import client_versions
-from tests.support import client_envs
-from tests.support.tiny_model import PROMPT, REPO_ID
+from tests.support.clients import client_envs
+from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
 OLD = ("0.6.3", "0.7.0")
 

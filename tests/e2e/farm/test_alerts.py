@@ -1,6 +1,6 @@
 """Probe alerts on a real farm: the beat ``up`` starts, probing a pinned tiny
 model every second with the real nnsight client, and a webhook receiver on
-loopback that goes down and comes back (``tests.support.webhook.Hook``).
+loopback that goes down and comes back (``tests.support.stacks.webhook.Hook``).
 
 The probe turns red when its reference (``ndif:probes:references``, what the
 first green probe answered) no longer matches what the model answers: here the
@@ -22,9 +22,9 @@ import redis
 
 from ndif_celery.farm.actions import model_key_for
 from ndif_celery.monitoring import alerts, probes
-from tests.support.stack import Stack
-from tests.support.tiny_model import build_tiny_gpt2
-from tests.support.webhook import Hook
+from tests.support.stacks.stack import Stack
+from tests.support.cases.tiny_model import build_tiny_gpt2
+from tests.support.stacks.webhook import Hook
 
 REPO = "alerts/boot"
 KEY = model_key_for(REPO)

@@ -16,9 +16,9 @@ from nnsight.intervention.backends.remote import RemoteBackend
 from ndif_celery.state import expiry
 from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore
-from tests.support.remote import poll, slow_job
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
+from tests.support.clients.remote import poll, slow_job
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 REPO = "expiry/tiny"
 TTL_S = 12

@@ -21,9 +21,9 @@ import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from tests.support import pace
-from tests.support.remote import poll, slow_job, wait_status
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
+from tests.support.clients.remote import poll, slow_job, wait_status
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 GiB = 1024**3
 SMALL = ["farm/m1", "farm/m2", "farm/m3", "farm/m4"]
@@ -51,7 +51,7 @@ def farm(tmp_path_factory, hf_home):
 
 
 def _weights(hf_home, repo) -> int:
-    from tests.support.tiny_model import snapshot_dir
+    from tests.support.cases.tiny_model import snapshot_dir
 
     return (snapshot_dir(hf_home, repo) / "model.safetensors").stat().st_size
 

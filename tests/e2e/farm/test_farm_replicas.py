@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 
-from tests.support.remote import slow_job
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import build_tiny_gpt2, client_model
+from tests.support.clients.remote import slow_job
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import build_tiny_gpt2, client_model
 
 REPO = "farm/replicated"
 

@@ -1,4 +1,4 @@
-"""The farm over six hosts (``tests.support.host_farm``, network namespaces): what a
+"""The farm over six hosts (``tests.support.stacks.host_farm``, network namespaces): what a
 single host cannot show, with the real client on the client host.
 
 Traces through both web hosts equal local runs; jobs spread over both
@@ -24,11 +24,13 @@ import pytest
 
 from ndif_celery import messages
 from ndif_celery.state import jobs, registry
-from tests.support import conformance, netns, pace
-from tests.support.host_farm import HostFarm
-from tests.support.remote import poll
-from tests.support.servers import refuse_in_fast_tier
-from tests.support.tiny_model import PROMPT, PROMPTS, REPO_ID, client_model
+from tests.support.cases import conformance
+from tests.support.stacks import netns
+from tests.support import pace
+from tests.support.stacks.host_farm import HostFarm
+from tests.support.clients.remote import poll
+from tests.support.stacks.servers import refuse_in_fast_tier
+from tests.support.cases.tiny_model import PROMPT, PROMPTS, REPO_ID, client_model
 from tests.support.waiting import wait_until
 
 # Results above this go through the store (NDIF_MAX_INLINE_BYTES on every host):

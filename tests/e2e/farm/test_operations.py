@@ -28,10 +28,10 @@ from ndif_celery.accounts import db
 from ndif_celery.farm.actions import model_key_for
 from ndif_celery.monitoring.alerts import ALERT_AFTER_S
 from ndif_celery.policy.model_policy import TRANSFORMERS_MODEL
-from tests.support.load import COBATCH_TOLERANCE
-from tests.support.servers import Receiver
-from tests.support.stack import Stack
-from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model, snapshot_dir
+from tests.support.clients.load import COBATCH_TOLERANCE
+from tests.support.stacks.servers import Receiver
+from tests.support.stacks.stack import Stack
+from tests.support.cases.tiny_model import PROMPT, build_tiny_gpt2, client_model, snapshot_dir
 
 BOOT, A, B, C, SCHED = "ops/boot", "ops/a", "ops/b", "ops/c", "ops/sched"
 TAGGER = "ops/tagger"  # deployed as a token classifier, for named users

@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from tests.support.remote import final_status, poll, slow_job, wait_status
-from tests.support.servers import MotoServer
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
+from tests.support.clients.remote import final_status, poll, slow_job, wait_status
+from tests.support.stacks.servers import MotoServer
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 REPO = "outages/tiny"
 
@@ -127,7 +127,7 @@ def test_a_database_outage_is_refused_with_503_and_recovers(tmp_path):
     in unchecked); once it is back the same key works again, no restart."""
     from ndif_celery import config
     from ndif_celery.accounts import db
-    from tests.support.servers import TcpProxy, postgres_database
+    from tests.support.stacks.servers import TcpProxy, postgres_database
     from web.app import create_app
 
     url, drop = postgres_database()

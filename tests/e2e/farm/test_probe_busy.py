@@ -22,10 +22,10 @@ import redis
 
 from ndif_celery.farm.actions import model_key_for
 from ndif_celery.monitoring import probes
-from tests.support.remote import poll, slow_job, wait_status
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import REPO_ID
-from tests.support.webhook import Hook
+from tests.support.clients.remote import poll, slow_job, wait_status
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import REPO_ID
+from tests.support.stacks.webhook import Hook
 
 KEY = model_key_for(REPO_ID)
 STEPS = 700  # x 50 ms: a 35 s job

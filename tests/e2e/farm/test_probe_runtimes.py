@@ -4,7 +4,7 @@ A real stack (``up``: the farm's own worker, one worker of the 0.7.0 runtime
 through ``NDIF_RUNTIMES``, the beat probing every 2 s, a webhook receiver on
 loopback) with both deployments of the tiny model pinned. The 0.7.0
 deployment's probe runs under the runtime's interpreter with the real 0.7.0
-client (``tests/support/client_envs.py`` makes the runtime from the package
+client (``tests/support/clients/client_envs.py`` makes the runtime from the package
 index once per checkout). Both probes stay green over many rounds, no alert
 goes out, ``/metrics`` parses with unique label sets, and every CLI table and
 the dashboard tell the two deployments apart. The same in the fast tier, with
@@ -24,10 +24,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from ndif_celery.farm.actions import model_key_for
 from ndif_celery.monitoring import probes
 from ndif_celery.policy import client_versions
-from tests.support import client_envs
-from tests.support.stack import Stack, offline_env
-from tests.support.tiny_model import REPO_ID
-from tests.support.webhook import Hook
+from tests.support.clients import client_envs
+from tests.support.stacks.stack import Stack, offline_env
+from tests.support.cases.tiny_model import REPO_ID
+from tests.support.stacks.webhook import Hook
 
 OLD = "0.7.0"
 MAIN = client_versions.MAIN

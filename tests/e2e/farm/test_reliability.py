@@ -21,9 +21,9 @@ from nnsight.intervention.backends.remote import RemoteBackend
 
 from tests.support import pace
 from tests.support.paths import ROOT
-from tests.support.remote import blocking_client_in_background, poll, slow_job, wait_status
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
+from tests.support.clients.remote import blocking_client_in_background, poll, slow_job, wait_status
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import PROMPT, build_tiny_gpt2, client_model
 from tests.support.waiting import wait_until
 
 REPO = "reliability/tiny"
@@ -99,7 +99,7 @@ CLIENT = """
 import sys, time
 sys.path.insert(0, sys.argv[4])
 import nnsight
-from tests.support.tiny_model import PROMPT, client_model
+from tests.support.cases.tiny_model import PROMPT, client_model
 nnsight.CONFIG.API.HOST = sys.argv[1]
 nnsight.CONFIG.APP.REMOTE_LOGGING = True  # the test reads its status lines; a user's config file may turn them off
 model = client_model(sys.argv[2])

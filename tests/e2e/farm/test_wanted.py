@@ -21,8 +21,8 @@ import nnsight
 import pytest
 import torch
 
-from tests.support.stack import Stack, client_on_stack
-from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model, snapshot_dir
+from tests.support.stacks.stack import Stack, client_on_stack
+from tests.support.cases.tiny_model import PROMPT, build_tiny_gpt2, client_model, snapshot_dir
 
 BOOT, FILED, HAND, SCHED, ASKED, BROKEN = ("wanted/boot", "wanted/filed", "wanted/hand", "wanted/sched",
                                            "wanted/asked", "wanted/broken")

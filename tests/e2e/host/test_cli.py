@@ -26,9 +26,9 @@ import redis
 
 from ndif_celery.state import registry
 from tests.support import pace
-from tests.support.doctor import checks
-from tests.support.servers import port_open
-from tests.support.stack import ROOT, Stack
+from tests.support.stacks.doctor import checks
+from tests.support.stacks.servers import port_open
+from tests.support.stacks.stack import ROOT, Stack
 from tests.support.waiting import wait_until
 
 SERVICES = ("redis", "web", "worker", "beat", "flower")

@@ -14,9 +14,9 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.support.deploy_recipes import PROCFILE, ROOT, VENV_BIN, procfile
-from tests.support.servers import free_ports, port_open
-from tests.support.stack import _NOT_INHERITED
+from tests.support.stacks.deploy_recipes import PROCFILE, ROOT, VENV_BIN, procfile
+from tests.support.stacks.servers import free_ports, port_open
+from tests.support.stacks.stack import _NOT_INHERITED
 
 
 def _processes() -> dict[int, tuple[int, str, str, str]]:
@@ -139,8 +139,8 @@ def _client_at(url: str):
 
 
 def test_honcho_runs_the_procfile_as_a_working_farm_and_stops_all_of_it(tmp_path, hf_home, model):
-    from tests.support.conformance import assert_same, case_read_logits, case_zero_output
-    from tests.support.remote import PollUntilDone
+    from tests.support.cases.conformance import assert_same, case_read_logits, case_zero_output
+    from tests.support.clients.remote import PollUntilDone
 
     honcho = VENV_BIN / "honcho"
     assert honcho.is_file(), f"{honcho} is missing: pip install -e '.[test]' (honcho is a test extra)"

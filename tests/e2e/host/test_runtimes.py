@@ -12,7 +12,7 @@ from importlib import metadata
 
 import pytest
 
-from tests.support.stack import ROOT
+from tests.support.stacks.stack import ROOT
 
 OLD = "0.7.0"
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from tests.support import pace
-from tests.support.remote import blocking_client_in_background, final_status, poll, slow_job, wait_status
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
+from tests.support.clients.remote import blocking_client_in_background, final_status, poll, slow_job, wait_status
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 REPO = "supervision/tiny"
 

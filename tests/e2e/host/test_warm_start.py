@@ -1,4 +1,4 @@
-"""The tests' warm start of Celery workers (tests/support/launcher.py) keeps a
+"""The tests' warm start of Celery workers (tests/support/stacks/launcher.py) keeps a
 worker what ``up`` expects: the recorded pid is the shim, the worker it stands
 for is forked from the launcher and serves exactly, and killing the shim as a
 supervisor would (SIGKILL) ends the worker; ``up`` then starts a fresh one.
@@ -11,8 +11,8 @@ import signal
 import time
 
 from tests.support import pace
-from tests.support.remote import same_as_local
-from tests.support.stack import client_on_stack
+from tests.support.clients.remote import same_as_local
+from tests.support.stacks.stack import client_on_stack
 
 
 def _parent(pid: int) -> int:
@@ -55,7 +55,7 @@ def test_a_warm_worker_serves_and_ends_with_its_shim(tmp_path, hf_home, model):
         shim, worker = stack.pids()["worker"], _worker_pid(stack)
         assert worker != shim, "the worker started cold"
         with open(f"/proc/{_parent(worker)}/cmdline", "rb") as cmdline:
-            assert b"tests.support.launcher" in cmdline.read()
+            assert b"tests.support.stacks.launcher" in cmdline.read()
         assert _forked_for(_parent(worker), stack.env["NDIF_HOME"]) == {"worker.log", "beat.log"}, "both forked"
         same_as_local(model)
 

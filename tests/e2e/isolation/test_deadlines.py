@@ -24,10 +24,10 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from tests.support import pace
-from tests.support.remote import client_pointed_at, kill_stuck, poll
-from tests.support.stack import client_on_stack
-from tests.support.stack_pool import JAIL_TIMEOUT_S
-from tests.support.tiny_model import PROMPT
+from tests.support.clients.remote import client_pointed_at, kill_stuck, poll
+from tests.support.stacks.stack import client_on_stack
+from tests.support.stacks.stack_pool import JAIL_TIMEOUT_S
+from tests.support.cases.tiny_model import PROMPT
 
 pytestmark = pytest.mark.pools("isolated", "zygote")
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from tests.support.tiny_model import PROMPT
+from tests.support.cases.tiny_model import PROMPT
 from workers.models import integrity
 
 nnsight.register(__name__)  # flip_every_other_sign() runs inside remote blocks
@@ -43,7 +43,7 @@ def keyed() -> integrity.KeyedHash:
 
 @pytest.fixture(scope="module")
 def verifying_stack(tmp_path_factory, hf_home):
-    from tests.support.stack import client_on_stack
+    from tests.support.stacks.stack import client_on_stack
 
     env = {"NDIF_DEFAULT_TRUSTED": "0", "NDIF_ISOLATION": "zygote", "NDIF_VERIFY_UNTRUSTED": "1",
            "NDIF_EXECUTION_TIMEOUT_S": "20"}

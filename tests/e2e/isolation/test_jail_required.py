@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from ndif_celery.policy.jail_layers import LAYERS
-from tests.support.jail_fixtures import attempt, connect_unix, listen_beside, unix_socket_targets
-from tests.support.stack import Stack, offline_env
-from tests.support.tiny_model import PROMPT
+from tests.support.cases.jail_fixtures import attempt, connect_unix, listen_beside, unix_socket_targets
+from tests.support.stacks.stack import Stack, offline_env
+from tests.support.cases.tiny_model import PROMPT
 
 nnsight.register(__name__)
 

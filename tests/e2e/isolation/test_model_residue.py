@@ -2,7 +2,7 @@
 
 One stack (auth on, untrusted keys jailed in forked children) runs the farm's
 own worker and a 0.7.0 runtime's. Key A's block changes what it can reach on
-the resident model (``tests/support/model_state.py``: the generation config,
+the resident model (``tests/support/cases/model_state.py``: the generation config,
 the config, the tokenizer and its native backend, a module's attribute and
 hooks, an envoy's slot). A later block of key B, on the same worker and the
 same resident model, reads every one of them as loaded, and a walk of all it
@@ -23,13 +23,14 @@ import pytest
 
 from ndif_celery.policy import client_versions
 from ndif_celery.policy import model_policy
-from tests.support import client_envs, model_state
-from tests.support.model_state import CHANGED, change_everything, differences, read_back
+from tests.support.clients import client_envs
+from tests.support.cases import model_state
+from tests.support.cases.model_state import CHANGED, change_everything, differences, read_back
 from tests.support.paths import ROOT
-from tests.support.remote import client_pointed_at
-from tests.support.stack import Stack, offline_env
-from tests.support.stack_pool import AUTH_LIMITS_OFF
-from tests.support.tiny_model import PROMPT, REPO_ID, worker_loaded
+from tests.support.clients.remote import client_pointed_at
+from tests.support.stacks.stack import Stack, offline_env
+from tests.support.stacks.stack_pool import AUTH_LIMITS_OFF
+from tests.support.cases.tiny_model import PROMPT, REPO_ID, worker_loaded
 
 nnsight.register(model_state)  # its blocks' helpers run on the farm
 

@@ -21,10 +21,10 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from tests.support import pace
-from tests.support.jail_fixtures import attempt, isolation, jail, still_serving_after, worker_pid  # noqa: F401
-from tests.support.remote import final_status, kill_stuck, poll
-from tests.support.stack_pool import JAIL_TIMEOUT_S, SECRETS
-from tests.support.tiny_model import PROMPT
+from tests.support.cases.jail_fixtures import attempt, isolation, jail, still_serving_after, worker_pid  # noqa: F401
+from tests.support.clients.remote import final_status, kill_stuck, poll
+from tests.support.stacks.stack_pool import JAIL_TIMEOUT_S, SECRETS
+from tests.support.cases.tiny_model import PROMPT
 
 nnsight.register(__name__)  # the helpers below ship with the blocks, by value
 
@@ -215,7 +215,7 @@ def test_weight_edits_do_not_reach_the_next_user(jail, model):
 def test_the_rest_of_the_model_cache_is_out_of_reach(jail, model, hf_home, tiny_model_factory):
     """A child reads its own model's files, not another cached repo (served
     or refused, it is the same), not the cache's listing, not the hub token."""
-    from tests.support.tiny_model import snapshot_dir
+    from tests.support.cases.tiny_model import snapshot_dir
 
     own = str(snapshot_dir(hf_home) / "config.json")
     other = str(tiny_model_factory("ndif-celery/tiny-gpt2-elsewhere", seed=7) / "config.json")

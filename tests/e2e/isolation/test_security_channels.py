@@ -25,11 +25,11 @@ import redis
 from nnsight.intervention.backends.remote import RemoteError
 
 from tests.support import pace
-from tests.support.jail_fixtures import jail, still_serving_after, worker_pid  # noqa: F401
-from tests.support.remote import kill_stuck
-from tests.support.stack_pool import JAIL_TIMEOUT_S
-from tests.support.status_feed import STORED_LIMIT, logs_of, published, stored_status, the_job
-from tests.support.tiny_model import PROMPT
+from tests.support.cases.jail_fixtures import jail, still_serving_after, worker_pid  # noqa: F401
+from tests.support.clients.remote import kill_stuck
+from tests.support.stacks.stack_pool import JAIL_TIMEOUT_S
+from tests.support.stacks.status_feed import STORED_LIMIT, logs_of, published, stored_status, the_job
+from tests.support.cases.tiny_model import PROMPT
 
 nnsight.register(__name__)  # the helpers below ship with the blocks, by value
 

@@ -22,7 +22,7 @@ import torch
 from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.policy.jail_layers import LAYERS
-from tests.support.jail_fixtures import (  # noqa: F401
+from tests.support.cases.jail_fixtures import (  # noqa: F401
     connect_unix,
     jail,
     listen_beside,
@@ -30,7 +30,7 @@ from tests.support.jail_fixtures import (  # noqa: F401
     unix_socket_targets,
     worker_pid,
 )
-from tests.support.tiny_model import PROMPT
+from tests.support.cases.tiny_model import PROMPT
 
 nnsight.register(__name__)  # the helpers below ship with the blocks, by value
 

@@ -5,7 +5,7 @@ the garbage collector knows and every string or bytes reachable from one,
 every module's globals, ``os.environ``, ``/proc/self/environ``,
 ``/proc/self/cmdline``, and its raw writable memory) for the worker's secrets,
 other jobs' ids and a signing key to mint result URLs with. Each attack runs
-once per isolation mode (``tests/support/jail_fixtures.py``): children of an exec'd
+once per isolation mode (``tests/support/cases/jail_fixtures.py``): children of an exec'd
 zygote, and children of a zygote forked from the worker's fork server.
 """
 
@@ -18,10 +18,10 @@ import httpx
 import nnsight
 import pytest
 
-from tests.support.jail_fixtures import isolation, jail, still_serving_after, worker_pid  # noqa: F401
-from tests.support.remote import poll, wait_status
-from tests.support.stack_pool import SECRETS
-from tests.support.tiny_model import PROMPT
+from tests.support.cases.jail_fixtures import isolation, jail, still_serving_after, worker_pid  # noqa: F401
+from tests.support.clients.remote import poll, wait_status
+from tests.support.stacks.stack_pool import SECRETS
+from tests.support.cases.tiny_model import PROMPT
 
 nnsight.register(__name__)  # the helpers below run inside remote blocks
 

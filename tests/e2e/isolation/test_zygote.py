@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from tests.support.stack_pool import SECRETS
-from tests.support.tiny_model import PROMPT
+from tests.support.stacks.stack_pool import SECRETS
+from tests.support.cases.tiny_model import PROMPT
 
 pytestmark = pytest.mark.pools("zygote")
 

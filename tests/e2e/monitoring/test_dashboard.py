@@ -15,10 +15,10 @@ import pytest
 from nnsight.intervention.backends.remote import RemoteError
 
 from ndif_celery.policy import client_versions
-from tests.support.browser import BrowserError, Chromium, chromium_path
+from tests.support.clients.browser import BrowserError, Chromium, chromium_path
 from tests.support.paths import OUT_DIR
-from tests.support.remote import final_status
-from tests.support.tiny_model import PROMPT, REPO_ID
+from tests.support.clients.remote import final_status
+from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,11 @@ from ndif_celery.accounts import db
 from ndif_celery.farm.actions import model_key_for
 from ndif_celery.monitoring import probes
 from ndif_celery.policy import client_versions
-from tests.support.browser import Chromium, chromium_path
+from tests.support.clients.browser import Chromium, chromium_path
 from tests.support.paths import OUT_DIR
-from tests.support.remote import poll, slow_job, wait_status
-from tests.support.stack import client_on_stack
-from tests.support.tiny_model import PROMPT, build_tiny_gpt2, client_model
+from tests.support.clients.remote import poll, slow_job, wait_status
+from tests.support.stacks.stack import client_on_stack
+from tests.support.cases.tiny_model import PROMPT, build_tiny_gpt2, client_model
 
 A, B = "dash/a", "dash/b"
 WORKER = "gpu0@dash-test"

@@ -16,9 +16,9 @@ import pytest
 import torch
 from nnsight.intervention.backends.remote import RemoteError
 
-from tests.support.metrics import DEPLOY, Scrape, deploy_rules
-from tests.support.remote import final_status, slow_job
-from tests.support.tiny_model import PROMPT, REPO_ID
+from tests.support.clients.metrics import DEPLOY, Scrape, deploy_rules
+from tests.support.clients.remote import final_status, slow_job
+from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
 PHASES_RUN = ("queue", "deserialize", "run", "total")
 

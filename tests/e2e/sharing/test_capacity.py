@@ -21,8 +21,8 @@ import time
 import pytest
 from nnsight.intervention.backends.remote import AsyncRemoteBackend
 
-from tests.support.load import COBATCH_TOLERANCE as TOLERANCE
-from tests.support.tiny_model import PROMPT
+from tests.support.clients.load import COBATCH_TOLERANCE as TOLERANCE
+from tests.support.cases.tiny_model import PROMPT
 
 pytestmark = pytest.mark.pools("fs")
 

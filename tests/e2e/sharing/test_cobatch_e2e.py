@@ -8,7 +8,7 @@ with ``max_new_tokens`` and ``tracer.iter``. Then the slow job is killed and
 the next job gathers the others (``workers.job.gather``). Every user gets what the
 same block gives run locally: exactly (``torch.equal``), or, where its forward
 was shared with requests of other lengths (``meta["cobatch"]`` > 1), within the
-engine's stated tolerance (``tests.support.load.COBATCH_TOLERANCE``, measured in tests/inprocess/workers/cobatch/test_engine.py, 1e-5 absolute
+engine's stated tolerance (``tests.support.clients.load.COBATCH_TOLERANCE``, measured in tests/inprocess/workers/cobatch/test_engine.py, 1e-5 absolute
 on float values; token ids always exact). The raising user gets its own error,
 and ``meta`` shows that requests shared forwards.
 
@@ -22,7 +22,7 @@ else's result.
 
 Also: an untrusted job (auth on, a key without the ``trusted`` tag) is never
 merged: it runs in its jailed child while the trusted jobs queued around it
-share a forward. All on the shared auth farm (tests/support/stack_pool.py).
+share a forward. All on the shared auth farm (tests/support/stacks/stack_pool.py).
 With ``NDIF_COBATCH_MAX=1`` each waiting job runs alone:
 tests/inprocess/workers/job/test_gather.py.
 """
@@ -44,11 +44,11 @@ import torch
 from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from ndif_celery.state import queues
-from tests.support import conformance
-from tests.support.load import COBATCH_TOLERANCE as TOLERANCE
-from tests.support.load import compile_one_at_a_time
-from tests.support.remote import PollUntilDone, client_pointed_at, final_status, poll, slow_job, wait_status
-from tests.support.tiny_model import PROMPT, REPO_ID, build_tiny_gpt2, client_model
+from tests.support.cases import conformance
+from tests.support.clients.load import COBATCH_TOLERANCE as TOLERANCE
+from tests.support.clients.load import compile_one_at_a_time
+from tests.support.clients.remote import PollUntilDone, client_pointed_at, final_status, poll, slow_job, wait_status
+from tests.support.cases.tiny_model import PROMPT, REPO_ID, build_tiny_gpt2, client_model
 
 pytestmark = pytest.mark.pools("auth")
 
@@ -343,7 +343,7 @@ def _at_once(stack, model, calls: list) -> list:
             answers[i] = error
 
     threads = [threading.Thread(target=client, args=(i,), name=f"user-{i}") for i in range(len(calls))]
-    with compile_one_at_a_time():  # (CPython 3.11's parser and client threads: see tests/support/load.py)
+    with compile_one_at_a_time():  # (CPython 3.11's parser and client threads: see tests/support/clients/load.py)
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + 60

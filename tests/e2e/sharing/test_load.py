@@ -4,7 +4,7 @@ the long one: 50 clients x 20 requests.)"""
 
 from __future__ import annotations
 
-from tests.support.load import run_load
+from tests.support.clients.load import run_load
 
 
 def test_fifty_concurrent_clients_each_get_their_own_answers(on_fs_stack, model):

@@ -3,7 +3,7 @@ one request does leaks into the next."""
 
 from __future__ import annotations
 
-from tests.support import conformance
+from tests.support.cases import conformance
 
 MIX = ("read_outputs", "zero_output", "grad_single", "session", "generate_result", "source_edit", "cache_modules")
 

@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.support.remote import poll, slow_job, wait_status
-from tests.support.stack import client_on_stack
+from tests.support.clients.remote import poll, slow_job, wait_status
+from tests.support.stacks.stack import client_on_stack
 
 STEPS = 40  # x 50 ms: a ~2 s job
 WAITING = 3

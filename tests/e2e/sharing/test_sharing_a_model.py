@@ -23,7 +23,7 @@ import redis
 
 from ndif_celery.state import jobs
 from tests.support import pace
-from tests.support.remote import client_pointed_at, final_status, slow_job, wait_status
+from tests.support.clients.remote import client_pointed_at, final_status, slow_job, wait_status
 from tests.support.waiting import wait_until
 
 pytestmark = pytest.mark.pools("auth")

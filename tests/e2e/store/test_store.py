@@ -14,8 +14,8 @@ import pytest
 
 from ndif_celery import config
 from ndif_celery.store import S3Store, StoreUnavailable, open_store
-from tests.support.servers import MotoServer
-from tests.support.signed_urls import sigv4_ok, url_query
+from tests.support.stacks.servers import MotoServer
+from tests.support.clients.signed_urls import sigv4_ok, url_query
 
 PAYLOAD = bytes(range(256)) * 1000 + b"tail"
 

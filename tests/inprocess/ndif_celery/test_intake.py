@@ -22,7 +22,7 @@ from ndif_celery.accounts import ledger
 from ndif_celery.celery_app import queue_for
 from ndif_celery.monitoring import metrics
 from ndif_celery.state import jobs, queues, registry
-from tests.support.tiny_model import REPO_ID, client_model
+from tests.support.cases.tiny_model import REPO_ID, client_model
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from ndif_celery import socketio_wire, statuses, wire
 from ndif_celery.celery_app import queue_for
 from ndif_celery.policy import client_versions
 from ndif_celery.state import jobs, queues, registry
-from tests.support.tiny_model import REPO_ID
+from tests.support.cases.tiny_model import REPO_ID
 
 OLD = "0.7.0"
 OLD_KEY = f'nnsight.modeling.language.LanguageModel:{{"repo_id": "{REPO_ID}", "revision": "main"}}'

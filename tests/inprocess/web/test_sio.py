@@ -18,9 +18,11 @@ import httpx
 import pytest
 import socketio
 
-from tests.support import pace, raw_websocket
-from tests.support.raw_websocket import SOCKETIO_PATH
-from tests.support.servers import serving
+from tests.support import pace
+
+from tests.support.clients import raw_websocket
+from tests.support.clients.raw_websocket import SOCKETIO_PATH
+from tests.support.stacks.servers import serving
 from web import sio
 
 CONNECT_S = 1.0

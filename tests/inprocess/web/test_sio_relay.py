@@ -29,7 +29,7 @@ import torch
 from ndif_celery import wire
 from ndif_celery.state import jobs
 from tests.support import pace
-from tests.support.servers import serving
+from tests.support.stacks.servers import serving
 from web import hub
 from web import sio, subscribe
 

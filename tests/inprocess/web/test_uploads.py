@@ -18,7 +18,7 @@ import pytest
 
 from ndif_celery import config
 from ndif_celery.accounts import db
-from tests.support.tiny_model import REPO_ID, client_model
+from tests.support.cases.tiny_model import REPO_ID, client_model
 
 MODEL_KEY = client_model(REPO_ID).to_model_key()
 

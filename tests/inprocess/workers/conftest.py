@@ -4,7 +4,7 @@ jobs through it (``models/test_resident.py``, ``job/test_gather.py``,
 ``test_execute.py``): a ``WorkerState`` on the tiny model, the real intake
 (Flask's test client), a real embedded Redis and the filesystem store; no
 Celery worker, no gunicorn. Each module gets its own (module scope, as the
-embedded Redis); the jobs they post and read back: ``tests/support/worker_jobs.py``.
+embedded Redis); the jobs they post and read back: ``tests/support/cases/worker_jobs.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import dataclasses
 import pytest
 
 from ndif_celery.celery_app import make_app
-from tests.support.tiny_model import REPO_ID, client_model
-from tests.support.worker_jobs import CHECK_EVERY, PROMPT
+from tests.support.cases.tiny_model import REPO_ID, client_model
+from tests.support.cases.worker_jobs import CHECK_EVERY, PROMPT
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ real client run through the trusted path (``cobatch.run_alone``: the request
 scope, deserialize, run). One request changes the generation config, the
 config, the tokenizer and its native backend, a module's attribute and
 hooks, an envoy's slot; the next request reads them all back, and a walk of
-everything a later user can read (``tests/support/model_state.py``) matches
+everything a later user can read (``tests/support/cases/model_state.py``) matches
 a fresh load of the model.
 """
 
@@ -16,10 +16,10 @@ import types
 import pytest
 import torch
 
-from tests.support.model_state import (CHANGED, change_everything, differences, read_back, readable_state,
+from tests.support.cases.model_state import (CHANGED, change_everything, differences, read_back, readable_state,
                                         what_a_user_reads)
-from tests.support.remote import recorded_request
-from tests.support.tiny_model import PROMPT, client_model, worker_loaded
+from tests.support.clients.remote import recorded_request
+from tests.support.cases.tiny_model import PROMPT, client_model, worker_loaded
 from workers import baseline, execute
 from workers.cobatch import Request, run_alone
 

@@ -19,7 +19,7 @@ import torch
 from nnsight.intervention.cache import Cache, CacheView, Entry
 from nnsight.schema.request import RequestModel
 
-from tests.support.conformance import CASES, assert_same, case_id, diff, same
+from tests.support.cases.conformance import CASES, assert_same, case_id, diff, same
 
 
 def local(m):

@@ -8,7 +8,7 @@ A request's run itself, case by case: ``test_conformance_local.py`` and
 
 from __future__ import annotations
 
-from tests.support.tiny_model import REPO_ID, client_model
+from tests.support.cases.tiny_model import REPO_ID, client_model
 
 
 def test_a_model_layered_by_a_requests_adapter_stays_walked_after_a_swap(worker, redis):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from ndif_celery import wire
 from ndif_celery.celery_app import queue_for
 from ndif_celery.state import queues
-from tests.support.tiny_model import REPO_ID, client_model
-from tests.support.worker_jobs import latest, logits, submit
+from tests.support.cases.tiny_model import REPO_ID, client_model
+from tests.support.cases.worker_jobs import latest, logits, submit
 
 
 def test_a_kill_of_a_job_taken_as_the_next_one_before_it_starts(worker, web, redis, client_lm):

@@ -16,7 +16,7 @@ import yaml
 
 from ndif_celery import config
 from ndif_celery.host.services import SERVICES
-from tests.support.deploy_recipes import (
+from tests.support.stacks.deploy_recipes import (
     COMPOSE_FILE,
     DOCKERFILE,
     ROOT,

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 from ndif_celery.host.services import SERVICES
-from tests.support.deploy_recipes import VENV_BIN, parse_cli, procfile
+from tests.support.stacks.deploy_recipes import VENV_BIN, parse_cli, procfile
 
 
 def test_procfile_lines_are_venv_executables_running_real_subcommands():

@@ -13,7 +13,7 @@ import socket
 import httpx
 import yaml
 
-from tests.support.metrics import DEPLOY, Scrape, deploy_rules
+from tests.support.clients.metrics import DEPLOY, Scrape, deploy_rules
 
 
 def test_a_taken_metrics_port_moves_to_the_next(tmp_path):

@@ -26,7 +26,7 @@ import click
 import pytest
 
 from ndif_celery.cli import main as cli_main
-from tests.support.deploy_recipes import (
+from tests.support.stacks.deploy_recipes import (
     COMPOSE_FILE,
     DOCKERFILE,
     ENV_EXAMPLE,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ndif_celery.host.services import SERVICES
-from tests.support.deploy_recipes import ENV_EXAMPLE, INSTALLED_CLI, SYSTEMD, TARGET, VENV_BIN, load_settings, parse_cli
+from tests.support.stacks.deploy_recipes import ENV_EXAMPLE, INSTALLED_CLI, SYSTEMD, TARGET, VENV_BIN, load_settings, parse_cli
 
 
 def unit(path: Path) -> dict[str, dict[str, list[str]]]:

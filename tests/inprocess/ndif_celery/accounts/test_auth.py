@@ -17,7 +17,7 @@ from sqlalchemy import event
 
 from ndif_celery import config
 from ndif_celery.accounts import auth, db
-from tests.support.stack import client_on_stack
+from tests.support.stacks.stack import client_on_stack
 
 MiB = 1024 * 1024
 LIMITS = ("NDIF_MAX_CONCURRENT_JOBS", "NDIF_MAX_QUEUE_DEPTH", "NDIF_RATE_LIMIT_PER_MIN",

@@ -14,9 +14,9 @@ import os
 import subprocess
 import sys
 
-from tests.support.doctor import checks
-from tests.support.servers import free_ports
-from tests.support.stack import ROOT
+from tests.support.stacks.doctor import checks
+from tests.support.stacks.servers import free_ports
+from tests.support.stacks.stack import ROOT
 
 BAD_URL = "htp://hooks.example.org/services/secret-token?key=also-secret"
 

@@ -17,8 +17,8 @@ import redis
 
 from ndif_celery import cli, config
 from ndif_celery.host import embedded_redis
-from tests.support.servers import free_ports, port_open
-from tests.support.stack import ROOT
+from tests.support.stacks.servers import free_ports, port_open
+from tests.support.stacks.stack import ROOT
 from tests.support.waiting import wait_until
 
 SERVICES = ("redis", "web", "worker", "beat", "flower")

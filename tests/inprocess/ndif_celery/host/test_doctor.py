@@ -21,9 +21,9 @@ from ndif_celery import config
 from ndif_celery.host import doctor
 from ndif_celery.host import embedded_redis
 from tests.support import pace
-from tests.support.doctor import checks
-from tests.support.servers import free_ports
-from tests.support.stack import ROOT
+from tests.support.stacks.doctor import checks
+from tests.support.stacks.servers import free_ports
+from tests.support.stacks.stack import ROOT
 
 
 def run_cli(env: dict, *args: str, fresh: bool = False) -> subprocess.CompletedProcess:

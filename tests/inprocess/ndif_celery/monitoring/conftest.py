@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.webhook import Hook
+from tests.support.stacks.webhook import Hook
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from ndif_celery.farm import actions
 from ndif_celery.monitoring import alerts, probes
 from ndif_celery.state import registry
 from tests.support.clocks import StepClock
-from tests.support.webhook import Hook
+from tests.support.stacks.webhook import Hook
 
 KEY = actions.model_key_for("org/alerted")
 OTHER = actions.model_key_for("org/other")

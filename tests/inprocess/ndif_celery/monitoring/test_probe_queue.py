@@ -23,7 +23,7 @@ from ndif_celery.farm import actions
 from ndif_celery.monitoring import metrics, probes
 from ndif_celery.state import queues, registry
 from tests.support.clocks import StepClock
-from tests.support.metrics import Scrape
+from tests.support.clients.metrics import Scrape
 
 KEY = actions.model_key_for("org/busy")
 PROBE_KEY = "probe-key"

@@ -21,8 +21,8 @@ from ndif_celery.farm import actions
 from ndif_celery.monitoring import alerts, metrics, probes
 from ndif_celery.state import registry
 from tests.support.clocks import StepClock
-from tests.support.metrics import Scrape
-from tests.support.servers import Receiver
+from tests.support.clients.metrics import Scrape
+from tests.support.stacks.servers import Receiver
 
 KEY = actions.model_key_for("org/probed")
 GOOD = {"model_key": KEY, "ok": True, "latency_s": 0.25, "worker": "w0", "shape": [1, 7, 50], "vocab": 50,

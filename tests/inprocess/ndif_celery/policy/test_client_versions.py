@@ -15,7 +15,7 @@ import pytest
 from ndif_celery import config
 from ndif_celery.policy import client_versions
 from ndif_celery.state import registry
-from tests.support.servers import free_port
+from tests.support.stacks.servers import free_port
 
 NOT_PROVIDED = (
     "Client nnsight version was not provided. This usually means an outdated nnsight; "

@@ -20,8 +20,8 @@ from ndif_celery import config
 from ndif_celery.errors import Refused
 from ndif_celery.store import FilesystemStore, S3Store, StoreUnavailable, open_store
 from tests.support.paths import ROOT
-from tests.support.servers import free_port
-from tests.support.signed_urls import sigv4_ok, url_query
+from tests.support.stacks.servers import free_port
+from tests.support.clients.signed_urls import sigv4_ok, url_query
 from web.app import refused
 
 PAYLOAD = bytes(range(256)) * 1000 + b"tail"

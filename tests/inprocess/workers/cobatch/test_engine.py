@@ -40,9 +40,9 @@ import nnsight
 import pytest
 import torch
 
-from tests.support.cobatch_cases import LONG, MID, SHORT, capture, leaves, logits, worst_difference
-from tests.support.load import COBATCH_TOLERANCE as TOLERANCE
-from tests.support.tiny_model import REPO_ID, worker_loaded
+from tests.support.cases.cobatch_cases import LONG, MID, SHORT, capture, leaves, logits, worst_difference
+from tests.support.clients.load import COBATCH_TOLERANCE as TOLERANCE
+from tests.support.cases.tiny_model import REPO_ID, worker_loaded
 from workers.cobatch import Request, run_alone, run_batch
 
 # Token lengths on the tiny tokenizer differ between these (checked in `payloads`).
@@ -255,7 +255,7 @@ def session(model, prompt_a, prompt_b):
 
 @pytest.fixture(scope="module")
 def client():
-    from tests.support.tiny_model import client_model
+    from tests.support.cases.tiny_model import client_model
 
     return client_model(REPO_ID)
 

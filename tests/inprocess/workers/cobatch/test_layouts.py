@@ -15,9 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.cobatch_cases import LONG, MID, SHORT, capture, logits, worst_difference
-from tests.support.load import COBATCH_TOLERANCE as TOLERANCE
-from tests.support.tiny_model import build_tiny_gpt2, client_model, worker_loaded
+from tests.support.cases.cobatch_cases import LONG, MID, SHORT, capture, logits, worst_difference
+from tests.support.clients.load import COBATCH_TOLERANCE as TOLERANCE
+from tests.support.cases.tiny_model import build_tiny_gpt2, client_model, worker_loaded
 from workers.cobatch import run_alone, run_batch
 
 CANARY = "Zyxwvut canary passphrase hunter2 Zyxwvut"

@@ -13,7 +13,7 @@ import pickle
 import pytest
 import torch
 
-from tests.support.tiny_model import PROMPT, REPO_ID, client_model, worker_loaded
+from tests.support.cases.tiny_model import PROMPT, REPO_ID, client_model, worker_loaded
 
 
 @pytest.fixture(scope="module")

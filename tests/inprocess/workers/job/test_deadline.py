@@ -20,7 +20,7 @@ import redis
 from ndif_celery import wire
 from ndif_celery.state import jobs
 from tests.support import pace
-from tests.support.servers import embedded_redis
+from tests.support.stacks.servers import embedded_redis
 from workers.job import deadline
 from workers.job.channel import DEADLINE, FinalChannel
 from workers.job.executors import JobCancelled, JobTimedOut

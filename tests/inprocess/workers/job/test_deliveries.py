@@ -19,7 +19,7 @@ from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for
 from ndif_celery.farm.watchdog import FarmWatchdog
 from ndif_celery.state import jobs, queues, registry
-from tests.support.worker_jobs import delivered, handed_by_celery, latest, logits, result, submit
+from tests.support.cases.worker_jobs import delivered, handed_by_celery, latest, logits, result, submit
 
 
 class GatedStore:

@@ -16,8 +16,8 @@ import torch
 from ndif_celery import wire
 from ndif_celery.celery_app import make_app, queue_for, send_job, worker_queue
 from ndif_celery.state import jobs, queues
-from tests.support.tiny_model import REPO_ID, client_model
-from tests.support.worker_jobs import delivered, handed_by_celery, latest, logits, result, submit
+from tests.support.cases.tiny_model import REPO_ID, client_model
+from tests.support.cases.worker_jobs import delivered, handed_by_celery, latest, logits, result, submit
 
 
 def test_waiting_jobs_run_in_order_in_one_task_each_once(worker, web, redis, client_lm, reference):

@@ -18,8 +18,8 @@ import torch
 from ndif_celery import wire
 from ndif_celery.celery_app import queue_for
 from ndif_celery.state import queues
-from tests.support.tiny_model import REPO_ID, client_model
-from tests.support.worker_jobs import delivered, handed_by_celery, latest, logits, result, submit
+from tests.support.cases.tiny_model import REPO_ID, client_model
+from tests.support.cases.worker_jobs import delivered, handed_by_celery, latest, logits, result, submit
 
 
 class _Channel:

@@ -21,7 +21,7 @@ import nnsight
 import pytest
 import torch
 
-from tests.support.tiny_model import PROMPT, REPO_ID, client_model, worker_loaded
+from tests.support.cases.tiny_model import PROMPT, REPO_ID, client_model, worker_loaded
 from workers.models import integrity
 
 nnsight.register(__name__)  # flip_every_other_sign() runs inside remote blocks

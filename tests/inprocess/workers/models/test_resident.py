@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ndif_celery.state import jobs
-from tests.support.tiny_model import REPO_ID, client_model
-from tests.support.worker_jobs import CHECK_EVERY, PROMPT, delivered, handed_by_celery, logits, result, submit
+from tests.support.cases.tiny_model import REPO_ID, client_model
+from tests.support.cases.worker_jobs import CHECK_EVERY, PROMPT, delivered, handed_by_celery, logits, result, submit
 
 
 # --- requests that write a weight, as the real client sends them -----------------------

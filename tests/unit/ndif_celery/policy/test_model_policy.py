@@ -14,7 +14,7 @@ import pytest
 from ndif_celery import config
 from ndif_celery.policy import model_policy
 from ndif_celery.policy.model_policy import ModelPolicy, PolicyError
-from tests.support.tiny_model import REPO_ID, client_model
+from tests.support.cases.tiny_model import REPO_ID, client_model
 
 KEY = 'nnsight.modeling.transformers.TransformersModel:{"repo_id": "ndif-celery/tiny-gpt2", "revision": null, "task": "text-generation"}'
 CLS = model_policy.TRANSFORMERS_MODEL

@@ -42,8 +42,8 @@ import os
 from pathlib import Path
 from unittest import mock
 
-from tests.support import client_envs
-from tests.support.tiny_model import PROMPTS
+from tests.support.clients import client_envs
+from tests.support.cases.tiny_model import PROMPTS
 
 #: Client versions this harness is written for.
 VERSIONS = ("0.6.3", "0.7.0")
@@ -689,7 +689,7 @@ def run_case(python: Path | str, host: str, case: str, mode: str, env: dict | No
     ``env`` adds to (or overrides) this process's environment for the run, e.g.
     ``HF_HOME`` and ``HF_HUB_OFFLINE`` for the tests' offline model cache.
     """
-    from tests.support.tiny_model import REPO_ID
+    from tests.support.cases.tiny_model import REPO_ID
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {MODES}")
@@ -700,7 +700,7 @@ def run_case(python: Path | str, host: str, case: str, mode: str, env: dict | No
 def run_cases(python: Path | str, host: str, cases: list, mode: str, env: dict | None = None,
               repo_id: str | None = None, timeout_s: float = 600) -> list[dict]:
     """Every case of ``cases`` in one process of the client interpreter; a report each."""
-    from tests.support.tiny_model import REPO_ID
+    from tests.support.cases.tiny_model import REPO_ID
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known: {MODES}")
@@ -709,7 +709,7 @@ def run_cases(python: Path | str, host: str, cases: list, mode: str, env: dict |
                                    timeout_s=timeout_s)
 
 
-if __name__ == "__main__":  # python -m tests.support.old_client_cases PYTHON MODE [CASE...]
+if __name__ == "__main__":  # python -m tests.support.cases.old_client_cases PYTHON MODE [CASE...]
     import sys
 
     python, mode, *names = sys.argv[1:]

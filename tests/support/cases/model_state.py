@@ -24,7 +24,7 @@ import inspect
 
 import nnsight
 
-from tests.support.tiny_model import PROMPT
+from tests.support.cases.tiny_model import PROMPT
 
 # What change_everything sets, each unlike the tiny model as loaded.
 CHANGED = {"max_new_tokens": 3, "do_sample": True, "temperature": 0.25, "use_cache": False,

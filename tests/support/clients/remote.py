@@ -19,7 +19,7 @@ from nnsight.intervention.backends.remote import RemoteBackend, RemoteError
 
 from ndif_celery.farm import actions
 from tests.support import pace
-from tests.support.tiny_model import PROMPT
+from tests.support.cases.tiny_model import PROMPT
 from tests.support.waiting import wait_until
 
 
@@ -172,7 +172,7 @@ class PollUntilDone(RemoteBackend):
 
 @dataclass(frozen=True)
 class Variant:
-    stack: str  # which stack kind serves it (see tests.support.stack_pool.STACK_KINDS)
+    stack: str  # which stack kind serves it (see tests.support.stacks.stack_pool.STACK_KINDS)
     blocking: bool
     compress: bool
     inline: bool  # whether results are expected inline on the websocket
@@ -207,7 +207,7 @@ def same_as_local(model, layer: int = 2) -> None:
     """One remote trace of ``PROMPT`` saves exactly what the same trace saves locally."""
     import torch
 
-    from tests.support.tiny_model import PROMPT
+    from tests.support.cases.tiny_model import PROMPT
 
     with model.trace(PROMPT, remote=True):
         remote = model.transformer.h[layer].output.save()

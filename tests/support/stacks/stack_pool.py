@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.support.servers import MotoServer
-from tests.support.stack import Stack
+from tests.support.stacks.servers import MotoServer
+from tests.support.stacks.stack import Stack
 
 STACK_KINDS = ("fs", "s3", "isolated", "zygote", "auth")
 
@@ -43,7 +43,7 @@ class StackPool:
         if kind not in self.stacks:
             # The full default stack only for the default kind: its tests look at Flower (the
             # dashboard's link, /metrics) and load two web processes (capacity).
-            # Warm (tests/support/launcher.py) but for the jailed kinds, whose worker's memory
+            # Warm (tests/support/stacks/launcher.py) but for the jailed kinds, whose worker's memory
             # and process tree are what the attacks probe.
             stack = Stack(self.root / kind, env={**self.base_env, **self._env_for(kind)}, full=kind == "fs",
                           warm=kind not in ("isolated", "zygote"))

@@ -8,7 +8,7 @@ a developer's own stack on the default ports) never meet. The stack runs
 detached (``ndif-celery up --detach``), exactly as a user would run it, and is
 stopped with ``ndif-celery down``.
 
-Import it as ``from tests.support.stack import Stack``.
+Import it as ``from tests.support.stacks.stack import Stack``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Optional
 
 from tests.support import pace
 from tests.support.paths import ROOT
-from tests.support.servers import free_ports, refuse_in_fast_tier
+from tests.support.stacks.servers import free_ports, refuse_in_fast_tier
 
 # Inherited settings that would point the stack at someone else's services or
 # files; a test that wants one passes it in ``env``.
@@ -48,7 +48,7 @@ class Stack:
         (``NDIF_FLOWER_PORT=0``) and one web process, two processes fewer to
         start and keep. ``env`` still wins over either. ``warm``: its workers
         are forked from this pytest process's launcher, which has imported
-        torch already (tests/support/launcher.py); never where the worker's
+        torch already (tests/support/stacks/launcher.py); never where the worker's
         process is what the tests prove."""
         self.home = Path(home).resolve()
         self.home.mkdir(parents=True, exist_ok=True)
@@ -109,7 +109,7 @@ class Stack:
         timeout = pace.bound(timeout)
         refuse_in_fast_tier("a stack")
         if self.warm:
-            from tests.support import launcher
+            from tests.support.stacks import launcher
 
             self.env.update(launcher.stack_env(self.env))
         try:

@@ -17,7 +17,7 @@ import zstandard
 
 from ndif_celery import wire
 from ndif_celery.state import jobs, queues
-from tests.support.remote import recorded_request
+from tests.support.clients.remote import recorded_request
 
 PROMPT = "The quick brown fox"
 CHECK_EVERY = 100  # the whole check only when the stamps show a write, or nothing waits

@@ -43,7 +43,7 @@ import nnsight
 import torch
 from nnsight.intervention.cache import Cache, CacheView
 
-from tests.support.tiny_model import HIDDEN, N_LAYER, PROMPT, PROMPTS, REPO_ID, VOCAB, client_model
+from tests.support.cases.tiny_model import HIDDEN, N_LAYER, PROMPT, PROMPTS, REPO_ID, VOCAB, client_model
 
 __all__ = [
     "CASES",
@@ -237,7 +237,7 @@ def _this_module_by_value():
 
     ``pull_env()`` finds it when it is imported as the top-level module
     ``conformance`` (``tests/`` on ``sys.path``, as pytest arranges). Imported as
-    ``tests.support.conformance`` (a namespace package, which ``pull_env``'s
+    ``tests.support.cases.conformance`` (a namespace package, which ``pull_env``'s
     ``pkgutil.iter_modules`` scan does not list) it would be pickled by
     reference; register it the way a user would, with ``nnsight.register``.
     """

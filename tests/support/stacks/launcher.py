@@ -7,7 +7,7 @@ imports those modules once, then forks a worker for each request. A stack's
 beat (Celery's imports, a second or so of CPU) comes from it the same way.
 
 How a stack's worker gets here. ``Stack(..., warm=True)`` puts
-``tests/support/warm_start`` on the stack's ``PYTHONPATH`` and the
+``tests/support/stacks/warm_start`` on the stack's ``PYTHONPATH`` and the
 launcher's socket in ``NDIF_TEST_LAUNCHER``. Every Python process of the
 stack then imports ``warm_start/sitecustomize.py`` at start; in a
 ``python -m celery ... worker`` it hands its command line, environment,
@@ -69,7 +69,7 @@ def ensure_started(env: dict) -> str:
     if _started is not None and _started.poll() is None:
         return _path
     _path = os.path.join(tempfile.mkdtemp(prefix="ndif-launcher-"), "socket")
-    _started = subprocess.Popen([sys.executable, "-u", "-m", "tests.support.launcher", _path], cwd=ROOT, env=env,
+    _started = subprocess.Popen([sys.executable, "-u", "-m", "tests.support.stacks.launcher", _path], cwd=ROOT, env=env,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     atexit.register(stop)
     deadline = time.monotonic() + 120

@@ -1,4 +1,4 @@
-"""The shim of a warm-started Celery worker or beat (tests only; see tests/support/launcher.py).
+"""The shim of a warm-started Celery worker or beat (tests only; see tests/support/stacks/launcher.py).
 
 Python imports this at the start of every process of a stack started with
 ``warm=True``. In anything but ``python -m celery ... worker`` or ``...

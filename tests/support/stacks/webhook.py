@@ -2,7 +2,7 @@
 port that can be stopped (the port refuses connections) and started again on
 the same port, or made to answer another status or only after a while.
 
-``tests.support.servers.Receiver`` is the plain one (always up, one status)."""
+``tests.support.stacks.servers.Receiver`` is the plain one (always up, one status)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from tests.support.servers import free_ports
+from tests.support.stacks.servers import free_ports
 
 
 class Hook:

@@ -17,7 +17,7 @@ import nnsight
 import pytest
 import torch
 
-from tests.support.tiny_model import PROMPT
+from tests.support.cases.tiny_model import PROMPT
 
 nnsight.register(__name__)  # attempt() below runs inside remote blocks
 

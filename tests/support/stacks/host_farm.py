@@ -1,4 +1,4 @@
-"""A farm laid over six hosts of ``tests.support.netns``, each running its services from the CLI.
+"""A farm laid over six hosts of ``tests.support.stacks.netns``, each running its services from the CLI.
 
 Why: the farm is meant to run on many machines (docs/farm.md), and only hosts
 that are really apart show whether it does: each service binds its own host's
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ndif_celery.host import embedded_redis
-from tests.support.netns import Host, Network
+from tests.support.stacks.netns import Host, Network
 from tests.support.paths import ROOT
 from tests.support.waiting import wait_until
 

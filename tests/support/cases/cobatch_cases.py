@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from tests.support.remote import recorded_request
+from tests.support.clients.remote import recorded_request
 from workers.cobatch import Request
 
 SHORT = "Hello world"
