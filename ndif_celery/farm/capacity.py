@@ -1,11 +1,11 @@
 """Whether the live workers can meet a wish, checked before it is recorded.
 
 The controller learns at its first look that a wish cannot be kept (more
-replicas than workers that could hold the model), but a ``deploy`` or
-``scale`` waiting on it used to find out only at its ``--timeout``, a file
-``--sync`` only after its evictions, and a schedule only when its window
-opened. So ``deploy``, ``scale``, ``deploy -f`` and ``schedule add`` ask here
-first and refuse at once, naming why and what to do.
+replicas than workers that could hold the model). Without this check a
+``deploy`` or ``scale`` would find out only at its ``--timeout``, a file's
+``--sync`` only after its evictions, a schedule only when its window opens.
+So ``deploy``, ``scale``, ``deploy -f`` and ``schedule add`` ask here first
+and refuse at once, naming why and what to do.
 
 A live worker *can hold* a replica of a model when it runs the model's
 runtime (``placement.place``) and its whole budget, less the models pinned on

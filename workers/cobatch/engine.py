@@ -26,7 +26,7 @@ The order of one batch (:func:`run_batch`):
    compacted (no view of the batch's storage leaves in a result).
 5. **Alone.** Every request that could not share, or whose shared run tripped a
    guard or raised, is run again from its payload by ``request.run_alone``, the
-   trusted path of today. An error is therefore always the one the request
+   trusted path of a request alone. An error is therefore always the one the request
    gives alone, never an artifact of co-batching. The stamps are read after
    each of these runs while another request is still to run.
 
