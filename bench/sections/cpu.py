@@ -18,9 +18,10 @@ Flower (``other``) run on timers and are shown apart.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import resource
 import subprocess
+import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -48,6 +49,28 @@ def checkout(base: str) -> Path:
     with tarfile.open(archive) as tar:
         tar.extractall(folder / "tree", filter="data")
     return folder / "tree"
+
+
+def base_module(base_root: Path, name: str):
+    """Module ``name`` of the checkout at ``base_root``, with the helpers it imports.
+
+    The two checkouts' ``tests`` packages may be laid out differently, so the
+    base's module imports the base's own: its tree goes first on ``sys.path``
+    and this checkout's ``tests`` modules are set aside meanwhile, then put back.
+    Its ``ROOT`` is the base's folder, so its CLI and services run the base's code.
+    """
+    def ours() -> list:
+        return [module for module in sys.modules if module == "tests" or module.startswith("tests.")]
+
+    kept = {module: sys.modules.pop(module) for module in ours()}
+    sys.path.insert(0, str(base_root))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(base_root))
+        for module in ours():
+            del sys.modules[module]
+        sys.modules.update(kept)
 
 
 def service_cpu_s(pids: dict) -> dict:
@@ -101,12 +124,7 @@ class CpuSection:
             self.out["workloads"]["cpu_per_request"] = {"skipped": f"no checkout of {base}: {error}"}
             self.emit(f"\n== cpu_per_request: skipped, no checkout of {base}: {error}")
             return
-        spec = importlib.util.spec_from_file_location("base_stack", base_root / "tests" / "support" / "stack.py")
-        base_stack = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base_stack)
-        # Its `from tests.support.paths import ROOT` found this checkout's module, already
-        # imported: pointed at the base's folder, its CLI and services run the base's code.
-        base_stack.ROOT = base_root
+        base_stack = base_module(base_root, "tests.support.stack")
         stacks = {"base": base_stack.Stack(Path(tempfile.mkdtemp(prefix="ndif-bench-")), env=self.stack_env(**COLD)),
                   "new": self.new_stack(**COLD)}
         self.homes.append(stacks["base"].home)
