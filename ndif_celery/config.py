@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 from urllib.parse import urlsplit
 
+from .policy import held_formats
 from .policy.client_versions import parse_minimum
 from .policy.jail_layers import parse_disable, parse_require
 
@@ -133,6 +134,14 @@ def _isolation(name: str, raw: str) -> str:
     value = raw.strip().lower()
     if value not in ISOLATION_MODES:
         raise ValueError(f"{name} must be one of {', '.join(ISOLATION_MODES)}, got {value!r}")
+    return value
+
+
+def _float_dtype(name: str, raw: str) -> str:
+    value = raw.strip()
+    if value and value not in held_formats.FLOATS:
+        raise ValueError(f"{name} must be empty (the checkpoint's) or one of {', '.join(held_formats.FLOATS)}, got "
+                         f"{value!r}; a quantization is a deployment of its own (ndif-celery deploy --dtype nf4)")
     return value
 
 
@@ -389,6 +398,8 @@ VARIABLES: tuple = (
     # 0 = measure: the GPUs' memory, or half the host's RAM on a CPU worker.
     Var("NDIF_WORKER_MEMORY_GIB", "worker_memory_bytes", 0, _gib, "the worker's memory budget for models",
         shown="unset: measured"),
+    Var("NDIF_DEFAULT_DTYPE", "default_dtype", "", _float_dtype,
+        "the float type a model deployed by its first request is loaded as", shown="unset: the checkpoint's"),
     Var("NDIF_PADDING_FACTOR", "padding_factor", 0.15, _float, "a model is placed as its weights' size times (1 + this) ..."),
     Var("NDIF_PADDING_BYTES", "padding_bytes", 256 * MiB, _int, "... plus this (activations, CUDA context)"),
     Var("NDIF_MAX_REPLICAS", "max_replicas", 3, _int, "most workers that hold one model at once under queue pressure"),

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 from urllib.parse import urlsplit
+from .policy import held_formats
 from .policy.client_versions import parse_minimum
 from .policy.jail_layers import parse_disable, parse_require
 
@@ -46,6 +47,8 @@ def _gib(name: str, raw: str) -> int: ...
 def _mb(name: str, raw: str) -> int: ...
 
 def _isolation(name: str, raw: str) -> str: ...
+
+def _float_dtype(name: str, raw: str) -> str: ...
 
 WEB_WORKER_CLASSES: tuple[str, ...]
 
@@ -220,6 +223,8 @@ class Settings:
     """NDIF_COBATCH_PAD: co-batch requests of different token lengths (left-padded)"""
     worker_memory_bytes: int
     """NDIF_WORKER_MEMORY_GIB: the worker's memory budget for models"""
+    default_dtype: str
+    """NDIF_DEFAULT_DTYPE: the float type a model deployed by its first request is loaded as"""
     padding_factor: float
     """NDIF_PADDING_FACTOR: a model is placed as its weights' size times (1 + this) ..."""
     padding_bytes: int

@@ -55,6 +55,7 @@ def accept(
     headers: Mapping[str, str],
     arrived: Optional[float] = None,
     runtime: str = "",
+    held: str = "",
 ) -> jobs.Job:
     """Check the request for ``identity``, then park, enqueue and return the job.
 
@@ -62,7 +63,8 @@ def accept(
     when absent. A 0.6/0.7 client's envelope is in its headers
     (``socketio_wire``). ``arrived`` is when the request reached the web, for
     the job's timeline. ``runtime`` is the nnsight runtime that serves the
-    client (:func:`check_runtime`)."""
+    client (:func:`check_runtime`). ``held`` is the quantization the request's
+    URL asked for (``web.dtype_path``), "" for none."""
     protocol = check_protocol(headers, runtime)
     envelope = socketio_wire.envelope(headers) if protocol else wire.parse_envelope(data)
     # After the envelope, as on NDIF: NDIF_MIN_NNSIGHT_VERSION, NDIF_MIN_PYTHON_VERSION.
@@ -76,7 +78,7 @@ def accept(
     answers = reads.execute()
     offer = registry.decode_offer(answers, repo)
     per_job = run_times.per_job_s(answers[-2])
-    admit_model(client, settings, identity, envelope, offer, runtime)
+    admit_model(client, settings, identity, envelope, offer, runtime, held)
     probe = check_probe(client, settings, identity, headers, envelope.model_key, offer.keys)
     owner = answers[-1]
     unclaimed = bool(protocol and envelope.session_id and owner == b"")  # a Socket.IO socket no key claimed
@@ -159,14 +161,14 @@ def check_protocol(headers: Mapping[str, str], runtime: str) -> str:
 
 
 def admit_model(client: redis.Redis, settings: config.Settings, identity: auth.Identity,
-                envelope: wire.Envelope, offer: registry.Offer, runtime: str = "") -> None:
+                envelope: wire.Envelope, offer: registry.Offer, runtime: str = "", held: str = "") -> None:
     """Make the key and env in ``envelope`` canonical, and check what this key may load.
 
     Canonical means the deployment serving the same weights under the same
     ``runtime``, if one does. What a key may load is ``policy.model_policy``."""
     envelope.model_key, envelope.env = model_policy.ModelPolicy.from_settings(settings).admit(
         envelope.model_key, envelope.env, identity.trusted, offer.keys,
-        lambda repo_id: offer.refs_of(client, repo_id), runtime=runtime)
+        lambda repo_id: offer.refs_of(client, repo_id), runtime=runtime, held=held)
     # A deployment that lists its ``users`` (``deploy -f``) serves only them.
     deployments.check_access(client, identity, envelope.model_key, offer)
 

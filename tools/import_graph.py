@@ -62,7 +62,7 @@ LAYERS = {
     ),
     "workers": (
         ("adapters",),  # what differs per nnsight version
-        ("execute", "baseline", "results", "cuda", "metrics"),  # leaves shared by the worker and the child
+        ("execute", "baseline", "results", "cuda", "metrics", "quantized"),  # leaves shared by the worker and the child
         ("isolation",),  # untrusted jobs' processes and the jail
         ("models",),  # resident models
         ("cobatch",),  # shared forwards

@@ -3,6 +3,7 @@
 ``app`` - the factory, and the one ``Refused`` handler every refusal goes through.
 ``identity`` - who is asking, for every route.
 ``uploads`` - a request body admitted from its headers, read against a clock.
+``dtype_path`` - ``/dtype/<name>/...``: a quantized deployment asked for by URL.
 ``routes`` - the HTTP API: ``POST /request``, ``GET /response``, ``/status``...
 ``subscribe`` - ``WS /subscribe``, a blocking client's status stream.
 ``sio`` - Socket.IO at ``/ws/socket.io``, where the nnsight 0.6/0.7 clients wait

@@ -23,7 +23,7 @@ import hashlib
 import hmac
 import logging
 import secrets
-from typing import Callable
+from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 import redis
@@ -35,7 +35,7 @@ from ndif_celery.accounts.auth import Identity
 from ndif_celery.farm import actions
 from ndif_celery.farm import deployments, schedules
 from ndif_celery.farm.deployments import DeploymentsError
-from ndif_celery.policy import model_policy
+from ndif_celery.policy import held_formats, model_policy
 
 from .operators import challenge, ledger_engine, sign_in
 
@@ -73,12 +73,22 @@ def _same_site() -> bool:
 # --- the actions --------------------------------------------------------------------------
 
 
+def _dtype(form) -> Optional[str]:
+    """The form's dtype as the farm keeps it (a quantization by its canonical name), or None."""
+    dtype = (form.get("dtype") or "").strip() or None
+    try:
+        return held_formats.check(dtype) if dtype is not None else None
+    except held_formats.FormatError as error:
+        raise ActionError(error.detail) from None
+
+
 def _model_key(form) -> str:
+    """The deployment the form names: its model, task and, for a quantized one, dtype."""
     model = (form.get("model") or "").strip()
     if not model:
         raise ActionError("give a model (a repo id such as openai-community/gpt2)")
     try:
-        key = actions.model_key_for(model, task=(form.get("task") or "text-generation").strip())
+        key = actions.model_key_for(model, task=(form.get("task") or "text-generation").strip(), dtype=_dtype(form))
         settings = current_app.config["NDIF_SETTINGS"]
         model_policy.ModelPolicy.from_settings(settings).check_model(model_policy.parse(key))
     except model_policy.PolicyError as error:
@@ -95,9 +105,7 @@ def _whole(form, name: str, default: int, low: int = 1, high: int = deployments.
 
 def _deploy(client, celery, settings, form) -> tuple[str, str]:
     key = _model_key(form)
-    dtype = (form.get("dtype") or "").strip() or None
-    if dtype is not None and dtype not in deployments.DTYPES:
-        raise ActionError(f"dtype must be one of {', '.join(deployments.DTYPES)}, got {dtype[:20]!r}")
+    dtype = _dtype(form)
     replicas = _whole(form, "replicas", 1)
     actions.deploy(client, key, bool(form.get("pin")), replicas, dtype)
     return model_policy.parse(key).repo_id, f"deployment requested: {replicas} replica(s)" + (

@@ -23,7 +23,7 @@ from ndif_celery.state import jobs
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import check_shared
 
-from . import admin, dashboard, model_files, prometheus, results, routes, sio, subscribe, uploads
+from . import admin, dashboard, dtype_path, model_files, prometheus, results, routes, sio, subscribe, uploads
 from .open_sockets import OpenSockets
 
 
@@ -88,6 +88,8 @@ def create_app(settings: Optional[config.Settings] = None) -> Flask:
     app.after_request(secure_headers)
     # nnsight 0.6/0.7 clients wait on a Socket.IO socket: their job's statuses are relayed there.
     app.wsgi_app = sio.wrap(app, settings.web_worker_class)
+    # A quantized deployment is asked for by URL: /dtype/nf4/request is /request for it.
+    app.wsgi_app = dtype_path.wrap(app.wsgi_app)
 
     @app.errorhandler(413)
     def too_large(error):

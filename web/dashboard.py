@@ -135,7 +135,11 @@ def page_data(client: redis.Redis) -> dict:
             "state": entry.get("application_state") or ("-" if level == "COLD" else ""),
             "worker": entry.get("worker") or "-",
             "pinned": "pinned" if entry.get("pinned") else "",
+            "dtype": entry.get("dtype") or ("-" if level == "COLD" else "as saved"),
             "size": _mib(entry.get("size_bytes")) if entry.get("size_bytes") else "-",
+            "measured": (_mib(entry.get("measured_bytes")) + (f" (est. {_mib(entry['weight_bytes'])})"
+                                                               if entry.get("weight_bytes") else "")
+                         if entry.get("measured_bytes") else "-"),
             "load": f"{entry['load_seconds']:.2f} s" if entry.get("load_seconds") else "-",
             "last_used": _ago(entry.get("last_used")),
         })

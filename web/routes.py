@@ -24,7 +24,7 @@ from ndif_celery.policy import client_versions
 from ndif_celery.state import expiry
 from ndif_celery.state import jobs, registry
 
-from . import uploads
+from . import dtype_path, uploads
 from .identity import identify
 
 bp = Blueprint("api", __name__)
@@ -66,7 +66,7 @@ def submit():
             blob_file = request.files.get("blob")
             blob = None if blob_file is None else blob_file.read()
     job = intake.accept(_redis(), current_app.config["NDIF_CELERY"], _settings(), identity, data, blob,
-                        request.headers, arrived, runtime=runtime)
+                        request.headers, arrived, runtime=runtime, held=request.environ.get(dtype_path.ENVIRON_KEY, ""))
     return Response(wire.response_json(job.id, wire.RECEIVED, wire.RECEIVED_DESCRIPTION), mimetype="application/json")
 
 

@@ -14,6 +14,7 @@ Modules and subpackages, bottom layer first, as ``tools/import_graph.py``
 ``baseline`` - a resident model's user-changeable state as loaded, put back after each trusted request.
 ``results`` - result bytes as the nnsight client reads them, and the pickled COMPLETED frame.
 ``cuda`` - what this process did with CUDA. A process that initialised it cannot fork.
+``quantized`` - a quantized model's bitsandbytes layers: settled at load, rebuilt in a skeleton.
 ``metrics`` - this worker's own Prometheus endpoint. Not ``ndif_celery.monitoring.metrics``, the farm's.
 
 3. ``isolation/`` - untrusted jobs: the zygotes, the jailed child per request, the frames, the jail.

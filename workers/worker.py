@@ -38,7 +38,7 @@ from ndif_celery.exit_codes import EX_CONFIG, REPLACE_EXIT_CODE
 from ndif_celery.farm.controller import Controller, fail_waiting
 from ndif_celery.host.environment import local_env
 from ndif_celery.monitoring import metrics as farm_metrics
-from ndif_celery.policy import client_versions
+from ndif_celery.policy import client_versions, model_policy
 from ndif_celery.state import expiry
 from ndif_celery.state import jobs, queues, registry
 from ndif_celery.store import FilesystemStore, open_store
@@ -218,8 +218,9 @@ class WorkerState:
         self.redis.hdel(registry.LOAD_FAILURES, registry.deployment_field(self.name, model_key))
         registry.set_deployment(
             self.redis, self.name, model_key, registry.RUNNING,
-            size_bytes=size_bytes, dtype=dtype, loaded_at=time.time(), load_seconds=seconds,
-            torch_threads=self.models.threads_of(model_key),
+            size_bytes=size_bytes, dtype=model_policy.parse(model_key).held or dtype, loaded_at=time.time(),
+            load_seconds=seconds, torch_threads=self.models.threads_of(model_key),
+            measured_bytes=self.models.measured_bytes(model_key),
         )
         registry.record_refs(self.redis, repo, memory.cached_refs(repo))  # which revisions name these weights
         if untrusted_jobs_possible(settings):

@@ -19,7 +19,7 @@ import redis as redis_py
 from ndif_celery.celery_app import make_app
 from ndif_celery.farm import actions
 from ndif_celery.farm import capacity
-from ndif_celery.policy import model_policy
+from ndif_celery.policy import held_formats, model_policy
 from ndif_celery.state import jobs, queues, registry
 
 from .common import echo_rows, from_ledger, settings
@@ -50,7 +50,9 @@ def connect():
 @click.option("--force", is_flag=True, help="With --sync: evict even a pinned model, or everything (an empty file).")
 @click.option("--pin", is_flag=True, help="Never evict it to make room for another model.")
 @click.option("--replicas", default=1, show_default=True, type=int, help="How many workers hold it.")
-@click.option("--dtype", default=None, help="Load the weights as this dtype (e.g. bfloat16).")
+@click.option("--dtype", default=None,
+              help="Hold the weights as this float type (e.g. bfloat16) or quantization (nf4, int8, fp4, fp8): "
+                   "a quantization is a deployment of its own, asked for at <url>/dtype/<name> (docs/farm.md).")
 @click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
 @click.option("--nnsight", "nnsight_version", default="", metavar="VERSION",
               help="For the clients of this nnsight runtime (repo ids only; docs/versions.md).")
@@ -70,7 +72,8 @@ def deploy(model: Optional[str], path: Optional[str], sync: bool, dry_run: bool,
         return _deploy_file(path, sync, dry_run, force, wait, timeout, wait_for_workers)
     current, client, _ = connect()
     try:
-        key = actions.model_key_for(model, task=task, nnsight=nnsight_version)
+        dtype = held_formats.check(dtype) if dtype else None
+        key = actions.model_key_for(model, task=task, nnsight=nnsight_version, dtype=dtype)
         # The operator may deploy any hub id, but not outside NDIF_MODELS, nor remote code outside NDIF_TRUST_REMOTE_CODE.
         model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
         if not wait_for_workers:
@@ -85,6 +88,8 @@ def deploy(model: Optional[str], path: Optional[str], sync: bool, dry_run: bool,
             click.echo(f"{model}: deployment requested")
     except (actions.FarmError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
+    except model_policy.PolicyError as exc:
+        raise click.ClickException(exc.detail) from None
 
 
 def _deploy_file(path: str, sync: bool, dry_run: bool, force: bool, wait: bool, timeout: float,
@@ -161,13 +166,15 @@ def _print_plan(plan, entries: list, sync: bool, force: bool, unmeetable: list) 
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait until REPLICAS workers hold it.")
 @click.option("--wait-for-workers", is_flag=True, help=WAIT_FOR_WORKERS_HELP)
 @click.option("--timeout", default=600.0, show_default=True, type=float)
-def scale(model: str, replicas: int, task: str, wait: bool, wait_for_workers: bool, timeout: float) -> None:
+@click.option("--dtype", default=None, help="The quantized deployment of MODEL held as this (nf4, int8, ...).")
+def scale(model: str, replicas: int, task: str, wait: bool, wait_for_workers: bool, timeout: float,
+          dtype: Optional[str]) -> None:
     """Keep MODEL on REPLICAS workers: more are loaded, the extra ones evicted now."""
     from ndif_celery.farm import deployments
 
     current, client, app = connect()
     try:
-        key = actions.model_key_for(model, task=task)
+        key = actions.model_key_for(model, task=task, dtype=dtype)
         model_policy.ModelPolicy.from_settings(current).check_model(model_policy.parse(key))
         if not wait_for_workers:
             dtype = (registry.desired(client).get(key) or {}).get("dtype")
@@ -194,11 +201,12 @@ def scale(model: str, replicas: int, task: str, wait: bool, wait_for_workers: bo
 @click.option("--task", default="text-generation", show_default=True, help="Task in the model key (repo ids only).")
 @click.option("--wait/--no-wait", default=True, show_default=True)
 @click.option("--timeout", default=120.0, show_default=True, type=float)
-def evict(model: str, task: str, wait: bool, timeout: float) -> None:
+@click.option("--dtype", default=None, help="The quantized deployment of MODEL held as this (nf4, int8, ...).")
+def evict(model: str, task: str, wait: bool, timeout: float, dtype: Optional[str]) -> None:
     """Evict MODEL from every worker (pinned or not) and forget its deployment."""
     _, client, app = connect()
     try:
-        key = actions.model_key_for(model, task=task)
+        key = actions.model_key_for(model, task=task, dtype=dtype)
         workers = actions.evict(client, app, key)
         if not workers:
             click.echo(f"{model}: not deployed")

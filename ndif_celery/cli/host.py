@@ -238,10 +238,12 @@ def status(as_json: bool) -> None:
         )
     click.echo("deployments:")
     hot = [e for e in farm["deployments"].values() if e["deployment_level"] == "HOT"]
-    for entry in sorted(hot, key=lambda e: (e["repo_id"], e.get("nnsight") or "", e["worker"])):
+    for entry in sorted(hot, key=lambda e: (e["repo_id"], e.get("nnsight") or "", e.get("dtype") or "", e["worker"])):
         pin = " pinned" if entry["pinned"] else ""
+        held = f" measured {_mib(entry['measured_bytes'])}" if entry.get("measured_bytes") else ""
         click.echo(f"  {entry['repo_id']:<36} nnsight {entry.get('nnsight') or '-':<8} "
-                   f"{entry['application_state']:<10} on {entry['worker']}{pin}")
+                   f"{entry.get('dtype') or 'as saved':<9} {entry['application_state']:<10} on {entry['worker']}{pin}"
+                   f"{held}")
 
 
 def _restarts(record: Optional[dict]) -> str:

@@ -16,7 +16,7 @@ import redis
 
 from ndif_celery import messages, statuses, wire
 from ndif_celery.celery_app import EVICT_MODEL, worker_queue
-from ndif_celery.policy import client_versions
+from ndif_celery.policy import client_versions, held_formats
 from ndif_celery.policy import model_policy
 from ndif_celery.state import jobs, queues, registry
 
@@ -28,14 +28,17 @@ class FarmError(Exception):
 
 
 def model_key_for(model: str, task: str = "text-generation", revision: Optional[str] = None,
-                  nnsight: str = "") -> str:
+                  nnsight: str = "", dtype: Optional[str] = None) -> str:
     """A full model key from a repo id (or a key), exactly as the nnsight client
     builds it: canonical and checked by ``policy.model_policy.parse``, as the web's are.
-    ``nnsight``: a runtime's deployment of it (docs/versions.md)."""
+    ``nnsight``: a runtime's deployment of it (docs/versions.md). ``dtype``: a
+    quantization makes it that quantized deployment (a float leaves the key as it is)."""
     if ":" not in model:
         suffix = {'repo_id': model, 'revision': revision, 'task': task}
         if client_versions.as_runtime(nnsight):
             suffix[model_policy.RUNTIME_FIELD] = nnsight
+        if dtype and held_formats.is_quantized(dtype):
+            suffix[model_policy.HELD_FIELD] = held_formats.canonical_quantization(dtype)
         model = f"{DEFAULT_CLASS}:{json.dumps(suffix)}"
     return model_policy.parse(model).key
 

@@ -245,7 +245,7 @@ class Controller(threading.Thread):
         self, farm: "Farm", model_key: str, wish: dict, fail_queue: Optional[str] = None, evict: bool = True
     ) -> bool:
         """Send a load to the best worker; on no room, fail ``fail_queue``'s jobs."""
-        dtype = wish.get("dtype")
+        dtype = wish.get("dtype") or self.settings.default_dtype or None  # an operator's wish, else the farm's
         repo = wire.repo_fields(model_key)["repo_id"]
         try:
             model_policy.ModelPolicy.from_settings(self.settings).loadable(model_key)  # before sizing reads any config
@@ -272,7 +272,7 @@ class Controller(threading.Thread):
         log.info("placing %s (%d bytes) on %s, evicting %s", repo, size, chosen.worker, chosen.evict or "nothing")
         registry.set_deployment(
             self.redis, chosen.worker, model_key, registry.DEPLOYING,
-            size_bytes=size, dtype=dtype, assigned_at=time.time(),
+            size_bytes=size, weight_bytes=weights, dtype=dtype, assigned_at=time.time(),
         )
         farm.add(chosen.worker, model_key, size)
         for evicted in chosen.evict:

@@ -9,7 +9,7 @@ of entries, or ``{"deployments": [...]}``::
       revision: main          # optional (the hub's default branch)
       task: text-generation   # optional, as the client's default
       nnsight: 0.7.0          # optional: for that runtime's clients (docs/versions.md)
-      dtype: bfloat16         # optional (the checkpoint's)
+      dtype: bfloat16         # optional (the checkpoint's); nf4, int8, fp4, fp8: a quantized deployment of its own
       replicas: 2             # optional, 1
       pin: true               # optional, false: never evicted for another model
       users: [ada@example.org, "tag:trusted", "key:12"]   # optional: who may use it
@@ -50,7 +50,7 @@ import redis
 
 from ndif_celery.accounts import db
 from ndif_celery.celery_app import EVICT_MODEL, worker_queue
-from ndif_celery.policy import deployment_access, model_policy
+from ndif_celery.policy import deployment_access, held_formats, model_policy
 from ndif_celery.state import registry
 
 from . import actions
@@ -59,7 +59,6 @@ MAX_FILE_BYTES = 1024 * 1024
 MAX_ENTRIES = 1000
 MAX_USERS = 1000
 MAX_REPLICAS = 64
-DTYPES = ("float32", "float16", "bfloat16", "float64")
 FIELDS = ("repo", "revision", "task", "nnsight", "dtype", "replicas", "pin", "users")
 SOURCE = "file"
 
@@ -172,14 +171,13 @@ def _entry(raw: object, where: str, policy: Optional[model_policy.ModelPolicy]) 
                                f"got {runtime!r}")
     try:
         model_policy.check_repo_id(repo, "repo")
-        key = actions.model_key_for(repo, task=task, revision=revision, nnsight=runtime or "")
+        dtype = _optional_text(raw, "dtype", where)
+        dtype = held_formats.check(dtype) if dtype is not None else None
+        key = actions.model_key_for(repo, task=task, revision=revision, nnsight=runtime or "", dtype=dtype)
         if policy is not None:
             policy.check_model(model_policy.parse(key))
-    except model_policy.PolicyError as error:
+    except (model_policy.PolicyError, held_formats.FormatError) as error:
         raise DeploymentsError(f"{where}: {error.detail}") from None
-    dtype = _optional_text(raw, "dtype", where)
-    if dtype is not None and dtype not in DTYPES:
-        raise DeploymentsError(f"{where}: field `dtype` must be one of {', '.join(DTYPES)}, got {dtype!r}")
     replicas = raw.get("replicas", 1)
     if isinstance(replicas, bool) or not isinstance(replicas, int) or not 1 <= replicas <= MAX_REPLICAS:
         raise DeploymentsError(f"{where}: field `replicas` must be a whole number from 1 to {MAX_REPLICAS}, "

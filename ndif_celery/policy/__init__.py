@@ -4,6 +4,8 @@
   ``NDIF_TRUST_REMOTE_CODE``), and a model key and ``env`` in canonical form.
   Not ``workers.models``, the models a worker holds. Nor ``IsolationPolicy``,
   an untrusted child's limits in ``workers.isolation.parent``.
+``held_formats`` - the formats a deployment may hold its weights in: torch's floats and
+  nnsight's quantizations, read from nnsight's own table without torch.
 ``deployment_access`` - who may use a deployment that names its ``users``.
   ``farm.deployments.check_access`` reads the wishes, then asks it.
 ``client_versions`` - the client version gate the web applies at intake

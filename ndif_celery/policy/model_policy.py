@@ -33,13 +33,21 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
-from ndif_celery.policy import client_versions
-from ndif_celery.wire import WireError, check_model_key
+from ndif_celery.policy import client_versions, held_formats
+from ndif_celery.wire import WireError, check_model_key, repo_fields
 
 # The one class nnsight 0.8.1 keys its transformers models by: LanguageModel
 # and VisionLanguageModel key themselves as TransformersModel (_remoteable_class).
 TRANSFORMERS_MODEL = "nnsight.modeling.transformers.TransformersModel"
 MODEL_CLASSES = (TRANSFORMERS_MODEL,)
+# nnsight classes this farm has no workers for, each with what to use instead
+# ({repo}: the repo the key names; a VLLM key's suffix is the bare repo id).
+VLLM_MODEL = "nnsight.modeling.vllm.vllm.VLLM"
+REFUSED_CLASSES = {
+    VLLM_MODEL: ("This farm runs no vLLM workers, so nnsight's VLLM models are not served here. Load the same repo "
+                 "as a LanguageModel (nnsight.LanguageModel({repo!r})): it traces the same weights through "
+                 "transformers on this farm's workers."),
+}
 # The class the 0.6 and 0.7 clients key a language model by, with no task
 # (``{"repo_id", "revision"}``): the farm's canonical key of the same model is
 # a TransformersModel with the task LanguageModel loads.
@@ -51,6 +59,10 @@ KEY_FIELDS = ("repo_id", "revision", "trust_remote_code", "task")
 # The field the farm adds (never a client): the nnsight runtime that serves
 # the deployment, absent for the farm's own (``ModelKey.nnsight``).
 RUNTIME_FIELD = "nnsight"
+# The other field the farm adds: a quantized deployment's format (``ModelKey.held``).
+# It is the loader's own keyword, so ``from_model_key`` loads the key as it reads.
+HELD_FIELD = "dtype"
+FARM_FIELDS = (RUNTIME_FIELD, HELD_FIELD)
 ENV_FIELDS = ("attn_implementation", "peft")
 
 # The hub's rules for a repo id: `name` or `owner/name`, each part of letters,
@@ -112,26 +124,30 @@ class ModelKey:
     task: str
     trust_remote_code: bool = False
     nnsight: str = ""  # the runtime's nnsight version; "" for the farm's own
+    held: str = ""  # a quantization's canonical name (nf4, int8, ...); "" for a float deployment
 
     @property
     def key(self) -> str:
         """The canonical key: byte for byte what nnsight 0.8.1's ``to_model_key``
         builds for this model (revision None for the default branch, a task
         by its canonical name), so the client's own key is usually canonical
-        already. A runtime's deployment of the same model adds its version
-        last: another deployment, on another queue, loaded by its own workers."""
+        already. A runtime's deployment of the same model adds its version,
+        a quantized one its format, last: another deployment, on another
+        queue, loaded by its own workers."""
         suffix: dict = {"repo_id": self.repo_id, "revision": self.revision}
         if self.trust_remote_code:
             suffix["trust_remote_code"] = True
         suffix["task"] = self.task
         if self.nnsight:
             suffix[RUNTIME_FIELD] = self.nnsight
+        if self.held:
+            suffix[HELD_FIELD] = self.held
         return f"{self.cls}:{json.dumps(suffix)}"
 
     @property
     def main_key(self) -> str:
-        """The same model as the farm's own nnsight keys it (sizing, hub refs)."""
-        return dataclasses.replace(self, nnsight="").key
+        """The checkpoint as the farm's own nnsight keys it at full width (sizing, hub refs)."""
+        return dataclasses.replace(self, nnsight="", held="").key
 
 
 def parse(model_key: str) -> ModelKey:
@@ -146,6 +162,8 @@ def parse(model_key: str) -> ModelKey:
     except WireError as error:
         raise PolicyError(error.detail, error.status) from None
     cls, _, suffix = model_key.partition(":")
+    if cls in REFUSED_CLASSES:
+        raise PolicyError(REFUSED_CLASSES[cls].format(repo=str(repo_fields(model_key)["repo_id"])[:100]), 403)
     if cls not in MODEL_CLASSES:
         raise PolicyError(f"Model class {cls!r} is not served here: this server builds {', '.join(MODEL_CLASSES)} "
                           "models (nnsight's TransformersModel, LanguageModel, VisionLanguageModel).")
@@ -157,7 +175,7 @@ def parse(model_key: str) -> ModelKey:
     if not isinstance(data, dict):
         raise PolicyError("The model_key's checkpoint part must be a JSON object, not "
                           f"{type(data).__name__}.")
-    extra = sorted(set(data) - set(KEY_FIELDS) - {RUNTIME_FIELD})
+    extra = sorted(set(data) - set(KEY_FIELDS) - set(FARM_FIELDS))
     if extra:
         raise PolicyError(f"Field {extra[0]!r} is not allowed in a model_key: it would reach the model loader. "
                           f"A model_key holds only {', '.join(KEY_FIELDS)} (as nnsight builds it).")
@@ -178,8 +196,12 @@ def parse(model_key: str) -> ModelKey:
     runtime = data.get(RUNTIME_FIELD, "")
     if runtime and not (isinstance(runtime, str) and _RUNTIME.fullmatch(runtime)):
         raise PolicyError(f"The model_key's {RUNTIME_FIELD!r} must be an nnsight version such as 0.7.0.")
+    held = data.get(HELD_FIELD, "")
+    if held and not (isinstance(held, str) and held_formats.canonical_quantization(held) == held):
+        raise PolicyError(f"The model_key's {HELD_FIELD!r} must be a quantization by its canonical name "
+                          f"({', '.join(held_formats.quantizations())}).")
     return ModelKey(cls=cls, repo_id=repo_id, revision=revision, task=task, trust_remote_code=trust,
-                    nnsight=runtime)
+                    nnsight=runtime, held=held)
 
 
 def runtime_of(model_key: str) -> str:
@@ -219,7 +241,20 @@ def parse_client_key(model_key: str, runtime: str = "") -> ModelKey:
     if key.nnsight:
         raise PolicyError(f"Field {RUNTIME_FIELD!r} is not allowed in a model_key: the farm sets it from the "
                           "client's nnsight-version header.")
+    if key.held:
+        raise PolicyError(f"Field {HELD_FIELD!r} is not allowed in a model_key: a quantized deployment is asked "
+                          "for by URL (remote=\"http://<this server>/dtype/nf4\").")
     return dataclasses.replace(key, nnsight=runtime)
+
+
+def check_held(name: str) -> str:
+    """The quantization a ``/dtype/<name>`` URL asks for, by its canonical name."""
+    found = held_formats.canonical_quantization(name)
+    if found is None:
+        raise PolicyError(f"The URL asks for dtype {name[:40]!r}, which is not a quantization nnsight loads: use "
+                          f"/dtype/ with one of {', '.join(held_formats.quantizations())}, or the server's own "
+                          "URL for the model as deployed.", 404)
+    return found
 
 
 def check_repo_id(value: object, field: str) -> str:
@@ -331,8 +366,23 @@ def may_be_same_weights(a: ModelKey, b: ModelKey, refs: Mapping[str, str]) -> bo
 
 def same_model(a: ModelKey, b: ModelKey, refs: Mapping[str, str]) -> bool:
     """One deployment serves both: the same weights, loaded the same way."""
-    return ((a.cls, a.task, a.trust_remote_code, a.nnsight) == (b.cls, b.task, b.trust_remote_code, b.nnsight)
+    return ((a.cls, a.task, a.trust_remote_code, a.nnsight, a.held) == (b.cls, b.task, b.trust_remote_code, b.nnsight,
+                                                                         b.held)
             and same_weights(a, b, refs))
+
+
+def quantized_only(key: ModelKey, same_repo: list[ModelKey], refs: Mapping[str, str]) -> Optional[ModelKey]:
+    """The one quantized deployment of ``key``'s model, when the farm has no other
+    (as NDIF, where the deployment decides how a model is held). PolicyError
+    when there are several: the client must choose one by URL."""
+    found = [other for other in same_repo
+             if other.held and same_model(dataclasses.replace(key, held=other.held), other, refs)]
+    if len(found) > 1:
+        names = ", ".join(other.held for other in found)
+        raise PolicyError(f"Model {key.repo_id!r} is deployed on this farm only quantized, as {names}. Choose one by "
+                          f"the URL you send to: remote=\"http://<this server>/dtype/{found[0].held}\" "
+                          "(or CONFIG.API.HOST).", 409)
+    return found[0] if found else None
 
 
 def keys_of_repo(keys: Iterable[str], repo_id: str) -> list[ModelKey]:
@@ -388,7 +438,7 @@ class ModelPolicy:
 
     def admit(self, model_key: str, env: dict, trusted: bool, offered: Iterable[str] = (),
               refs_of: Callable[[str], Mapping[str, str]] = lambda repo_id: {},
-              runtime: str = "") -> tuple[str, dict]:
+              runtime: str = "", held: str = "") -> tuple[str, dict]:
         """Intake: ``(canonical key, clean env)`` or PolicyError. ``offered`` is
         the keys deployed now or wished by the operator; a key naming the same
         weights as one of them, loaded the same way, is that one (one deployment,
@@ -396,8 +446,16 @@ class ModelPolicy:
         the workers found them (``registry.refs``). An untrusted key uses what
         is offered; it deploys only a repo NDIF_MODELS lists and nothing offers yet.
         ``runtime``: the nnsight version of the runtime that serves the client
-        ("" for the farm's own); its deployments are its own."""
+        ("" for the farm's own); its deployments are its own. ``held``: the
+        quantization the request's URL asked for ("" for none): those
+        deployments are their own too. A request that asks for none goes to
+        the model's only quantized deployment when it has no other."""
         key = parse_client_key(model_key, runtime)
+        if held and runtime:
+            raise PolicyError(f"Quantized deployments serve nnsight {client_versions.MAIN} clients: nnsight {runtime} "
+                              "loads no quantization by name. Send to the server's own URL.", 400)
+        if held:
+            key = dataclasses.replace(key, held=check_held(held))
         self.check_model(key)
         clean_env = check_env(env)
         self.check_peft(clean_env)
@@ -407,6 +465,10 @@ class ModelPolicy:
             for other in same_repo:
                 if same_model(key, other, refs):
                     return other.key, clean_env
+            if not held:
+                only = quantized_only(key, same_repo, refs)
+                if only is not None:
+                    return only.key, clean_env
         runtime_said = f" for nnsight {key.nnsight}" if key.nnsight else ""
         if not trusted and not self.untrusted_may_deploy(key):
             raise PolicyError(

@@ -281,6 +281,9 @@ def status_document(client: redis.Redis, operator: bool = False) -> dict:
             "dedicated": True,
             "size_bytes": entry.get("size_bytes"),
             "dtype": entry.get("dtype"),
+            # The weights as estimated before the load, and as loaded (size_bytes: as placed, padded).
+            "weight_bytes": entry.get("weight_bytes"),
+            "measured_bytes": entry.get("measured_bytes"),
             "loaded_at": entry.get("loaded_at"),
             "load_seconds": entry.get("load_seconds"),
             "last_used": entry.get("last_used"),

@@ -27,6 +27,8 @@ from typing import Any, Optional
 import torch
 from nnsight.modeling import processing
 
+from workers import quantized
+
 # Source text -> why a block containing it runs alone.
 SOLO_MARKERS = {
     ".skip(": "it skips a module (.skip()), which cannot cover only its own rows of a shared forward",
@@ -79,6 +81,10 @@ def inspect(model: Any, park: Any, env: dict) -> tuple[Optional[tuple], str]:
     ``park.length``.
     """
     name = park.fn_name = call_name(park.fn)
+    if quantized.is_quantized(model._module):
+        # LLM.int8() picks its outlier columns from the whole batch, and the 4-bit
+        # kernels differ for one row and many: a neighbour's rows would change yours.
+        return None, "the model is quantized, and its kernels compute a row differently beside other rows"
     if name not in _CALLS:
         return None, f"it calls {name!r}, not the model's forward or generate"
     if not park.batcher.invokes:

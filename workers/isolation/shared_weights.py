@@ -16,7 +16,10 @@ weights and without being able to change them:
 
 ``share`` runs in the worker; ``attach`` in the zygote (CPU regions) and in
 each child (CUDA regions). The manifest that connects them is plain data:
-names, dtypes, shapes, strides and offsets, no code.
+names, dtypes, shapes, strides and offsets, no code. A quantized model's
+bitsandbytes layers are described too (``workers.quantized``): the skeleton
+gets the same layer classes, and the scales they keep beside their weights
+are shared like the weights.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+
+from workers import quantized
 
 ALIGN = 64  # bytes: every region starts aligned for any dtype and vector loads
 _CUDA_GRANULE = 2 << 20
@@ -41,14 +46,16 @@ class Shared:
     cpu_bytes: int = 0
     cuda: dict = field(default_factory=dict)  # device index -> (rebuild args for its flat buffer)
     keep: list = field(default_factory=list)  # the worker's flat buffers (kept alive)
+    quantized: list = field(default_factory=list)  # workers.quantized.describe: its bitsandbytes layers
 
     def header(self) -> dict:
         return {"manifest": self.manifest, "regions": self.regions, "cpu_bytes": self.cpu_bytes,
-                "cuda": {str(k): v for k, v in self.cuda.items()}}
+                "cuda": {str(k): v for k, v in self.cuda.items()}, "quantized": self.quantized}
 
 
 def _tensors(module: torch.nn.Module):
-    """(module path, kind, name, tensor) for every parameter and buffer, tied ones included."""
+    """(module path, kind, name, tensor) for every parameter and buffer, tied ones
+    included, then the tensors quantized layers keep beside their weights."""
     for path, sub in module.named_modules(remove_duplicate=False):
         for name, tensor in sub._parameters.items():
             if tensor is not None:
@@ -56,6 +63,7 @@ def _tensors(module: torch.nn.Module):
         for name, tensor in sub._buffers.items():
             if tensor is not None:
                 yield path, "buffer", name, tensor
+    yield from quantized.extra_tensors(module)
 
 
 def _key(tensor: torch.Tensor) -> tuple:
@@ -69,7 +77,7 @@ def _aligned(n: int) -> int:
 
 def share(module: torch.nn.Module) -> Shared:
     """Move ``module``'s tensors into shareable memory (in place, same values)."""
-    shared = Shared()
+    shared = Shared(quantized=quantized.describe(module))
     storages: dict[tuple, int] = {}  # storage key -> region index
     sizes: dict[str, int] = {}  # device name -> bytes so far
     originals = []
@@ -125,6 +133,8 @@ def attach(module: torch.nn.Module, header: dict, cpu_fd: int = -1, devices: str
 
     ``devices`` is ``"cpu"`` (the zygote: CPU regions, mapped privately) or
     ``"cuda"`` (a child: CUDA regions, through their IPC handles)."""
+    if devices == "cpu":  # the zygote: its skeleton's quantized layers, as the worker's (a child inherits them)
+        quantized.rebuild(module, header.get("quantized", []))
     flats = {}
     if devices == "cpu" and header["cpu_bytes"]:
         mapping = mmap.mmap(cpu_fd, header["cpu_bytes"], flags=mmap.MAP_PRIVATE,
@@ -146,6 +156,7 @@ def _point(module: torch.nn.Module, header: dict, flats: dict, in_place: bool = 
     manifest, regions = header["manifest"], header["regions"]
     made: dict[tuple, torch.Tensor] = {}  # one object per (region, view): ties stay tied
     modules = dict(module.named_modules(remove_duplicate=False))
+    layers = {spec["path"]: spec for spec in header.get("quantized", [])}
     for entry in manifest:
         region = regions[entry["region"]]
         flat = flats.get(region["device"])
@@ -159,11 +170,16 @@ def _point(module: torch.nn.Module, header: dict, flats: dict, in_place: bool = 
             typed = raw.view(dtype) if region["nbytes"] else torch.empty(0, dtype=dtype, device=flat.device)
             # as_strided's offset counts from the flat buffer's start, not the view's.
             tensor = typed.as_strided(entry["shape"], entry["stride"], typed.storage_offset() + entry["offset"])
-            if entry["parameter"] and not in_place:
+            spec = layers.get(entry["module"])
+            if entry["parameter"] and not in_place and spec is not None and entry["name"] == "weight":
+                tensor = quantized.weight(modules[entry["module"]], spec, tensor)
+            elif entry["parameter"] and not in_place:
                 tensor = torch.nn.Parameter(tensor, requires_grad=entry["requires_grad"])
             made[key] = tensor
         owner = modules[entry["module"]]
-        if entry["kind"] == "param" and in_place:
+        if entry["kind"] in (quantized.QUANT_STATE, quantized.INT8_STATE):
+            quantized.point(owner, layers[entry["module"]], entry["kind"], entry["name"], tensor)
+        elif entry["kind"] == "param" and in_place:
             owner._parameters[entry["name"]].data = tensor
         elif entry["kind"] == "param":
             owner._parameters[entry["name"]] = tensor

@@ -246,6 +246,8 @@ def _build(header: dict, cpu_fd: int) -> Any:
     if paths != header["modules"]:
         raise ZygoteError("the model's skeleton does not have the resident model's modules")
     shared_weights.attach(module, header["shared"], cpu_fd, "cpu")
+    if header["shared"].get("quantized"):  # attach replaced its quantized layers: the envoys follow
+        model._update(module)
     training = set(header["training"])
     for path, sub in module.named_modules():
         sub.training = path in training

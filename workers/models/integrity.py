@@ -26,18 +26,23 @@ from typing import Any, Iterator
 
 import torch
 
+from workers import quantized
+
 
 def named_tensors(module: torch.nn.Module) -> Iterator[tuple]:
     """(name, tensor) for every parameter and buffer, persistent or not (a rotary ``inv_freq`` is
     not in ``state_dict``), each tied weight and alias under each of its names: what
     ``named_parameters`` then ``named_buffers`` (``remove_duplicate=False``) give, in
-    their order, from one walk of the modules (the stamps read it after every job)."""
+    their order, from one walk of the modules (the stamps read it after every job);
+    then the scales a quantized layer keeps beside its weight, which change its values as surely."""
     modules = list(module.named_modules(remove_duplicate=False))
     for members in ("_parameters", "_buffers"):
         for prefix, sub in modules:
             for name, tensor in getattr(sub, members).items():
                 if tensor is not None:
                     yield (f"{prefix}.{name}" if prefix else name), tensor
+    for prefix, kind, name, tensor in quantized.extra_tensors(module):  # a quantized layer's scales
+        yield f"{prefix}.{kind}.{name}", tensor
 
 
 def fingerprint(module: torch.nn.Module) -> dict:

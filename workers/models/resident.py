@@ -25,7 +25,7 @@ from typing import Any, Optional
 from ndif_celery import config
 from ndif_celery.policy import model_policy
 from ndif_celery.wire import repo_fields
-from workers import adapters, baseline, cuda
+from workers import adapters, baseline, cuda, quantized
 from workers.execute import RequestError, forget_tree, no_grad_weights
 from workers.isolation import parent
 from workers.isolation import shared_weights
@@ -151,6 +151,12 @@ class ResidentModels:
         self.threads.use(resident.threads)
         return resident.model
 
+    def measured_bytes(self, model_key: str) -> int:
+        """What its weights take as loaded: parameters, buffers and a
+        quantization's scales. Shown beside the size it was placed by."""
+        resident = self._residents.get(model_key)
+        return weights_in_memory(resident.model._module) if resident is not None else 0
+
     def threads_of(self, model_key: str) -> int:
         resident = self._residents.get(model_key)
         return resident.threads if resident is not None else 0
@@ -180,8 +186,9 @@ class ResidentModels:
             raise RequestError(f"Could not load model: {error.detail}", kind="deploy") from None
         started = time.monotonic()
         kwargs = {"dispatch": True}
+        dtype = model_policy.parse(canonical).held or dtype  # a quantized deployment is held as its key says
         if dtype:
-            kwargs["dtype"] = dtype
+            kwargs["dtype"] = dtype  # nnsight loads a quantization's name (nnsight.modeling.quantization)
         if cuda.gpus_visible():
             # Onto this worker's GPUs (CUDA_VISIBLE_DEVICES is its own), spread
             # over them when there are several, loaded straight there.
@@ -194,6 +201,7 @@ class ResidentModels:
                 f"{type(error).__name__}: {error}"
             ) from None
         no_grad_weights(model._module)
+        quantized.settle(model._module)  # before the baseline and fingerprints: what a request finds
         threads, why = (threads, "as before") if threads else self.threads.for_model(model._module)
         log.info("%s: %d torch thread(s) per forward (%s)", repo_fields(model_key)["repo_id"], threads, why)
         self._residents[model_key] = Resident(model_key, model, dtype, size_bytes,
@@ -330,3 +338,15 @@ class ResidentModels:
         gc.collect()
         cuda.empty_cuda_cache()
         return True
+
+
+def weights_in_memory(module: Any) -> int:
+    """Bytes of ``module``'s parameters and buffers, with the scales a
+    bitsandbytes weight keeps beside it (``quant_state.absmax``, ``SCB``)."""
+    total = 0
+    for tensor in [*module.parameters(), *module.buffers()]:
+        total += tensor.numel() * tensor.element_size()
+        state = getattr(tensor, "quant_state", None)
+        scales = [getattr(state, "absmax", None), getattr(tensor, "SCB", None)]
+        total += sum(scale.numel() * scale.element_size() for scale in scales if scale is not None)
+    return total

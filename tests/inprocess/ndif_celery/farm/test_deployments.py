@@ -57,7 +57,7 @@ def test_json_and_an_inline_list_read_the_same():
     ("- repo: org/a\n  replicas: two\n", "entry 1 (org/a): field `replicas` must be a whole number"),
     ("- repo: org/a\n- repo: org/b\n  replicas: 0\n", "entry 2 (org/b): field `replicas`"),
     ("- repo: org/a\n  pin: yes please\n", "entry 1 (org/a): field `pin` must be true or false"),
-    ("- repo: org/a\n  dtype: int3\n", "entry 1 (org/a): field `dtype` must be one of"),
+    ("- repo: org/a\n  dtype: int3\n", "entry 1 (org/a): dtype 'int3' is not one this farm loads"),
     ("- repo: org/a\n  users: ada@example.org\n", "entry 1 (org/a): field `users` must be a list"),
     ("- repo: org/a\n  users: [nobody]\n", "field `users`: 'nobody' is not an email"),
     ("- repo: org/a\n  users: ['tag:student']\n", "unknown tag 'student'"),

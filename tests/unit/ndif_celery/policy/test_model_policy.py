@@ -251,3 +251,65 @@ def test_an_untrusted_key_uses_a_runtimes_deployment_as_any_other():
         ModelPolicy().admit(OLD_KEY, {}, trusted=False, offered=[main], runtime="0.7.0")
     listed = ModelPolicy(models=("org/*",))
     assert listed.admit(OLD_KEY, {}, trusted=False, offered=[main], runtime="0.7.0")[0].endswith('"nnsight": "0.7.0"}')
+
+
+# --- quantized deployments and classes served elsewhere ---------------------------------
+
+
+def test_a_quantized_deployment_is_its_own_key_the_loader_reads():
+    key = ModelPolicy().admit(KEY, {}, True, held="int4")[0]
+    assert key == KEY[:-1] + ', "dtype": "nf4"}'
+    parsed = model_policy.parse(key)
+    assert parsed.held == "nf4" and parsed.main_key == KEY and parsed.key == key
+    # nnsight's from_model_key turns each field into a loader argument: dtype="nf4" is its quantization.
+    assert json.loads(key.partition(":")[2])["dtype"] == "nf4"
+    assert not model_policy.same_model(parsed, model_policy.parse(KEY), {})
+
+
+@pytest.mark.parametrize("held, words", [("int9", "not a quantization nnsight loads"),
+                                         ("float16", "not a quantization nnsight loads")])
+def test_a_url_naming_no_quantization_is_refused(held, words):
+    with pytest.raises(PolicyError) as caught:
+        ModelPolicy().admit(KEY, {}, True, held=held)
+    assert words in caught.value.detail and caught.value.status == 404
+
+
+def test_a_client_cannot_write_the_held_format_into_its_key():
+    with pytest.raises(PolicyError) as caught:
+        model_policy.parse_client_key(KEY[:-1] + ', "dtype": "nf4"}')
+    assert "asked for by URL" in caught.value.detail
+    with pytest.raises(PolicyError):  # nor a format by another name: the key would reach the loader
+        model_policy.parse(KEY[:-1] + ', "dtype": "bfloat16"}')
+
+
+def test_a_model_held_only_quantized_serves_the_plain_url_and_several_must_be_chosen():
+    policy = ModelPolicy()
+    nf4, int8 = (policy.admit(KEY, {}, True, held=name)[0] for name in ("nf4", "int8"))
+    assert policy.admit(KEY, {}, False, offered=[nf4])[0] == nf4  # the only one, as NDIF
+    with pytest.raises(PolicyError) as caught:
+        policy.admit(KEY, {}, False, offered=[nf4, int8])
+    assert caught.value.status == 409 and "/dtype/int8" in caught.value.detail and "nf4" in caught.value.detail
+    assert policy.admit(KEY, {}, False, offered=[nf4, int8], held="8bit")[0] == int8
+    assert policy.admit(KEY, {}, False, offered=[nf4, int8, KEY])[0] == KEY  # the plain one, when there is one
+
+
+def test_an_untrusted_key_cannot_deploy_a_quantization_nobody_offers():
+    with pytest.raises(PolicyError) as caught:
+        ModelPolicy().admit(KEY, {}, False, offered=[KEY], held="nf4")
+    assert caught.value.status == 403
+
+
+def test_a_runtime_client_cannot_ask_for_a_quantization():
+    with pytest.raises(PolicyError) as caught:
+        ModelPolicy().admit(KEY, {}, True, runtime="0.7.0", held="nf4")
+    assert "loads no quantization" in caught.value.detail
+
+
+def test_a_vllm_key_is_told_there_are_no_vllm_workers_and_what_to_use():
+    from nnsight.modeling.vllm import VLLM
+    from nnsight.util import to_import_path
+
+    vllm = f"{to_import_path(VLLM)}:{REPO_ID}"  # as VLLM(REPO_ID).to_model_key() builds it
+    with pytest.raises(PolicyError) as caught:
+        ModelPolicy().admit(vllm, {}, True)
+    assert "no vLLM workers" in caught.value.detail and f"LanguageModel('{REPO_ID}')" in caught.value.detail
