@@ -58,6 +58,24 @@ def settle(module: Any) -> int:
     return count
 
 
+def refused_formats() -> dict:
+    """Each quantization nnsight will not load on this machine, with its reason.
+
+    Asked of nnsight's own table (each format's ``build``), so its rules stay
+    its own: ``fp8`` refuses without a GPU of compute capability 8.9. Only
+    asked on a worker with no GPU, where asking cannot initialise CUDA; a GPU
+    worker finds out at its load, and the controller tries another."""
+    from nnsight.modeling import quantization
+
+    refused = {}
+    for name, fmt in quantization.QUANTIZATIONS.items():
+        try:
+            fmt.build(quantization._torch_dtype(fmt.compute_dtype))
+        except Exception as error:  # noqa: BLE001 - any refusal is one, in nnsight's words
+            refused[name] = f"{type(error).__name__}: {error}" if not isinstance(error, ValueError) else str(error)
+    return refused
+
+
 def is_quantized(module: Any) -> bool:
     """Whether transformers loaded ``module`` through a quantizer."""
     return getattr(module, "hf_quantizer", None) is not None

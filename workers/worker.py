@@ -44,7 +44,7 @@ from ndif_celery.state import jobs, queues, registry
 from ndif_celery.store import FilesystemStore, open_store
 from ndif_celery.store.fs import NotShared, check_shared
 
-from . import metrics
+from . import cuda, metrics, quantized
 from .execute import RequestError
 from .isolation import parent
 from .job import deadline
@@ -283,6 +283,8 @@ class WorkerState:
             cached=memory.cached_repos(settings),
             started_at=time.time(),
             nnsight=nnsight.__version__,  # the client version it serves (policy.client_versions)
+            # The quantizations nnsight refuses here, so the controller places them elsewhere.
+            refused_formats={} if cuda.gpus_visible() else quantized.refused_formats(),
         )
         self.info["metrics_port"] = metrics.start(
             settings.worker_metrics_host, settings.worker_metrics_port, lambda: len(self.models.keys())

@@ -258,10 +258,12 @@ class Controller(threading.Thread):
         try:
             weights = sizing.weight_bytes(model_key, dtype, self.redis)
             size = sizing.padded(weights, self.settings.padding_factor, self.settings.padding_bytes)
-            chosen = placement.place(model_key, size, views, evict=evict,
-                                     nnsight=model_policy.parse(model_key).nnsight)
+            key = model_policy.parse(model_key)
+            chosen = placement.place(model_key, size, views, evict=evict, nnsight=key.nnsight, held=key.held)
         except sizing.SizingError as error:
             return self.cannot(fail_queue, str(error), model_key, failed=True)
+        except placement.CannotHold as error:
+            return self.cannot(fail_queue, f"Could not deploy {repo}: {error}", model_key, failed=True)
         except placement.NoRoom as error:
             if failed_on:
                 why = "; ".join(f"on {worker}: {failure['reason']}" for worker, failure in sorted(failed_on.items()))

@@ -38,6 +38,7 @@ class WorkerView:
     memory_bytes: int
     holdings: list[Holding] = field(default_factory=list)
     nnsight: str = ""  # the runtime it runs ("" the farm's own nnsight): it loads only that runtime's models
+    refused_formats: dict = field(default_factory=dict)  # quantization -> nnsight's reason it cannot hold it
 
     @property
     def used_bytes(self) -> int:
@@ -69,7 +70,8 @@ def views_of(workers: dict, by_worker: dict, wishes: dict,
             )
             for key, entry in by_worker.get(name, {}).items()
         ]
-        views.append(WorkerView(name, info.get("memory_bytes", 0), holdings, runtime_of(info)))
+        views.append(WorkerView(name, info.get("memory_bytes", 0), holdings, runtime_of(info),
+                                info.get("refused_formats") or {}))
     return views
 
 
@@ -87,12 +89,21 @@ class NoRoom(Exception):
     """No worker can take the model; the message says why, for the user."""
 
 
+class CannotHold(NoRoom):
+    """No live worker can hold the model in its format (nnsight said why): more room would not help."""
+
+
 def place(model_key: str, size_bytes: int, workers: Iterable[WorkerView], evict: bool = True,
-          nnsight: str = "") -> Placement:
-    """The best worker of runtime ``nnsight`` for the model; with ``evict=False`` only free room counts."""
+          nnsight: str = "", held: str = "") -> Placement:
+    """The best worker of runtime ``nnsight`` for the model; with ``evict=False`` only free room counts.
+    ``held``: a quantized model's format, placed only on workers that can hold it."""
     workers = [w for w in workers if w.nnsight == nnsight]
     if not workers and nnsight:
         raise NoRoom(f"no live worker runs nnsight {nnsight} (start one: ndif-celery worker --nnsight {nnsight})")
+    able = [w for w in workers if held not in w.refused_formats]
+    if workers and not able:
+        raise CannotHold(f"no live worker can hold it as {held}: {workers[0].refused_formats[held]}")
+    workers = able
     workers = [w for w in workers if not w.holds(model_key)]
     if not workers:
         raise NoRoom("no live worker can take another replica of it")

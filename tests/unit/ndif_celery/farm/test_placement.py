@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ndif_celery.farm.placement import Holding, NoRoom, WorkerView, place
+from ndif_celery.farm.placement import CannotHold, Holding, NoRoom, WorkerView, place
 
 MB = 1024**2
 
@@ -56,3 +56,14 @@ def test_replicas_go_to_workers_without_the_model_and_can_forbid_eviction():
     assert place("m", 10 * MB, workers).worker == "b"
     with pytest.raises(NoRoom, match="no live worker"):
         place("m", 10 * MB, [worker("a", 20, held("m", 10))])
+
+
+def test_a_format_a_worker_refuses_goes_to_one_that_can_hold_it():
+    reason = 'dtype="fp8" needs a GPU of compute capability 8.9 or better'
+    cpu = WorkerView("cpu", 100 * MB, refused_formats={"fp8": reason})
+    gpu = WorkerView("h100", 10 * MB)
+    assert place("m", 5 * MB, [cpu, gpu], held="fp8").worker == "h100"
+    assert place("m", 5 * MB, [cpu, gpu], held="nf4").worker == "h100"  # the tightest fit, as any model
+    with pytest.raises(CannotHold) as caught:
+        place("m", 5 * MB, [cpu], held="fp8")
+    assert reason in str(caught.value) and "as fp8" in str(caught.value)
