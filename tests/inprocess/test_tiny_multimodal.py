@@ -1,0 +1,414 @@
+"""The tiny offline LLaVA, T5 and Whisper (``tests/support/cases/tiny_multimodal.py``)
+trace with the real nnsight 0.8.1 client.
+
+For each model one case (reads of an encoder or vision tower and of a text layer,
+an in-place edit, ``generate`` with ``max_new_tokens=3``) runs three ways, and all
+three must give exactly the same results:
+
+* locally, on the client model;
+* under ``remote="local"`` (nnsight's ``LocalSimulationBackend``: the request is
+  serialized as for a server and run from the deserialized copy);
+* locally on the model a server builds from the client's model key
+  (``Remotable.from_model_key(key, dispatch=True)``): what a server is asked to
+  reproduce.
+
+T5 is the exception: transformers 5 has no pipeline task that loads
+``T5ForConditionalGeneration`` by repo id, so its servable form is ``T5Model``
+(task ``feature-extraction``, no ``generate``), and its generating form is a
+local-only wrapped module whose key no server can load (see ``client_t5``).
+
+The LLaVA tests need an image backend for its processor (Pillow or torchvision)
+and are skipped without one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.cases import tiny_multimodal as tm
+from tests.support.cases.conformance import assert_same
+
+LOCAL: dict = {}
+SIMULATED = {"remote": "local"}
+FORCED = 7  # a token an edit of the logits forces at every generated step
+KEY = "nnsight.modeling.transformers.TransformersModel:"
+
+
+@pytest.fixture(scope="module")
+def built(hf_home) -> Path:
+    for build in (tm.build_tiny_llava, tm.build_tiny_t5, tm.build_tiny_whisper):
+        build(hf_home)
+    return hf_home
+
+
+def _needs_image_backend() -> None:
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        pytest.importorskip("torchvision", reason="LLaVA's image processor needs Pillow or torchvision")
+        pytest.skip("tm.image() makes a PIL image: needs Pillow")
+
+
+@pytest.fixture(scope="module")
+def vlm(built):
+    _needs_image_backend()
+    return tm.client_vlm()
+
+
+@pytest.fixture(scope="module")
+def t5(built):
+    return tm.client_t5()
+
+
+@pytest.fixture(scope="module")
+def whisper(built):
+    return tm.client_whisper()
+
+
+# --- the checkpoints --------------------------------------------------------------
+
+
+def _digests(root: Path) -> dict:
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and not path.name.startswith(".lock")
+    }
+
+
+def test_builders_are_deterministic_and_idempotent(built, tmp_path):
+    builders = (tm.build_tiny_llava, tm.build_tiny_t5, tm.build_tiny_whisper)
+    for folder in ("a", "b"):
+        for build in builders:
+            assert build(tmp_path / folder) in (tm.LLAVA_REPO_ID, tm.T5_REPO_ID, tm.WHISPER_REPO_ID)
+    first, second = _digests(tmp_path / "a"), _digests(tmp_path / "b")
+    assert first == second, [name for name in first if first[name] != second.get(name)]
+    # The session's cache holds the very same snapshots (a stale one built by
+    # older code would differ here: bump tm.BUILD_FORMAT when a builder changes).
+    for repo_id in (tm.LLAVA_REPO_ID, tm.T5_REPO_ID, tm.WHISPER_REPO_ID):
+        snap = tm.snapshot_dir(built, repo_id)
+        ours = tm.snapshot_dir(tmp_path / "a", repo_id)
+        assert snap is not None and snap.name == ours.name
+        assert _digests(snap) == _digests(ours), repo_id
+    # Built once: a second call leaves every file as it was.
+    mtimes = {path: path.stat().st_mtime_ns for path in (tmp_path / "a").rglob("*") if path.is_file()}
+    for build in builders:
+        build(tmp_path / "a")
+    assert mtimes == {path: path.stat().st_mtime_ns for path in (tmp_path / "a").rglob("*") if path.is_file()}
+
+
+def test_preprocessors_load_offline(built):
+    from transformers import AutoConfig, AutoFeatureExtractor, AutoTokenizer
+
+    t5_tokenizer = AutoTokenizer.from_pretrained(tm.T5_REPO_ID)
+    assert type(t5_tokenizer).__name__ == "T5Tokenizer"
+    assert (t5_tokenizer.pad_token_id, t5_tokenizer.eos_token_id) == (0, 1)
+    assert t5_tokenizer(tm.T5_PROMPT).input_ids[-1] == 1
+    assert len(t5_tokenizer) == AutoConfig.from_pretrained(tm.T5_REPO_ID).vocab_size
+
+    features = AutoFeatureExtractor.from_pretrained(tm.WHISPER_REPO_ID)(
+        tm.waveform(), sampling_rate=tm.SAMPLING_RATE, return_tensors="pt"
+    )
+    assert features["input_features"].shape == (1, tm.N_MELS, 100)  # 0.5 s padded to a 1 s window
+    whisper_tokenizer = AutoTokenizer.from_pretrained(tm.WHISPER_REPO_ID)
+    assert type(whisper_tokenizer).__name__ == "WhisperTokenizer"
+    sot, notimestamps = whisper_tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|notimestamps|>"])
+    assert whisper_tokenizer.prefix_tokens == [sot, notimestamps]
+    whisper_tokenizer.set_prefix_tokens(language="en", task="transcribe")
+    assert whisper_tokenizer.convert_ids_to_tokens(whisper_tokenizer.prefix_tokens) == [
+        "<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>",
+    ]
+
+
+def test_llava_processor_loads_offline(built):
+    _needs_image_backend()
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(tm.LLAVA_REPO_ID)
+    assert type(processor).__name__ == "LlavaProcessor"
+    encoding = processor(text=tm.LLAVA_PROMPT, images=[tm.image()], return_tensors="pt")
+    assert encoding["pixel_values"].shape == (1, 3, tm.IMAGE_SIZE, tm.IMAGE_SIZE)
+    assert (encoding["input_ids"] == processor.image_token_id).sum() == tm.IMAGE_TOKENS
+    chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    assert processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == (
+        "USER: <image>\nWhat is it?\nASSISTANT:"
+    )
+
+
+# --- the cases --------------------------------------------------------------------
+#
+# Each takes the model, the outermost block's kwargs, and its inputs (made
+# outside the blocks: a block's globals reach the deserialized copy only if they
+# are installed modules, and this test's own modules are not).
+
+
+def vlm_case(model, remote: dict, image, prompt: str) -> dict:
+    with model.trace(prompt, images=[image], **remote):
+        clean_logits = model.lm_head.output.save()
+    with model.trace(prompt, images=[image], **remote):
+        vision = model.model.vision_tower.encoder.layers[0].output.save()
+        projected = model.model.multi_modal_projector.output.save()
+        layer0 = model.model.language_model.layers[0].output.clone().save()
+        model.model.language_model.layers[0].output[:, -1] = 0
+        edited = model.model.language_model.layers[0].output.save()
+        logits = model.lm_head.output.save()
+    with model.generate(prompt, images=[image], max_new_tokens=3, **remote) as tracer:
+        generated_vision = model.model.vision_tower.encoder.layers[0].output.save()
+        ids = tracer.result.save()
+    with model.generate(prompt, images=[image], max_new_tokens=3, **remote) as tracer:
+        for _ in tracer.iter[0:3]:
+            model.lm_head.output[:, -1, FORCED] = 1e4
+        forced = tracer.result.save()
+    return dict(clean_logits=clean_logits, vision=vision, projected=projected, layer0=layer0, edited=edited,
+                logits=logits, generated_vision=generated_vision, ids=ids, forced=forced)
+
+
+def t5_case(model, remote: dict, input_ids, decoder_input_ids) -> dict:
+    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
+        clean = model.decoder.final_layer_norm.output.save()
+    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
+        encoder0 = model.encoder.block[0].output[0].save()
+        encoder_out = model.encoder.final_layer_norm.output.save()
+        decoder0 = model.decoder.block[0].output[0].clone().save()
+        model.decoder.block[0].output[0][:] = 0
+        edited = model.decoder.final_layer_norm.output.save()
+    return dict(clean=clean, encoder0=encoder0, encoder_out=encoder_out, decoder0=decoder0, edited=edited)
+
+
+def t5_generative_case(model, remote: dict, input_ids, decoder_input_ids) -> dict:
+    results = t5_case(model, remote, input_ids, decoder_input_ids)
+    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
+        results["logits"] = model.lm_head.output.save()
+    with model.generate(input_ids, max_new_tokens=3, **remote) as tracer:
+        results["generated_encoder"] = model.encoder.block[0].output[0].save()
+        results["ids"] = tracer.result.save()
+    with model.generate(input_ids, max_new_tokens=3, **remote) as tracer:
+        for _ in tracer.iter[0:3]:
+            model.lm_head.output[:, -1, FORCED] = 1e4
+        results["forced"] = tracer.result.save()
+    return results
+
+
+def whisper_case(model, remote: dict, audio, decoder_input_ids) -> dict:
+    with model.trace(audio, decoder_input_ids=decoder_input_ids, **remote):
+        clean_logits = model.proj_out.output.save()
+    with model.trace(audio, decoder_input_ids=decoder_input_ids, **remote):
+        encoder0 = model.model.encoder.layers[0].output.save()
+        encoder_out = model.model.encoder.layer_norm.output.save()
+        decoder0 = model.model.decoder.layers[0].output.clone().save()
+        model.model.decoder.layers[0].output[:, -1] = 0
+        logits = model.proj_out.output.save()
+    with model.generate(audio, max_new_tokens=3, **remote) as tracer:
+        generated_encoder = model.model.encoder.layers[0].output.save()
+        ids = tracer.result.save()
+    with model.generate(audio, max_new_tokens=3, **remote) as tracer:
+        for _ in tracer.iter[0:3]:
+            model.proj_out.output[:, -1, FORCED] = 1e4
+        forced = tracer.result.save()
+    return dict(clean_logits=clean_logits, encoder0=encoder0, encoder_out=encoder_out, decoder0=decoder0,
+                logits=logits, generated_encoder=generated_encoder, ids=ids, forced=forced)
+
+
+@contextlib.contextmanager
+def _frozen(model):
+    """The client's weights without gradients, as a worker holds them
+    (``workers.execute.no_grad_weights``)."""
+    params = [param for param in model._module.parameters() if param.requires_grad]
+    for param in params:
+        param.requires_grad_(False)
+    try:
+        yield model
+    finally:
+        for param in params:
+            param.requires_grad_(True)
+
+
+def _assert_close(a: dict, b: dict, label: str) -> None:
+    assert a.keys() == b.keys(), label
+    for name in a:
+        assert torch.allclose(a[name], b[name], rtol=0, atol=1e-5), f"{label}[{name!r}]"
+
+
+def _three_ways(case, client, *inputs, exact_with_grad: bool = True) -> dict:
+    """The case locally, under remote="local", and on the server's model.
+
+    The first two are exactly equal. The server's model holds its weights
+    without gradients, so it is compared exactly with the client's run with
+    frozen weights too; and with the client's plain run (weights requiring
+    gradients, as a user's are) exactly where ``exact_with_grad``, else to 1e-5:
+    T5's attention (SDPA with a float position bias) takes a kernel that differs
+    in the last bits when the weights require gradients.
+    """
+    local = case(client, LOCAL, *inputs)
+    assert_same(local, case(client, SIMULATED, *inputs), "local vs remote='local'")
+    server = case(_server(client), LOCAL, *inputs)
+    if exact_with_grad:
+        assert_same(local, server, "client vs the model built from its key")
+        return local
+    _assert_close(local, server, "client vs the model built from its key")
+    with _frozen(client):
+        frozen = case(client, LOCAL, *inputs)
+    assert_same(frozen, server, "client (frozen weights) vs the model built from its key")
+    return local
+
+
+_SERVERS: dict = {}
+
+
+def _server(client):
+    """The model a server builds from ``client``'s key, built once per key."""
+    key = client.to_model_key()
+    if key not in _SERVERS:
+        _SERVERS[key] = tm.server_model(client)
+    return _SERVERS[key]
+
+
+@pytest.mark.parametrize("client", ["vlm", "t5", "whisper"])
+def test_an_isolated_worker_builds_the_same_skeleton(client, request):
+    """What the isolation zygote does (``workers.isolation.zygote``): the key built
+    on meta with the resident model's preprocessors and config has the resident
+    model's modules. (Without the preprocessors the meta build fails offline:
+    "Impossible to guess which tokenizer/processor to use", for the tiny GPT-2 too.)"""
+    import pickle
+
+    from nnsight.modeling.mixins.remotable import Remotable
+    from workers.isolation.zygote import _PREPROCESSORS
+
+    resident = _server(request.getfixturevalue(client))
+    kwargs = {name: getattr(resident, name) for name in _PREPROCESSORS if getattr(resident, name, None) is not None}
+    kwargs = pickle.loads(pickle.dumps({**kwargs, "config": resident._module.config}))  # as the header travels
+    skeleton = Remotable.from_model_key(resident.to_model_key(), dispatch=False, **kwargs)
+    assert [path for path, _ in skeleton._module.named_modules()] == [
+        path for path, _ in resident._module.named_modules()
+    ]
+
+
+# --- LLaVA ------------------------------------------------------------------------
+
+
+def test_vlm_key_and_class(vlm):
+    from nnsight import NNsightDeprecationWarning
+    from nnsight.modeling.vlm import VisionLanguageModel
+
+    key = KEY + json.dumps({"repo_id": tm.LLAVA_REPO_ID, "revision": None, "task": "image-text-to-text"})
+    assert vlm.to_model_key() == key
+    assert type(vlm._module).__name__ == "LlavaForConditionalGeneration"
+    assert type(vlm.processor).__name__ == "LlavaProcessor"
+    # The deprecated class is a name for the same deployment.
+    with pytest.warns(NNsightDeprecationWarning):
+        alias = VisionLanguageModel(tm.LLAVA_REPO_ID, processor=vlm.processor)
+    assert alias.to_model_key() == key
+
+
+def test_vlm_traces_with_an_image(vlm):
+    prompt = tm.LLAVA_PROMPT
+    n_tokens = len(vlm.processor(text=prompt, images=[tm.image()])["input_ids"][0])
+    r = _three_ways(vlm_case, vlm, tm.image(), prompt)
+
+    assert r["vision"].shape == (1, tm.IMAGE_TOKENS + 1, 32)  # the patches and CLS
+    assert r["projected"].shape == (1, tm.IMAGE_TOKENS, 32)
+    assert r["layer0"].shape == (1, n_tokens, 32) and r["layer0"][:, -1].abs().sum() > 0
+    assert torch.equal(r["edited"][:, -1], torch.zeros(1, 32))
+    assert torch.equal(r["logits"][:, :-1], r["clean_logits"][:, :-1])  # a causal model: earlier positions kept
+    assert not torch.equal(r["logits"][:, -1], r["clean_logits"][:, -1])
+    assert torch.equal(r["generated_vision"], r["vision"])
+    assert r["ids"].shape == (1, n_tokens + 3)
+    assert r["ids"][0, n_tokens] == r["clean_logits"][0, -1].argmax()
+    assert r["forced"][0, n_tokens:].tolist() == [FORCED] * 3
+
+
+def test_vlm_image_changes_the_text_stream(vlm):
+    with vlm.trace(tm.LLAVA_PROMPT, images=[tm.image(0)]):
+        first = vlm.model.language_model.layers[0].output.save()
+    with vlm.trace(tm.LLAVA_PROMPT, images=[tm.image(1)]):
+        second = vlm.model.language_model.layers[0].output.save()
+    assert not torch.equal(first, second)
+
+
+# --- T5 ---------------------------------------------------------------------------
+
+
+def test_t5_key_and_class(t5):
+    assert t5.to_model_key() == KEY + json.dumps(
+        {"repo_id": tm.T5_REPO_ID, "revision": None, "task": "feature-extraction"}
+    )
+    assert type(t5._module).__name__ == "T5Model"
+
+
+def test_t5_traces_encoder_and_decoder(t5):
+    input_ids = t5.tokenizer(tm.T5_PROMPT, return_tensors="pt").input_ids
+    decoder_input_ids = torch.tensor([[0, 5, 9]])
+    r = _three_ways(t5_case, t5, input_ids, decoder_input_ids, exact_with_grad=False)
+    assert r["encoder0"].shape == (1, input_ids.shape[1], 32)
+    assert r["encoder_out"].shape == (1, input_ids.shape[1], 32)
+    assert r["decoder0"].shape == (1, 3, 32) and r["decoder0"].abs().sum() > 0
+    assert not torch.equal(r["edited"], r["clean"])
+
+
+def test_t5_generates_through_a_wrapped_module(built, t5):
+    """``T5ForConditionalGeneration`` generates through a client that wraps the loaded
+    module; its key names ``text-generation``, which a worker's resident load
+    serves (the pipeline falls back to the config's architecture) and reproduces,
+    but which no meta build can take (``AutoModelForCausalLM`` has no T5): not a
+    client by repo id, not an isolated worker's skeleton."""
+    from nnsight.modeling.mixins.remotable import Remotable
+
+    generative = tm.client_t5_generative()
+    assert type(generative._module).__name__ == "T5ForConditionalGeneration"
+    assert generative.to_model_key() == KEY + json.dumps(
+        {"repo_id": tm.T5_REPO_ID, "revision": None, "task": "text-generation"}
+    )
+    input_ids = generative.tokenizer(tm.T5_PROMPT, return_tensors="pt").input_ids
+    decoder_input_ids = torch.tensor([[0, 5, 9]])
+
+    r = _three_ways(t5_generative_case, generative, input_ids, decoder_input_ids, exact_with_grad=False)
+    assert r["ids"].shape == (1, 4) and r["ids"][0, 0] == 0  # the decoder start, then 3 tokens
+    assert r["forced"][0, 1:].tolist() == [FORCED] * 3
+    # The same encoder and decoder as the servable T5Model.
+    servable = t5_case(t5, LOCAL, input_ids, decoder_input_ids)
+    assert_same(servable, {name: r[name] for name in servable})
+
+    with pytest.raises(ValueError, match="AutoModelForCausalLM"):
+        Remotable.from_model_key(generative.to_model_key(), dispatch=False, tokenizer=generative.tokenizer)
+    with pytest.raises(AttributeError, match="generate"):  # the servable T5Model cannot generate
+        with t5.generate(input_ids, max_new_tokens=3):
+            pass
+
+
+# --- Whisper ----------------------------------------------------------------------
+
+
+def test_whisper_key_and_class(whisper):
+    assert whisper.to_model_key() == KEY + json.dumps(
+        {"repo_id": tm.WHISPER_REPO_ID, "revision": None, "task": "automatic-speech-recognition"}
+    )
+    assert type(whisper._module).__name__ == "WhisperForConditionalGeneration"
+
+
+def test_whisper_traces_a_waveform(whisper):
+    prefix = torch.tensor([whisper.tokenizer.prefix_tokens])  # <|startoftranscript|><|notimestamps|>
+    r = _three_ways(whisper_case, whisper, tm.waveform(), prefix)
+    assert r["encoder0"].shape == (1, 50, 32)  # 100 mel frames, halved by the second conv
+    assert r["decoder0"].shape == (1, 2, 32)
+    assert torch.equal(r["logits"][:, :-1], r["clean_logits"][:, :-1])
+    assert not torch.equal(r["logits"][:, -1], r["clean_logits"][:, -1])
+    assert torch.equal(r["generated_encoder"], r["encoder0"])
+    assert r["ids"].shape == (1, 3)  # Whisper's generate returns the new tokens only
+    assert r["forced"].tolist() == [[FORCED] * 3]
+
+
+def test_whisper_features_are_the_waveform(whisper):
+    """A raw waveform and its features (``input_features=``) trace the same."""
+    prefix = torch.tensor([whisper.tokenizer.prefix_tokens])
+    features = whisper.feature_extractor(tm.waveform(), sampling_rate=tm.SAMPLING_RATE, return_tensors="pt")
+    with whisper.trace(tm.waveform(), decoder_input_ids=prefix):
+        from_audio = whisper.proj_out.output.save()
+    with whisper.trace(input_features=features["input_features"], decoder_input_ids=prefix):
+        from_features = whisper.proj_out.output.save()
+    assert torch.equal(from_audio, from_features)
