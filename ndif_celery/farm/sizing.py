@@ -76,7 +76,7 @@ def _from_local_checkpoint(model_key: str, dtype: Optional[str]) -> Optional[int
     snapshot = _snapshot_dir(fields["repo_id"], fields.get("revision"))
     if snapshot is None:
         return None
-    files = sorted(snapshot.glob("*.safetensors"))
+    files = _weight_files(snapshot)
     if not files:
         return None
     from nnsight.modeling.mixins.remotable import bytes_per_element
@@ -109,6 +109,19 @@ _UNQUANTIZED = re.compile(r"embed|wte|wpe|lm_head|(^|\.)shared\.weight$", re.IGN
 # bitsandbytes' 4-bit formats keep a float32 scale per block of 64 weights:
 # 4/64 bytes over the half byte of each weight.
 _BLOCK_SCALES = {"nf4": 0.125, "fp4": 0.125}
+
+
+def _weight_files(snapshot: Path) -> list[Path]:
+    """The checkpoint's safetensors files: at its root, or a diffusers pipeline's in
+    its components' folders, each folder's plain files over its variants (``*.fp16.*``)."""
+    if not (snapshot / "model_index.json").exists():
+        return sorted(snapshot.glob("*.safetensors"))
+    files = []
+    for folder in sorted(path for path in snapshot.iterdir() if path.is_dir()):
+        found = sorted(folder.glob("*.safetensors"))
+        plain = [path for path in found if path.name.count(".") == 1]
+        files += plain or found
+    return files
 
 
 def _snapshot_dir(repo_id: str, revision: Optional[str]) -> Optional[Path]:

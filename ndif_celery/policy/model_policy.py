@@ -39,7 +39,9 @@ from ndif_celery.wire import WireError, check_model_key, repo_fields
 # The one class nnsight 0.8.1 keys its transformers models by: LanguageModel
 # and VisionLanguageModel key themselves as TransformersModel (_remoteable_class).
 TRANSFORMERS_MODEL = "nnsight.modeling.transformers.TransformersModel"
-MODEL_CLASSES = (TRANSFORMERS_MODEL,)
+# nnsight's diffusers pipelines: keyed {repo_id, revision}, with no task.
+DIFFUSION_MODEL = "nnsight.modeling.diffusion.DiffusionModel"
+MODEL_CLASSES = (TRANSFORMERS_MODEL, DIFFUSION_MODEL)
 # nnsight classes this farm has no workers for, each with what to use instead
 # ({repo}: the repo the key names; a VLLM key's suffix is the bare repo id).
 VLLM_MODEL = "nnsight.modeling.vllm.vllm.VLLM"
@@ -137,7 +139,8 @@ class ModelKey:
         suffix: dict = {"repo_id": self.repo_id, "revision": self.revision}
         if self.trust_remote_code:
             suffix["trust_remote_code"] = True
-        suffix["task"] = self.task
+        if self.task:  # every class but DiffusionModel
+            suffix["task"] = self.task
         if self.nnsight:
             suffix[RUNTIME_FIELD] = self.nnsight
         if self.held:
@@ -166,7 +169,7 @@ def parse(model_key: str) -> ModelKey:
         raise PolicyError(REFUSED_CLASSES[cls].format(repo=str(repo_fields(model_key)["repo_id"])[:100]), 403)
     if cls not in MODEL_CLASSES:
         raise PolicyError(f"Model class {cls!r} is not served here: this server builds {', '.join(MODEL_CLASSES)} "
-                          "models (nnsight's TransformersModel, LanguageModel, VisionLanguageModel).")
+                          "models (nnsight's TransformersModel, LanguageModel, VisionLanguageModel, DiffusionModel).")
     try:
         data = json.loads(suffix)
     except json.JSONDecodeError:
@@ -190,9 +193,14 @@ def parse(model_key: str) -> ModelKey:
     trust = data.get("trust_remote_code", False)
     if not isinstance(trust, bool):
         raise PolicyError("'trust_remote_code' in the model_key must be true or false.")
-    if "task" not in data:
+    if cls == DIFFUSION_MODEL:
+        if "task" in data:
+            raise PolicyError("A DiffusionModel's model_key has no 'task': its pipeline is the one the repo declares.")
+        task = ""
+    elif "task" not in data:
         raise PolicyError("The model_key has no 'task' (nnsight's TransformersModel always sends one).")
-    task = TASK_ALIASES.get(check_task(data["task"]), data["task"])
+    else:
+        task = TASK_ALIASES.get(check_task(data["task"]), data["task"])
     runtime = data.get(RUNTIME_FIELD, "")
     if runtime and not (isinstance(runtime, str) and _RUNTIME.fullmatch(runtime)):
         raise PolicyError(f"The model_key's {RUNTIME_FIELD!r} must be an nnsight version such as 0.7.0.")
@@ -317,6 +325,32 @@ def check_env(env: dict) -> dict:
     if peft is not None:
         clean["peft"] = check_repo_id(peft, "peft")
     return clean
+
+
+#: The libraries a diffusers pipeline's components may come from. Any other
+#: "library" in its model_index.json is a Python module of the repo's own.
+PIPELINE_LIBRARIES = ("diffusers", "transformers")
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,99}$")
+
+
+def check_pipeline_index(index: object, repo_id: str) -> None:
+    """A diffusers repo's ``model_index.json``, before the pipeline loads: every
+    component from diffusers or transformers, never the repo's own code (refused
+    as trust_remote_code is)."""
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str) \
+            or not _IDENTIFIER.match(index["_class_name"]):
+        raise PolicyError(f"{repo_id!r} has no diffusers pipeline index (model_index.json with a _class_name).", 422)
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or spec == [None, None]:
+            continue  # metadata, a setting of the pipeline's (requires_safety_checker), or a component left out
+        if not (len(spec) == 2 and all(isinstance(part, str) for part in spec) and _IDENTIFIER.match(spec[1])):
+            raise PolicyError(f"{repo_id!r}: pipeline component {name[:60]!r} is not [library, class] as diffusers "
+                              "writes it.", 422)
+        if spec[0] not in PIPELINE_LIBRARIES:
+            raise PolicyError(
+                f"{repo_id!r}: pipeline component {name[:60]!r} comes from {spec[0][:60]!r}, code of the repo's own, "
+                f"not {' or '.join(PIPELINE_LIBRARIES)}; this server does not run a repo's code (as trust_remote_code "
+                "is refused).", 403)
 
 
 def _patterns(raw: str) -> tuple:

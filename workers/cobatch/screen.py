@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 import torch
 from nnsight.modeling import processing
+from nnsight.modeling.diffusion import DiffusionModel
 
 from workers import quantized
 
@@ -81,6 +82,10 @@ def inspect(model: Any, park: Any, env: dict) -> tuple[Optional[tuple], str]:
     ``park.length``.
     """
     name = park.fn_name = call_name(park.fn)
+    if isinstance(model, DiffusionModel):
+        # A pipeline draws the whole batch's starting noise from one generator:
+        # your latents would depend on who shares the call, and where.
+        return None, "diffusion pipelines run alone: a shared call would change each request's starting noise"
     if quantized.is_quantized(model._module):
         # LLM.int8() picks its outlier columns from the whole batch, and the 4-bit
         # kernels differ for one row and many: a neighbour's rows would change yours.

@@ -182,6 +182,9 @@ class ResidentModels:
             return 0.0
         try:  # again here, whoever sent the load: never a key the policy refuses
             canonical = model_policy.ModelPolicy.from_settings(config.load()).loadable(model_key)
+            key = model_policy.parse(canonical)
+            if key.cls == model_policy.DIFFUSION_MODEL:  # a pipeline's components, before diffusers reads them
+                model_policy.check_pipeline_index(pipeline_index(key.repo_id, key.revision), key.repo_id)
         except model_policy.PolicyError as error:
             raise RequestError(f"Could not load model: {error.detail}", kind="deploy") from None
         started = time.monotonic()
@@ -350,3 +353,16 @@ def weights_in_memory(module: Any) -> int:
         scales = [getattr(state, "absmax", None), getattr(tensor, "SCB", None)]
         total += sum(scale.numel() * scale.element_size() for scale in scales if scale is not None)
     return total
+
+
+def pipeline_index(repo_id: str, revision: Optional[str]) -> Any:
+    """A diffusers repo's ``model_index.json``, from the cache or the hub; None when it has none."""
+    import json
+
+    from huggingface_hub import hf_hub_download
+
+    try:
+        with open(hf_hub_download(repo_id, "model_index.json", revision=revision)) as f:
+            return json.load(f)
+    except Exception:  # noqa: BLE001 - no index, or unreadable: the check refuses it, naming the repo
+        return None

@@ -65,12 +65,13 @@ def test_a_key_is_reduced_to_what_nnsight_sends(suffix, words):
 
 @pytest.mark.parametrize("key, words", [
     ("nnsight.modeling.vllm.VLLM:meta-llama/Llama-3-8B", "is not served here"),
-    ("nnsight.modeling.diffusion.DiffusionModel:{}", "is not served here"),
+    ("nnsight.modeling.diffusion.DiffusionModel:{}", "has no 'repo_id'"),
+    ("nnsight.modeling.diffusion.StableDiffusionModel:{}", "is not served here"),
     (f"{CLS}:not json", "JSON object"),
     (f"{CLS}:[1, 2]", "JSON object"),
     ("os.system:ls", "Unknown model class"),
 ])
-def test_only_the_transformers_class_is_built(key, words):
+def test_only_the_classes_served_are_built(key, words):
     with pytest.raises(PolicyError, match=words):
         model_policy.parse(key)
 
@@ -313,3 +314,27 @@ def test_a_vllm_key_is_told_there_are_no_vllm_workers_and_what_to_use():
     with pytest.raises(PolicyError) as caught:
         ModelPolicy().admit(vllm, {}, True)
     assert "no vLLM workers" in caught.value.detail and f"LanguageModel('{REPO_ID}')" in caught.value.detail
+
+
+def test_a_diffusion_key_has_no_task_and_is_canonical_as_the_client_sends_it():
+    key = 'nnsight.modeling.diffusion.DiffusionModel:{"repo_id": "ndif-celery/tiny-sd", "revision": null}'
+    assert ModelPolicy().admit(key, {}, True)[0] == key
+    with pytest.raises(PolicyError, match="has no 'task'"):
+        model_policy.parse(key[:-1] + ', "task": "text-to-image"}')
+
+
+@pytest.mark.parametrize("component, words", [
+    (["my_unet", "MyUNet"], "code of the repo's own"),
+    (["diffusers", "UNet2DConditionModel; import os"], "is not [library, class]"),
+    (["diffusers"], "is not [library, class]"),
+])
+def test_a_pipeline_component_outside_diffusers_and_transformers_is_refused(component, words):
+    index = {"_class_name": "StableDiffusionPipeline", "requires_safety_checker": False,
+             "text_encoder": ["transformers", "CLIPTextModel"], "safety_checker": [None, None], "unet": component}
+    with pytest.raises(PolicyError) as caught:
+        model_policy.check_pipeline_index(index, "org/sd")
+    assert words in caught.value.detail and "'unet'" in caught.value.detail
+    index["unet"] = ["diffusers", "UNet2DConditionModel"]
+    model_policy.check_pipeline_index(index, "org/sd")
+    with pytest.raises(PolicyError, match="no diffusers pipeline index"):
+        model_policy.check_pipeline_index(None, "org/sd")
