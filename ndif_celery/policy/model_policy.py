@@ -96,6 +96,21 @@ TASKS = frozenset({
     "question-answering", "image-to-text", "visual-question-answering", "image-to-image", "conversational",
 })
 _TRANSLATION = re.compile(r"^translation_[a-z]{2,3}_to_[a-z]{2,3}$")
+# Tasks transformers 5 (the farm's) no longer loads, with what it says to use
+# instead (its pipelines.REMOVED_TASKS; the policy's unit test keeps them equal).
+# Refused at intake: nothing could load them.
+REMOVED_TASKS = {
+    "text2text-generation": "the text-generation pipeline with a chat model",
+    "summarization": "the text-generation pipeline with a chat model",
+    "translation": "the text-generation pipeline with a chat model",
+    "question-answering": "the text-generation pipeline with a chat model",
+    "visual-question-answering": "the image-text-to-text pipeline with a vision-language chat model",
+    "vqa": "the image-text-to-text pipeline with a vision-language chat model",
+    "image-to-image": "diffusers (nnsight's DiffusionModel) for image generation",
+}
+# What else serves an encoder-decoder the removed tasks loaded.
+ENCODER_DECODER = ("An encoder-decoder such as T5 is served as 'feature-extraction': its encoder and decoder "
+                   "trace, without generate.")
 # Names transformers takes for one pipeline (its TASK_ALIASES): a key naming
 # either is one model, kept under the canonical name.
 TASK_ALIASES = {"sentiment-analysis": "text-classification", "ner": "token-classification",
@@ -297,6 +312,11 @@ def check_revision(value: object) -> str:
 
 
 def check_task(value: object) -> str:
+    removed = "translation" if isinstance(value, str) and _TRANSLATION.match(value) else value
+    if isinstance(removed, str) and removed in REMOVED_TASKS:
+        extra = f" {ENCODER_DECODER}" if removed in ("text2text-generation", "summarization", "translation") else ""
+        raise PolicyError(f"'task' {value!r} was removed in transformers 5, which this farm runs, so nothing here "
+                          f"can load it: use {REMOVED_TASKS[removed]}.{extra}", 422)
     if not isinstance(value, str) or not (value in TASKS or _TRANSLATION.match(value)):
         shown = value[:80] if isinstance(value, str) else value
         raise PolicyError(f"'task' {shown!r} is not a transformers pipeline task this server knows "

@@ -36,7 +36,6 @@ from tests.support.cases.conformance import assert_same
 
 LOCAL: dict = {}
 SIMULATED = {"remote": "local"}
-FORCED = 7  # a token an edit of the logits forces at every generated step
 KEY = "nnsight.modeling.transformers.TransformersModel:"
 
 
@@ -148,73 +147,6 @@ def test_llava_processor_loads_offline(built):
 # are installed modules, and this test's own modules are not).
 
 
-def vlm_case(model, remote: dict, image, prompt: str) -> dict:
-    with model.trace(prompt, images=[image], **remote):
-        clean_logits = model.lm_head.output.save()
-    with model.trace(prompt, images=[image], **remote):
-        vision = model.model.vision_tower.encoder.layers[0].output.save()
-        projected = model.model.multi_modal_projector.output.save()
-        layer0 = model.model.language_model.layers[0].output.clone().save()
-        model.model.language_model.layers[0].output[:, -1] = 0
-        edited = model.model.language_model.layers[0].output.save()
-        logits = model.lm_head.output.save()
-    with model.generate(prompt, images=[image], max_new_tokens=3, **remote) as tracer:
-        generated_vision = model.model.vision_tower.encoder.layers[0].output.save()
-        ids = tracer.result.save()
-    with model.generate(prompt, images=[image], max_new_tokens=3, **remote) as tracer:
-        for _ in tracer.iter[0:3]:
-            model.lm_head.output[:, -1, FORCED] = 1e4
-        forced = tracer.result.save()
-    return dict(clean_logits=clean_logits, vision=vision, projected=projected, layer0=layer0, edited=edited,
-                logits=logits, generated_vision=generated_vision, ids=ids, forced=forced)
-
-
-def t5_case(model, remote: dict, input_ids, decoder_input_ids) -> dict:
-    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
-        clean = model.decoder.final_layer_norm.output.save()
-    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
-        encoder0 = model.encoder.block[0].output[0].save()
-        encoder_out = model.encoder.final_layer_norm.output.save()
-        decoder0 = model.decoder.block[0].output[0].clone().save()
-        model.decoder.block[0].output[0][:] = 0
-        edited = model.decoder.final_layer_norm.output.save()
-    return dict(clean=clean, encoder0=encoder0, encoder_out=encoder_out, decoder0=decoder0, edited=edited)
-
-
-def t5_generative_case(model, remote: dict, input_ids, decoder_input_ids) -> dict:
-    results = t5_case(model, remote, input_ids, decoder_input_ids)
-    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
-        results["logits"] = model.lm_head.output.save()
-    with model.generate(input_ids, max_new_tokens=3, **remote) as tracer:
-        results["generated_encoder"] = model.encoder.block[0].output[0].save()
-        results["ids"] = tracer.result.save()
-    with model.generate(input_ids, max_new_tokens=3, **remote) as tracer:
-        for _ in tracer.iter[0:3]:
-            model.lm_head.output[:, -1, FORCED] = 1e4
-        results["forced"] = tracer.result.save()
-    return results
-
-
-def whisper_case(model, remote: dict, audio, decoder_input_ids) -> dict:
-    with model.trace(audio, decoder_input_ids=decoder_input_ids, **remote):
-        clean_logits = model.proj_out.output.save()
-    with model.trace(audio, decoder_input_ids=decoder_input_ids, **remote):
-        encoder0 = model.model.encoder.layers[0].output.save()
-        encoder_out = model.model.encoder.layer_norm.output.save()
-        decoder0 = model.model.decoder.layers[0].output.clone().save()
-        model.model.decoder.layers[0].output[:, -1] = 0
-        logits = model.proj_out.output.save()
-    with model.generate(audio, max_new_tokens=3, **remote) as tracer:
-        generated_encoder = model.model.encoder.layers[0].output.save()
-        ids = tracer.result.save()
-    with model.generate(audio, max_new_tokens=3, **remote) as tracer:
-        for _ in tracer.iter[0:3]:
-            model.proj_out.output[:, -1, FORCED] = 1e4
-        forced = tracer.result.save()
-    return dict(clean_logits=clean_logits, encoder0=encoder0, encoder_out=encoder_out, decoder0=decoder0,
-                logits=logits, generated_encoder=generated_encoder, ids=ids, forced=forced)
-
-
 @contextlib.contextmanager
 def _frozen(model):
     """The client's weights without gradients, as a worker holds them
@@ -309,7 +241,7 @@ def test_vlm_key_and_class(vlm):
 def test_vlm_traces_with_an_image(vlm):
     prompt = tm.LLAVA_PROMPT
     n_tokens = len(vlm.processor(text=prompt, images=[tm.image()])["input_ids"][0])
-    r = _three_ways(vlm_case, vlm, tm.image(), prompt)
+    r = _three_ways(tm.vlm_case, vlm, tm.image(), prompt)
 
     assert r["vision"].shape == (1, tm.IMAGE_TOKENS + 1, 32)  # the patches and CLS
     assert r["projected"].shape == (1, tm.IMAGE_TOKENS, 32)
@@ -320,7 +252,7 @@ def test_vlm_traces_with_an_image(vlm):
     assert torch.equal(r["generated_vision"], r["vision"])
     assert r["ids"].shape == (1, n_tokens + 3)
     assert r["ids"][0, n_tokens] == r["clean_logits"][0, -1].argmax()
-    assert r["forced"][0, n_tokens:].tolist() == [FORCED] * 3
+    assert r["forced"][0, n_tokens:].tolist() == [tm.FORCED] * 3
 
 
 def test_vlm_image_changes_the_text_stream(vlm):
@@ -344,7 +276,7 @@ def test_t5_key_and_class(t5):
 def test_t5_traces_encoder_and_decoder(t5):
     input_ids = t5.tokenizer(tm.T5_PROMPT, return_tensors="pt").input_ids
     decoder_input_ids = torch.tensor([[0, 5, 9]])
-    r = _three_ways(t5_case, t5, input_ids, decoder_input_ids, exact_with_grad=False)
+    r = _three_ways(tm.t5_case, t5, input_ids, decoder_input_ids, exact_with_grad=False)
     assert r["encoder0"].shape == (1, input_ids.shape[1], 32)
     assert r["encoder_out"].shape == (1, input_ids.shape[1], 32)
     assert r["decoder0"].shape == (1, 3, 32) and r["decoder0"].abs().sum() > 0
@@ -367,11 +299,11 @@ def test_t5_generates_through_a_wrapped_module(built, t5):
     input_ids = generative.tokenizer(tm.T5_PROMPT, return_tensors="pt").input_ids
     decoder_input_ids = torch.tensor([[0, 5, 9]])
 
-    r = _three_ways(t5_generative_case, generative, input_ids, decoder_input_ids, exact_with_grad=False)
+    r = _three_ways(tm.t5_generative_case, generative, input_ids, decoder_input_ids, exact_with_grad=False)
     assert r["ids"].shape == (1, 4) and r["ids"][0, 0] == 0  # the decoder start, then 3 tokens
-    assert r["forced"][0, 1:].tolist() == [FORCED] * 3
+    assert r["forced"][0, 1:].tolist() == [tm.FORCED] * 3
     # The same encoder and decoder as the servable T5Model.
-    servable = t5_case(t5, LOCAL, input_ids, decoder_input_ids)
+    servable = tm.t5_case(t5, LOCAL, input_ids, decoder_input_ids)
     assert_same(servable, {name: r[name] for name in servable})
 
     with pytest.raises(ValueError, match="AutoModelForCausalLM"):
@@ -393,14 +325,14 @@ def test_whisper_key_and_class(whisper):
 
 def test_whisper_traces_a_waveform(whisper):
     prefix = torch.tensor([whisper.tokenizer.prefix_tokens])  # <|startoftranscript|><|notimestamps|>
-    r = _three_ways(whisper_case, whisper, tm.waveform(), prefix)
+    r = _three_ways(tm.whisper_case, whisper, tm.waveform(), prefix)
     assert r["encoder0"].shape == (1, 50, 32)  # 100 mel frames, halved by the second conv
     assert r["decoder0"].shape == (1, 2, 32)
     assert torch.equal(r["logits"][:, :-1], r["clean_logits"][:, :-1])
     assert not torch.equal(r["logits"][:, -1], r["clean_logits"][:, -1])
     assert torch.equal(r["generated_encoder"], r["encoder0"])
     assert r["ids"].shape == (1, 3)  # Whisper's generate returns the new tokens only
-    assert r["forced"].tolist() == [[FORCED] * 3]
+    assert r["forced"].tolist() == [[tm.FORCED] * 3]
 
 
 def test_whisper_features_are_the_waveform(whisper):

@@ -119,6 +119,9 @@ class Zygote:
             "kwargs": {**{name: getattr(model, name) for name in _PREPROCESSORS if getattr(model, name, None) is not None},
                        "config": getattr(module, "config", None), **({"dtype": dtype} if dtype else {})},
             "shared": shared.header(),
+            # A skeleton reads the repo's generation settings from no file: a
+            # speech model's (suppressed and forced tokens) must be the worker's.
+            "generation_config": getattr(module, "generation_config", None),
             "training": [path for path, sub in module.named_modules() if sub.training],
             "modules": [path for path, _ in module.named_modules()],
             "threads": threads,  # as the worker chose for this model (workers.models.threads)
@@ -246,6 +249,8 @@ def _build(header: dict, cpu_fd: int) -> Any:
     if paths != header["modules"]:
         raise ZygoteError("the model's skeleton does not have the resident model's modules")
     shared_weights.attach(module, header["shared"], cpu_fd, "cpu")
+    if header.get("generation_config") is not None:
+        module.generation_config = header["generation_config"]
     if header["shared"].get("quantized"):  # attach replaced its quantized layers: the envoys follow
         model._update(module)
     training = set(header["training"])

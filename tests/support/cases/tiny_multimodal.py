@@ -471,3 +471,79 @@ def server_model(client: Any):
     model = Remotable.from_model_key(client.to_model_key(), dispatch=True)
     model._module.requires_grad_(False)
     return model
+
+
+# --- one case per model: what the tests run locally and remotely -------------------------
+
+#: A token an edit of the logits forces at every generated step.
+FORCED = 7
+
+
+def vlm_case(model, remote: dict, image, prompt: str) -> dict:
+    """Reads of the vision tower, projector and a text layer, an in-place edit, two generations."""
+    with model.trace(prompt, images=[image], **remote):
+        clean_logits = model.lm_head.output.save()
+    with model.trace(prompt, images=[image], **remote):
+        vision = model.model.vision_tower.encoder.layers[0].output.save()
+        projected = model.model.multi_modal_projector.output.save()
+        layer0 = model.model.language_model.layers[0].output.clone().save()
+        model.model.language_model.layers[0].output[:, -1] = 0
+        edited = model.model.language_model.layers[0].output.save()
+        logits = model.lm_head.output.save()
+    with model.generate(prompt, images=[image], max_new_tokens=3, **remote) as tracer:
+        generated_vision = model.model.vision_tower.encoder.layers[0].output.save()
+        ids = tracer.result.save()
+    with model.generate(prompt, images=[image], max_new_tokens=3, **remote) as tracer:
+        for _ in tracer.iter[0:3]:
+            model.lm_head.output[:, -1, FORCED] = 1e4
+        forced = tracer.result.save()
+    return dict(clean_logits=clean_logits, vision=vision, projected=projected, layer0=layer0, edited=edited,
+                logits=logits, generated_vision=generated_vision, ids=ids, forced=forced)
+
+
+def t5_case(model, remote: dict, input_ids, decoder_input_ids) -> dict:
+    """Reads of the encoder and decoder, and an in-place edit of a decoder block."""
+    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
+        clean = model.decoder.final_layer_norm.output.save()
+    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
+        encoder0 = model.encoder.block[0].output[0].save()
+        encoder_out = model.encoder.final_layer_norm.output.save()
+        decoder0 = model.decoder.block[0].output[0].clone().save()
+        model.decoder.block[0].output[0][:] = 0
+        edited = model.decoder.final_layer_norm.output.save()
+    return dict(clean=clean, encoder0=encoder0, encoder_out=encoder_out, decoder0=decoder0, edited=edited)
+
+
+def t5_generative_case(model, remote: dict, input_ids, decoder_input_ids) -> dict:
+    results = t5_case(model, remote, input_ids, decoder_input_ids)
+    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
+        results["logits"] = model.lm_head.output.save()
+    with model.generate(input_ids, max_new_tokens=3, **remote) as tracer:
+        results["generated_encoder"] = model.encoder.block[0].output[0].save()
+        results["ids"] = tracer.result.save()
+    with model.generate(input_ids, max_new_tokens=3, **remote) as tracer:
+        for _ in tracer.iter[0:3]:
+            model.lm_head.output[:, -1, FORCED] = 1e4
+        results["forced"] = tracer.result.save()
+    return results
+
+
+def whisper_case(model, remote: dict, audio, decoder_input_ids) -> dict:
+    """Reads of the encoder and decoder from a waveform, an in-place edit, two generations."""
+    with model.trace(audio, decoder_input_ids=decoder_input_ids, **remote):
+        clean_logits = model.proj_out.output.save()
+    with model.trace(audio, decoder_input_ids=decoder_input_ids, **remote):
+        encoder0 = model.model.encoder.layers[0].output.save()
+        encoder_out = model.model.encoder.layer_norm.output.save()
+        decoder0 = model.model.decoder.layers[0].output.clone().save()
+        model.model.decoder.layers[0].output[:, -1] = 0
+        logits = model.proj_out.output.save()
+    with model.generate(audio, max_new_tokens=3, **remote) as tracer:
+        generated_encoder = model.model.encoder.layers[0].output.save()
+        ids = tracer.result.save()
+    with model.generate(audio, max_new_tokens=3, **remote) as tracer:
+        for _ in tracer.iter[0:3]:
+            model.proj_out.output[:, -1, FORCED] = 1e4
+        forced = tracer.result.save()
+    return dict(clean_logits=clean_logits, encoder0=encoder0, encoder_out=encoder_out, decoder0=decoder0,
+                logits=logits, generated_encoder=generated_encoder, ids=ids, forced=forced)

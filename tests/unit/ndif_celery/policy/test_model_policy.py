@@ -79,8 +79,15 @@ def test_only_the_classes_served_are_built(key, words):
 def test_revisions_and_tasks_nnsight_uses_pass():
     for revision in ("refs/pr/12", "v1.0", "a" * 40, "release_2-b"):
         assert model_policy.parse(_key(repo_id=REPO_ID, revision=revision, task="text-generation")).revision == revision
-    for task in ("translation_en_to_fr", "text-classification", "image-text-to-text"):
+    for task in ("feature-extraction", "text-classification", "image-text-to-text", "automatic-speech-recognition"):
         assert model_policy.parse(_key(repo_id="gpt2", revision=None, task=task)).task == task
+
+
+@pytest.mark.parametrize("task", ["text2text-generation", "translation_en_to_fr", "summarization", "vqa"])
+def test_a_task_transformers_removed_is_refused_saying_what_serves_instead(task):
+    with pytest.raises(PolicyError) as caught:
+        model_policy.parse(_key(repo_id="t5-small", revision=None, task=task))
+    assert f"{task!r} was removed in transformers 5" in caught.value.detail and "use the" in caught.value.detail
 
 
 def test_the_default_branch_and_task_aliases_are_one_key():
@@ -142,7 +149,13 @@ def test_the_task_and_attention_lists_cover_the_installed_transformers():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.pipelines import SUPPORTED_TASKS, TASK_ALIASES
 
+    from transformers.pipelines import REMOVED_TASKS
+
     assert set(SUPPORTED_TASKS) | set(TASK_ALIASES) <= model_policy.TASKS
+    assert set(REMOVED_TASKS) == set(model_policy.REMOVED_TASKS)  # each refused, with transformers' advice
+    for task, advice in REMOVED_TASKS.items():
+        words = model_policy.REMOVED_TASKS[task].split()[:2]  # "the text-generation" -> `text-generation`
+        assert words[-1].strip("`") in advice.replace("`", "") or "Diffusers" in advice, task
     shipped = {name.removeprefix("paged|") for name in ALL_ATTENTION_FUNCTIONS.keys()} | {"eager"}
     assert shipped <= model_policy.ATTENTION
 
