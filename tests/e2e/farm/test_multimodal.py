@@ -2,7 +2,7 @@
 image travels in the payload, the worker's processor is the checkpoint's), a
 T5-style encoder-decoder and a Whisper-style speech model
 (``tests/support/cases/tiny_multimodal.py``), traced by the real 0.8.1 client,
-each equal to the client's own local run with its weights frozen as the farm
+each equal to the client's own local run (reads, an edit, generate, a gradient) with its weights frozen as the farm
 holds them, on the trusted path and in jailed children (fork and zygote).
 
 T5 is served as transformers 5 loads it by repo id: ``feature-extraction``
@@ -70,6 +70,48 @@ def test_each_model_traces_remotely_as_the_client_does_locally(served, name):
     assert remote.keys() == local.keys()
     for read, value in local.items():
         assert torch.equal(remote[read], value), f"{name}: {read} differs from the local run"
+
+
+def vlm_gradient(model, remote, image, prompt):
+    with model.trace(prompt, images=[image], **remote):
+        hidden = model.model.language_model.layers[0].output
+        hidden.requires_grad_(True)
+        logits = model.lm_head.output
+        with logits.sum().backward():
+            grad = hidden.grad.save()
+    return grad
+
+
+def t5_gradient(model, remote, input_ids, decoder_input_ids):
+    with model.trace(input_ids=input_ids, decoder_input_ids=decoder_input_ids, **remote):
+        hidden = model.encoder.block[1].output[0]
+        hidden.requires_grad_(True)
+        decoded = model.decoder.final_layer_norm.output
+        with decoded.sum().backward():
+            grad = hidden.grad.save()
+    return grad
+
+
+def whisper_gradient(model, remote, audio, decoder_input_ids):
+    with model.trace(audio, decoder_input_ids=decoder_input_ids, **remote):
+        hidden = model.model.encoder.layers[0].output
+        hidden.requires_grad_(True)
+        logits = model.proj_out.output
+        with logits.sum().backward():
+            grad = hidden.grad.save()
+    return grad
+
+
+GRADIENTS = {"llava": vlm_gradient, "t5": t5_gradient, "whisper": whisper_gradient}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_a_gradient_reaches_the_client_as_it_does_locally(served, name):
+    _, stack, models = served
+    _, model, inputs = models[name]
+    remote = GRADIENTS[name](model, {"remote": stack.url}, *inputs)
+    local = GRADIENTS[name](model, {}, *inputs)
+    assert local.abs().sum() > 0 and torch.equal(remote, local)
 
 
 @pytest.mark.pools("fs")
