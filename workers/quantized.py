@@ -64,8 +64,13 @@ def refused_formats() -> dict:
     Asked of nnsight's own table (each format's ``build``), so its rules stay
     its own: ``fp8`` refuses without a GPU of compute capability 8.9. Only
     asked on a worker with no GPU, where asking cannot initialise CUDA; a GPU
-    worker finds out at its load, and the controller tries another."""
-    from nnsight.modeling import quantization
+    worker finds out at its load, and the controller tries another. A
+    runtime's older nnsight has no such table: its worker is never sent a
+    quantized model (the intake refuses those clients one)."""
+    try:
+        from nnsight.modeling import quantization
+    except ImportError:
+        return {}
 
     refused = {}
     for name, fmt in quantization.QUANTIZATIONS.items():

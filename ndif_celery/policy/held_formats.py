@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import sys
 from typing import Optional
 
@@ -40,6 +41,8 @@ def _table() -> dict:
         if spec is None or not spec.submodule_search_locations:
             return {}
         path = f"{list(spec.submodule_search_locations)[0]}/modeling/quantization.py"
+        if not os.path.exists(path):  # a runtime's older nnsight: no quantization by name
+            return {}
         file_spec = importlib.util.spec_from_file_location("_ndif_nnsight_quantization", path)
         loaded = importlib.util.module_from_spec(file_spec)
         sys.modules[file_spec.name] = loaded  # its dataclass looks its module up while it is built
