@@ -119,3 +119,25 @@ def resident_model():
     from tests.support.cases.tiny_model import worker_loaded
 
     return worker_loaded()
+
+
+@pytest.mark.parametrize("name", HELD)
+def test_requests_on_a_quantized_model_never_share_a_forward(name):
+    """LLM.int8() picks outlier columns from the whole batch, and the 4-bit
+    kernels differ for one row and many: each request runs alone, as alone."""
+    from tests.support.cases.cobatch_cases import capture
+    from workers.cobatch import run_alone, run_batch
+
+    _, model = loaded(name)
+    quantized.settle(model._module)
+    client = client_model(dtype=name)
+
+    def read(model, prompt):
+        with model.trace(prompt, remote=True):  # recorded, not sent (cobatch_cases.capture)
+            hidden = model.transformer.h[3].output.save()  # noqa: F841 - the saved name is the result's
+
+    requests = [capture(read, client, prompt) for prompt in (PROMPT, "Hello world")]
+    outcomes = run_batch(model, requests, restore=lambda: model)
+    for request, outcome in zip(requests, outcomes):
+        assert outcome.ok and "the model is quantized" in outcome.meta["cobatch_solo"], outcome.meta
+        assert torch.equal(outcome.saved["hidden"], run_alone(model, request, "reference").saved["hidden"])
