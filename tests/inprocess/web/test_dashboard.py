@@ -144,3 +144,25 @@ def test_the_template_ships_with_the_package():
     templates = sorted(path.relative_to(ROOT / "web").as_posix() for path in (ROOT / "web" / "templates").iterdir())
     assert "templates/dashboard.html" in templates
     assert [name for name in templates if not any(fnmatch.fnmatch(name, p) for p in patterns)] == []
+
+
+def test_each_deployment_shows_its_dtype_and_its_measured_weights(embedded_settings, redis_client):
+    from ndif_celery.state import registry
+    from web.app import create_app
+
+    key = ('nnsight.modeling.transformers.TransformersModel:{"repo_id": "org/big", "revision": null, '
+           '"task": "text-generation", "dtype": "nf4"}')
+    registry.register_worker(redis_client, {"name": "w0", "pid": 1, "memory_bytes": 1 << 34})
+    registry.set_deployment(redis_client, "w0", key, registry.RUNNING, size_bytes=3 << 30, weight_bytes=2 << 30,
+                            measured_bytes=(2 << 30) + (1 << 28), dtype="nf4")
+    try:
+        page = create_app(embedded_settings).test_client().get("/dashboard").get_data(as_text=True)
+        row = page.split('id="deployments"')[1].split("</table>")[0]
+        assert "<td>org/big</td>" in row and "<td>nf4</td>" in row
+        assert "3.0 GiB" in row and "2.2 GiB (est. 2.0 GiB)" in row
+        entry = next(e for e in registry.status_document(redis_client)["deployments"].values()
+                     if e.get("model_key") == key)
+        assert entry["dtype"] == "nf4" and entry["measured_bytes"] == (2 << 30) + (1 << 28)
+    finally:
+        registry.remove_deployment(redis_client, "w0", key)
+        redis_client.hdel(registry.WORKERS, "w0")
