@@ -111,7 +111,8 @@ def export(client: redis.Redis) -> tuple[str, list[str]]:
         except model_policy.PolicyError as error:
             skipped.append(f"{wire.repo_id(model_key)}: {error.detail}")
             continue
-        if model_key_for(key.repo_id, task=key.task, revision=key.revision, dtype=key.held or None) != model_key:
+        if key.cls != model_policy.TRANSFORMERS_MODEL or model_key_for(
+                key.repo_id, task=key.task, revision=key.revision, dtype=key.held or None) != model_key:
             skipped.append(f"{key.repo_id}: its model class or options cannot be written in a deployments file")
             continue
         entry: dict = {"repo": key.repo_id}

@@ -269,13 +269,17 @@ def test_export_writes_a_file_that_deploy_f_takes_back_unchanged(redis_client, a
     from ndif_celery.farm import wanted
 
     text = ("- repo: org/a\n  pin: true\n  replicas: 2\n  dtype: bfloat16\n  users: [ada@example.org, 'key:3']\n"
-            "- repo: org/b\n  revision: v1\n  task: token-classification\n")
+            "- repo: org/b\n  revision: v1\n  task: token-classification\n- repo: org/b\n  dtype: int4\n")
     deployments.apply(redis_client, deployments.parse(text))
     actions.deploy(redis_client, _key("org/c"), pinned=False, replicas=3, dtype=None)
+    pipeline = 'nnsight.modeling.diffusion.DiffusionModel:{"repo_id": "org/sd", "revision": null}'
+    actions.deploy(redis_client, pipeline, pinned=False, replicas=1, dtype=None)
     exported, skipped = wanted.export(redis_client)
-    assert skipped == []
+    assert skipped == ["org/sd: its model class or options cannot be written in a deployments file"]
+    redis_client.hdel(registry.DESIRED, pipeline)
     entries = deployments.parse(exported)
-    assert [e.repo for e in entries] == ["org/a", "org/b", "org/c"]
+    assert sorted((e.repo, e.dtype or "") for e in entries) == [("org/a", "bfloat16"), ("org/b", ""),
+                                                                ("org/b", "nf4"), ("org/c", "")]
     before = {k: {**w, "source": None} for k, w in registry.desired(redis_client).items()}
     again = deployments.apply(redis_client, entries, sync=True, celery_app=app)
     assert again.added == [] and again.evicted == []
