@@ -100,7 +100,7 @@ def export(client: redis.Redis) -> tuple[str, list[str]]:
     import yaml
 
     entries, skipped = [], []
-    for model_key, wish in sorted(registry.desired(client).items(), key=lambda item: wire.repo_id(item[0])):
+    for model_key, wish in sorted(registry.desired(client).items(), key=lambda item: (wire.repo_id(item[0]), item[0])):
         if wish.get("schedule"):
             wish = wish.get("before")
             if not isinstance(wish, dict):
