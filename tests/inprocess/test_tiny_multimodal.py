@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.cases import tiny_multimodal as tm
+from tests.support.cases import tiny_multimodal
 from tests.support.cases.conformance import assert_same
 
 LOCAL: dict = {}
@@ -41,7 +41,7 @@ KEY = "nnsight.modeling.transformers.TransformersModel:"
 
 @pytest.fixture(scope="module")
 def built(hf_home) -> Path:
-    for build in (tm.build_tiny_llava, tm.build_tiny_t5, tm.build_tiny_whisper):
+    for build in (tiny_multimodal.build_tiny_llava, tiny_multimodal.build_tiny_t5, tiny_multimodal.build_tiny_whisper):
         build(hf_home)
     return hf_home
 
@@ -51,23 +51,23 @@ def _needs_image_backend() -> None:
         import PIL  # noqa: F401
     except ImportError:
         pytest.importorskip("torchvision", reason="LLaVA's image processor needs Pillow or torchvision")
-        pytest.skip("tm.image() makes a PIL image: needs Pillow")
+        pytest.skip("tiny_multimodal.image() makes a PIL image: needs Pillow")
 
 
 @pytest.fixture(scope="module")
 def vlm(built):
     _needs_image_backend()
-    return tm.client_vlm()
+    return tiny_multimodal.client_vlm()
 
 
 @pytest.fixture(scope="module")
 def t5(built):
-    return tm.client_t5()
+    return tiny_multimodal.client_t5()
 
 
 @pytest.fixture(scope="module")
 def whisper(built):
-    return tm.client_whisper()
+    return tiny_multimodal.client_whisper()
 
 
 # --- the checkpoints --------------------------------------------------------------
@@ -82,17 +82,17 @@ def _digests(root: Path) -> dict:
 
 
 def test_builders_are_deterministic_and_idempotent(built, tmp_path):
-    builders = (tm.build_tiny_llava, tm.build_tiny_t5, tm.build_tiny_whisper)
+    builders = (tiny_multimodal.build_tiny_llava, tiny_multimodal.build_tiny_t5, tiny_multimodal.build_tiny_whisper)
     for folder in ("a", "b"):
         for build in builders:
-            assert build(tmp_path / folder) in (tm.LLAVA_REPO_ID, tm.T5_REPO_ID, tm.WHISPER_REPO_ID)
+            assert build(tmp_path / folder) in (tiny_multimodal.LLAVA_REPO_ID, tiny_multimodal.T5_REPO_ID, tiny_multimodal.WHISPER_REPO_ID)
     first, second = _digests(tmp_path / "a"), _digests(tmp_path / "b")
     assert first == second, [name for name in first if first[name] != second.get(name)]
     # The session's cache holds the very same snapshots (a stale one built by
-    # older code would differ here: bump tm.BUILD_FORMAT when a builder changes).
-    for repo_id in (tm.LLAVA_REPO_ID, tm.T5_REPO_ID, tm.WHISPER_REPO_ID):
-        snap = tm.snapshot_dir(built, repo_id)
-        ours = tm.snapshot_dir(tmp_path / "a", repo_id)
+    # older code would differ here: bump tiny_multimodal.BUILD_FORMAT when a builder changes).
+    for repo_id in (tiny_multimodal.LLAVA_REPO_ID, tiny_multimodal.T5_REPO_ID, tiny_multimodal.WHISPER_REPO_ID):
+        snap = tiny_multimodal.snapshot_dir(built, repo_id)
+        ours = tiny_multimodal.snapshot_dir(tmp_path / "a", repo_id)
         assert snap is not None and snap.name == ours.name
         assert _digests(snap) == _digests(ours), repo_id
     # Built once: a second call leaves every file as it was.
@@ -105,17 +105,17 @@ def test_builders_are_deterministic_and_idempotent(built, tmp_path):
 def test_preprocessors_load_offline(built):
     from transformers import AutoConfig, AutoFeatureExtractor, AutoTokenizer
 
-    t5_tokenizer = AutoTokenizer.from_pretrained(tm.T5_REPO_ID)
+    t5_tokenizer = AutoTokenizer.from_pretrained(tiny_multimodal.T5_REPO_ID)
     assert type(t5_tokenizer).__name__ == "T5Tokenizer"
     assert (t5_tokenizer.pad_token_id, t5_tokenizer.eos_token_id) == (0, 1)
-    assert t5_tokenizer(tm.T5_PROMPT).input_ids[-1] == 1
-    assert len(t5_tokenizer) == AutoConfig.from_pretrained(tm.T5_REPO_ID).vocab_size
+    assert t5_tokenizer(tiny_multimodal.T5_PROMPT).input_ids[-1] == 1
+    assert len(t5_tokenizer) == AutoConfig.from_pretrained(tiny_multimodal.T5_REPO_ID).vocab_size
 
-    features = AutoFeatureExtractor.from_pretrained(tm.WHISPER_REPO_ID)(
-        tm.waveform(), sampling_rate=tm.SAMPLING_RATE, return_tensors="pt"
+    features = AutoFeatureExtractor.from_pretrained(tiny_multimodal.WHISPER_REPO_ID)(
+        tiny_multimodal.waveform(), sampling_rate=tiny_multimodal.SAMPLING_RATE, return_tensors="pt"
     )
-    assert features["input_features"].shape == (1, tm.N_MELS, 100)  # 0.5 s padded to a 1 s window
-    whisper_tokenizer = AutoTokenizer.from_pretrained(tm.WHISPER_REPO_ID)
+    assert features["input_features"].shape == (1, tiny_multimodal.N_MELS, 100)  # 0.5 s padded to a 1 s window
+    whisper_tokenizer = AutoTokenizer.from_pretrained(tiny_multimodal.WHISPER_REPO_ID)
     assert type(whisper_tokenizer).__name__ == "WhisperTokenizer"
     sot, notimestamps = whisper_tokenizer.convert_tokens_to_ids(["<|startoftranscript|>", "<|notimestamps|>"])
     assert whisper_tokenizer.prefix_tokens == [sot, notimestamps]
@@ -129,11 +129,11 @@ def test_llava_processor_loads_offline(built):
     _needs_image_backend()
     from transformers import AutoProcessor
 
-    processor = AutoProcessor.from_pretrained(tm.LLAVA_REPO_ID)
+    processor = AutoProcessor.from_pretrained(tiny_multimodal.LLAVA_REPO_ID)
     assert type(processor).__name__ == "LlavaProcessor"
-    encoding = processor(text=tm.LLAVA_PROMPT, images=[tm.image()], return_tensors="pt")
-    assert encoding["pixel_values"].shape == (1, 3, tm.IMAGE_SIZE, tm.IMAGE_SIZE)
-    assert (encoding["input_ids"] == processor.image_token_id).sum() == tm.IMAGE_TOKENS
+    encoding = processor(text=tiny_multimodal.LLAVA_PROMPT, images=[tiny_multimodal.image()], return_tensors="pt")
+    assert encoding["pixel_values"].shape == (1, 3, tiny_multimodal.IMAGE_SIZE, tiny_multimodal.IMAGE_SIZE)
+    assert (encoding["input_ids"] == processor.image_token_id).sum() == tiny_multimodal.IMAGE_TOKENS
     chat = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
     assert processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == (
         "USER: <image>\nWhat is it?\nASSISTANT:"
@@ -197,7 +197,7 @@ def _server(client):
     """The model a server builds from ``client``'s key, built once per key."""
     key = client.to_model_key()
     if key not in _SERVERS:
-        _SERVERS[key] = tm.server_model(client)
+        _SERVERS[key] = tiny_multimodal.server_model(client)
     return _SERVERS[key]
 
 
@@ -228,23 +228,23 @@ def test_vlm_key_and_class(vlm):
     from nnsight import NNsightDeprecationWarning
     from nnsight.modeling.vlm import VisionLanguageModel
 
-    key = KEY + json.dumps({"repo_id": tm.LLAVA_REPO_ID, "revision": None, "task": "image-text-to-text"})
+    key = KEY + json.dumps({"repo_id": tiny_multimodal.LLAVA_REPO_ID, "revision": None, "task": "image-text-to-text"})
     assert vlm.to_model_key() == key
     assert type(vlm._module).__name__ == "LlavaForConditionalGeneration"
     assert type(vlm.processor).__name__ == "LlavaProcessor"
     # The deprecated class is a name for the same deployment.
     with pytest.warns(NNsightDeprecationWarning):
-        alias = VisionLanguageModel(tm.LLAVA_REPO_ID, processor=vlm.processor)
+        alias = VisionLanguageModel(tiny_multimodal.LLAVA_REPO_ID, processor=vlm.processor)
     assert alias.to_model_key() == key
 
 
 def test_vlm_traces_with_an_image(vlm):
-    prompt = tm.LLAVA_PROMPT
-    n_tokens = len(vlm.processor(text=prompt, images=[tm.image()])["input_ids"][0])
-    r = _three_ways(tm.vlm_case, vlm, tm.image(), prompt)
+    prompt = tiny_multimodal.LLAVA_PROMPT
+    n_tokens = len(vlm.processor(text=prompt, images=[tiny_multimodal.image()])["input_ids"][0])
+    r = _three_ways(tiny_multimodal.vlm_case, vlm, tiny_multimodal.image(), prompt)
 
-    assert r["vision"].shape == (1, tm.IMAGE_TOKENS + 1, 32)  # the patches and CLS
-    assert r["projected"].shape == (1, tm.IMAGE_TOKENS, 32)
+    assert r["vision"].shape == (1, tiny_multimodal.IMAGE_TOKENS + 1, 32)  # the patches and CLS
+    assert r["projected"].shape == (1, tiny_multimodal.IMAGE_TOKENS, 32)
     assert r["layer0"].shape == (1, n_tokens, 32) and r["layer0"][:, -1].abs().sum() > 0
     assert torch.equal(r["edited"][:, -1], torch.zeros(1, 32))
     assert torch.equal(r["logits"][:, :-1], r["clean_logits"][:, :-1])  # a causal model: earlier positions kept
@@ -252,13 +252,13 @@ def test_vlm_traces_with_an_image(vlm):
     assert torch.equal(r["generated_vision"], r["vision"])
     assert r["ids"].shape == (1, n_tokens + 3)
     assert r["ids"][0, n_tokens] == r["clean_logits"][0, -1].argmax()
-    assert r["forced"][0, n_tokens:].tolist() == [tm.FORCED] * 3
+    assert r["forced"][0, n_tokens:].tolist() == [tiny_multimodal.FORCED] * 3
 
 
 def test_vlm_image_changes_the_text_stream(vlm):
-    with vlm.trace(tm.LLAVA_PROMPT, images=[tm.image(0)]):
+    with vlm.trace(tiny_multimodal.LLAVA_PROMPT, images=[tiny_multimodal.image(0)]):
         first = vlm.model.language_model.layers[0].output.save()
-    with vlm.trace(tm.LLAVA_PROMPT, images=[tm.image(1)]):
+    with vlm.trace(tiny_multimodal.LLAVA_PROMPT, images=[tiny_multimodal.image(1)]):
         second = vlm.model.language_model.layers[0].output.save()
     assert not torch.equal(first, second)
 
@@ -268,15 +268,15 @@ def test_vlm_image_changes_the_text_stream(vlm):
 
 def test_t5_key_and_class(t5):
     assert t5.to_model_key() == KEY + json.dumps(
-        {"repo_id": tm.T5_REPO_ID, "revision": None, "task": "feature-extraction"}
+        {"repo_id": tiny_multimodal.T5_REPO_ID, "revision": None, "task": "feature-extraction"}
     )
     assert type(t5._module).__name__ == "T5Model"
 
 
 def test_t5_traces_encoder_and_decoder(t5):
-    input_ids = t5.tokenizer(tm.T5_PROMPT, return_tensors="pt").input_ids
+    input_ids = t5.tokenizer(tiny_multimodal.T5_PROMPT, return_tensors="pt").input_ids
     decoder_input_ids = torch.tensor([[0, 5, 9]])
-    r = _three_ways(tm.t5_case, t5, input_ids, decoder_input_ids, exact_with_grad=False)
+    r = _three_ways(tiny_multimodal.t5_case, t5, input_ids, decoder_input_ids, exact_with_grad=False)
     assert r["encoder0"].shape == (1, input_ids.shape[1], 32)
     assert r["encoder_out"].shape == (1, input_ids.shape[1], 32)
     assert r["decoder0"].shape == (1, 3, 32) and r["decoder0"].abs().sum() > 0
@@ -291,19 +291,19 @@ def test_t5_generates_through_a_wrapped_module(built, t5):
     client by repo id, not an isolated worker's skeleton."""
     from nnsight.modeling.mixins.remotable import Remotable
 
-    generative = tm.client_t5_generative()
+    generative = tiny_multimodal.client_t5_generative()
     assert type(generative._module).__name__ == "T5ForConditionalGeneration"
     assert generative.to_model_key() == KEY + json.dumps(
-        {"repo_id": tm.T5_REPO_ID, "revision": None, "task": "text-generation"}
+        {"repo_id": tiny_multimodal.T5_REPO_ID, "revision": None, "task": "text-generation"}
     )
-    input_ids = generative.tokenizer(tm.T5_PROMPT, return_tensors="pt").input_ids
+    input_ids = generative.tokenizer(tiny_multimodal.T5_PROMPT, return_tensors="pt").input_ids
     decoder_input_ids = torch.tensor([[0, 5, 9]])
 
-    r = _three_ways(tm.t5_generative_case, generative, input_ids, decoder_input_ids, exact_with_grad=False)
+    r = _three_ways(tiny_multimodal.t5_generative_case, generative, input_ids, decoder_input_ids, exact_with_grad=False)
     assert r["ids"].shape == (1, 4) and r["ids"][0, 0] == 0  # the decoder start, then 3 tokens
-    assert r["forced"][0, 1:].tolist() == [tm.FORCED] * 3
+    assert r["forced"][0, 1:].tolist() == [tiny_multimodal.FORCED] * 3
     # The same encoder and decoder as the servable T5Model.
-    servable = tm.t5_case(t5, LOCAL, input_ids, decoder_input_ids)
+    servable = tiny_multimodal.t5_case(t5, LOCAL, input_ids, decoder_input_ids)
     assert_same(servable, {name: r[name] for name in servable})
 
     with pytest.raises(ValueError, match="AutoModelForCausalLM"):
@@ -318,28 +318,28 @@ def test_t5_generates_through_a_wrapped_module(built, t5):
 
 def test_whisper_key_and_class(whisper):
     assert whisper.to_model_key() == KEY + json.dumps(
-        {"repo_id": tm.WHISPER_REPO_ID, "revision": None, "task": "automatic-speech-recognition"}
+        {"repo_id": tiny_multimodal.WHISPER_REPO_ID, "revision": None, "task": "automatic-speech-recognition"}
     )
     assert type(whisper._module).__name__ == "WhisperForConditionalGeneration"
 
 
 def test_whisper_traces_a_waveform(whisper):
     prefix = torch.tensor([whisper.tokenizer.prefix_tokens])  # <|startoftranscript|><|notimestamps|>
-    r = _three_ways(tm.whisper_case, whisper, tm.waveform(), prefix)
+    r = _three_ways(tiny_multimodal.whisper_case, whisper, tiny_multimodal.waveform(), prefix)
     assert r["encoder0"].shape == (1, 50, 32)  # 100 mel frames, halved by the second conv
     assert r["decoder0"].shape == (1, 2, 32)
     assert torch.equal(r["logits"][:, :-1], r["clean_logits"][:, :-1])
     assert not torch.equal(r["logits"][:, -1], r["clean_logits"][:, -1])
     assert torch.equal(r["generated_encoder"], r["encoder0"])
     assert r["ids"].shape == (1, 3)  # Whisper's generate returns the new tokens only
-    assert r["forced"].tolist() == [[tm.FORCED] * 3]
+    assert r["forced"].tolist() == [[tiny_multimodal.FORCED] * 3]
 
 
 def test_whisper_features_are_the_waveform(whisper):
     """A raw waveform and its features (``input_features=``) trace the same."""
     prefix = torch.tensor([whisper.tokenizer.prefix_tokens])
-    features = whisper.feature_extractor(tm.waveform(), sampling_rate=tm.SAMPLING_RATE, return_tensors="pt")
-    with whisper.trace(tm.waveform(), decoder_input_ids=prefix):
+    features = whisper.feature_extractor(tiny_multimodal.waveform(), sampling_rate=tiny_multimodal.SAMPLING_RATE, return_tensors="pt")
+    with whisper.trace(tiny_multimodal.waveform(), decoder_input_ids=prefix):
         from_audio = whisper.proj_out.output.save()
     with whisper.trace(input_features=features["input_features"], decoder_input_ids=prefix):
         from_features = whisper.proj_out.output.save()

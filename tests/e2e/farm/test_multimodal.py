@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.cases import tiny_multimodal as tm
+from tests.support.cases import tiny_multimodal
 from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
 
@@ -28,18 +28,18 @@ def frozen(model):
 
 
 def vlm():
-    prompt = tm.LLAVA_PROMPT
-    return tm.vlm_case, frozen(tm.client_vlm()), (tm.image(), prompt)
+    prompt = tiny_multimodal.LLAVA_PROMPT
+    return tiny_multimodal.vlm_case, frozen(tiny_multimodal.client_vlm()), (tiny_multimodal.image(), prompt)
 
 
 def t5():
-    model = frozen(tm.client_t5())
-    return tm.t5_case, model, (model.tokenizer(tm.T5_PROMPT, return_tensors="pt").input_ids, torch.tensor([[0, 5, 9]]))
+    model = frozen(tiny_multimodal.client_t5())
+    return tiny_multimodal.t5_case, model, (model.tokenizer(tiny_multimodal.T5_PROMPT, return_tensors="pt").input_ids, torch.tensor([[0, 5, 9]]))
 
 
 def whisper():
-    model = frozen(tm.client_whisper())
-    return tm.whisper_case, model, (tm.waveform(), torch.tensor([model.tokenizer.prefix_tokens]))
+    model = frozen(tiny_multimodal.client_whisper())
+    return tiny_multimodal.whisper_case, model, (tiny_multimodal.waveform(), torch.tensor([model.tokenizer.prefix_tokens]))
 
 
 MODELS = {"llava": vlm, "t5": t5, "whisper": whisper}
@@ -49,7 +49,7 @@ MODELS = {"llava": vlm, "t5": t5, "whisper": whisper}
                                         for kind in ("fs", "isolated", "zygote")])
 def served(request, stack_pool, hf_home):
     """``(kind, stack, {name: (case, model, inputs)})``: a pool stack holding the three models."""
-    for build in (tm.build_tiny_llava, tm.build_tiny_t5, tm.build_tiny_whisper):
+    for build in (tiny_multimodal.build_tiny_llava, tiny_multimodal.build_tiny_t5, tiny_multimodal.build_tiny_whisper):
         build(hf_home)
     models = {name: make() for name, make in MODELS.items()}
     stack = stack_pool.get(request.param)

@@ -74,7 +74,7 @@ def test_the_dashboard_shows_the_farm_and_recent_jobs(chromium, on_fs_stack, mod
 
     deployment = _row_with(chromium.rows("#deployments"), REPO_ID)
     # The nnsight that serves it, then no probes on this farm: "-".
-    assert deployment[1:6] == [client_versions.MAIN, "HOT", "RUNNING", "-", worker], deployment
+    assert deployment[1:7] == [client_versions.MAIN, "as saved", "HOT", "RUNNING", "-", worker], deployment
 
     queue = _row_with(chromium.rows("#queues"), REPO_ID)
     assert queue[1] == client_versions.MAIN and queue[2] == "0" and queue[3].endswith(" s"), queue

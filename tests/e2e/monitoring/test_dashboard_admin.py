@@ -193,7 +193,7 @@ def test_history_charts_and_a_failing_probe_in_the_deployments_table(farm):
         browser = _page(farm)
         points = browser.evaluate("document.querySelectorAll('#history svg.latency .point').length")
         passed = browser.evaluate("document.querySelectorAll('#history svg.uptime .bar.ok').length")
-        probe = _row(browser.rows("#deployments"), A)[4]
+        probe = _row(browser.rows("#deployments"), A)[5]
         return points >= 2 and passed >= 2 and probe == "ok"  # a point per period, an ok bar per period
 
     _until(charted, "latency and probe charts for dash/a", farm)
@@ -210,13 +210,13 @@ def test_history_charts_and_a_failing_probe_in_the_deployments_table(farm):
 
     def red():
         row = _row(_page(farm).rows("#deployments"), A)
-        return row if row[4] == "FAILING" else None
+        return row if row[5] == "FAILING" else None
 
     row = _until(red, "the failing probe in the deployments table", farm)
-    assert row[3] == "RUNNING (probe failing)"
+    assert row[4] == "RUNNING (probe failing)"
     assert "ERROR" in farm.browser.evaluate(
         "Array.from(document.querySelectorAll('#deployments tr')).find(r => r.cells[0].innerText === 'dash/a')"
-        ".cells[3].className")
+        ".cells[4].className")
     assert farm.browser.evaluate("document.querySelectorAll('#history svg.uptime .bar.failed').length") >= 2
     _bars_are_drawn_to_scale(farm.browser)
     farm.browser.screenshot(SHOTS / "probe-failing.png")
