@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hmac
 import uuid
+import zlib
 from typing import Callable, Mapping, Optional
 
 import redis
@@ -66,7 +67,8 @@ def accept(
     client (:func:`check_runtime`). ``held`` is the quantization the request's
     URL asked for (``web.dtype_path``), "" for none."""
     protocol = check_protocol(headers, runtime)
-    envelope = socketio_wire.envelope(headers) if protocol else wire.parse_envelope(data)
+    codec = client_versions.payload_codec(runtime or client_versions.MAIN)
+    envelope = socketio_wire.envelope(headers, codec) if protocol else wire.parse_envelope(data)
     # After the envelope, as on NDIF: NDIF_MIN_NNSIGHT_VERSION, NDIF_MIN_PYTHON_VERSION.
     client_versions.check_client(headers, settings.min_nnsight_version, settings.min_python_version)
     # What the checks read, in one round trip: the farm's offer, the session's owner.
@@ -84,7 +86,7 @@ def accept(
     unclaimed = bool(protocol and envelope.session_id and owner == b"")  # a Socket.IO socket no key claimed
     if not unclaimed:
         check_session(identity, envelope.session_id, owner)
-    blob = check_payload(blob, envelope.compress, settings)
+    blob = check_payload(blob, envelope.compress, settings, envelope.codec)
     if unclaimed:  # the first key whose request passes its checks claims it. A race has one winner.
         check_session(identity, envelope.session_id, jobs.claim_session(client, envelope.session_id, identity.owner))
         # The socket is the key's now. It counts like the key's /subscribe sockets; the web renews it.
@@ -139,8 +141,20 @@ def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mappi
     reported = headers.get(client_versions.NNSIGHT_HEADER)
     if reported:
         client_versions.check_nnsight(reported, settings.min_nnsight_version)
+    client_versions.check_served_at_all(reported)
+    workers: Optional[dict] = None
+
+    def live() -> dict:  # read once, and only for a version other than the farm's own
+        nonlocal workers
+        if workers is None:
+            workers = registry.live_workers(client)
+        return workers
+
     client_versions.check_runtime(reported, client_versions.MAIN,
-                           lambda: client_versions.served(registry.live_workers(client), client_versions.MAIN), added_here)
+                                  lambda: client_versions.served(live(), client_versions.MAIN), added_here)
+    if reported and client_versions.sends_bytecode(reported):
+        client_versions.check_python_minor(reported, headers.get(client_versions.PYTHON_HEADER),
+                                           client_versions.python_minors(live(), reported))
     return client_versions.as_runtime(reported)
 
 
@@ -153,7 +167,9 @@ def check_protocol(headers: Mapping[str, str], runtime: str) -> str:
     expected = client_versions.protocol_of(runtime or client_versions.MAIN)
     if spoken != expected:
         version = runtime or client_versions.MAIN
-        said = ("its envelope in the nnsight-model-key and nnsight-compress headers" if expected
+        flag = (socketio_wire.ZLIB if client_versions.payload_codec(version) == wire.ZLIB
+                else socketio_wire.COMPRESS)
+        said = (f"its envelope in the {socketio_wire.MODEL_KEY} and {flag} headers" if expected
                 else "a multipart form with the fields 'data' and 'blob'")
         raise Refused(f"An nnsight {version} client sends {said}; this request does not. "
                       "Is the nnsight-version header the client's own?", 400)
@@ -205,21 +221,53 @@ def check_session(identity: auth.Identity, session_id: str, owner: Optional[byte
         raise Refused("session_id was not opened by this API key (open /subscribe with the same key).", 403)
 
 
-def check_payload(blob: Optional[bytes], compress: bool, settings: config.Settings) -> bytes:
+def check_payload(blob: Optional[bytes], compress: bool, settings: config.Settings,
+                  codec: str = wire.ZSTD) -> bytes:
     """The payload: present and within ``NDIF_MAX_PAYLOAD_BYTES``.
 
     When declared compressed, it must be a zstd frame with its size. The
-    worker decompresses into that size."""
+    worker decompresses into that size. A 0.5 client's zlib stream declares
+    no size: it is inflated here, kept nowhere, and must stay within the
+    same limit, so the worker's inflate is bounded."""
     if blob is None:
         raise Refused("Missing file part 'blob' (the serialized request payload).", 400)
     if not blob:
         raise Refused("The 'blob' part is empty: there is no request payload to run.", 400)
     limits.check_payload(len(blob), settings)
-    if compress:
+    if compress and codec == wire.ZLIB:
+        problem = zlib_problem(blob, settings.max_payload_bytes)
+        if problem:
+            raise Refused(problem, 413 if "over" in problem else 400)
+    elif compress:
         problem = zstd_problem(blob)
         if problem:
             raise Refused(problem, 400)
     return blob
+
+
+_INFLATE_STEP = 1 << 20
+
+
+def zlib_problem(blob: bytes, limit: int) -> str:
+    """Why a payload declared zlib'd is not a whole zlib stream within ``limit`` bytes inflated, or ''."""
+    inflater = zlib.decompressobj()
+    size, rest = 0, blob
+    try:
+        while rest:
+            size += len(inflater.decompress(rest, _INFLATE_STEP))
+            if limit and size > limit:
+                return (f"The payload inflates to over {limit} bytes, this server's limit "
+                        "(NDIF_MAX_PAYLOAD_BYTES). Save less inside the trace, or pass large inputs by reference.")
+            rest = inflater.unconsumed_tail
+        size += len(inflater.flush())
+    except zlib.error as error:
+        return f"The payload is declared zlib-compressed but is not a valid zlib stream ({error})."
+    if not inflater.eof:
+        return "The payload is declared zlib-compressed but its zlib stream is cut short."
+    if limit and size > limit:
+        return (f"The payload inflates to over {limit} bytes, this server's limit (NDIF_MAX_PAYLOAD_BYTES). "
+                "Save less inside the trace, or pass large inputs by reference.")
+    return ""
 
 
 def zstd_problem(blob: bytes) -> str:

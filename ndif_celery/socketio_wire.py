@@ -1,11 +1,13 @@
-"""The wire of the nnsight 0.6 and 0.7 clients, as far as the web writes and reads it.
+"""The wire of the nnsight 0.5, 0.6 and 0.7 clients, as far as the web writes and reads it.
 
 Those clients wait on a Socket.IO socket (``web/sio.py``) and read every status
 as ``torch.save`` bytes of a plain dict, parsed into their ``ResponseModel``,
 whose status enum has no DEPLOYING and no PROVISIONING: an unknown status
 crashes the client. They POST a raw body and say what it is in headers. This
 module writes those frames without torch (the web never imports it) and reads
-those headers; the farm's own clients' wire is ``ndif_celery.wire``.
+those headers; the farm's own clients' wire is ``ndif_celery.wire``. A 0.5
+client says ``nnsight-zlib`` where 0.6/0.7 say ``nnsight-compress``: its
+payload is zlib, theirs zstd.
 
 A ``torch.save`` file is a zip archive: ``<name>/data.pkl`` (the pickle),
 ``<name>/byteorder`` and ``<name>/version``. A dict of strings needs no tensor
@@ -30,7 +32,7 @@ SAID_AS = {wire.DEPLOYING: wire.QUEUED, "PROVISIONING": wire.QUEUED}
 ARCHIVE = "archive"
 PICKLE_PROTOCOL = 2  # what torch.save writes by default
 
-MODEL_KEY, COMPRESS, SESSION = "nnsight-model-key", "nnsight-compress", "ndif-session_id"
+MODEL_KEY, COMPRESS, ZLIB, SESSION = "nnsight-model-key", "nnsight-compress", "nnsight-zlib", "ndif-session_id"
 #: ``SESSION`` as gunicorn hands it to the app: a name no client header takes (web/gunicorn_conf.py).
 SESSION_AS_READ = "X-Ndif-Socketio-Session"
 #: A Socket.IO session id as engine.io makes them (URL-safe base64 of random bytes).
@@ -74,17 +76,20 @@ def speaks(headers: Mapping[str, str]) -> bool:
     return bool(headers.get(MODEL_KEY))
 
 
-def envelope(headers: Mapping[str, str]) -> wire.Envelope:
+def envelope(headers: Mapping[str, str], codec: str = wire.ZSTD) -> wire.Envelope:
     """The headers' envelope, as the farm's own clients' form field gives it;
-    what is wrong is named, as there (``wire.WireError``, 422)."""
+    what is wrong is named, as there (``wire.WireError``, 422). ``codec`` is
+    the client version's (``policy.client_versions.payload_codec``): it says
+    which header tells whether the payload is compressed."""
     model_key = (headers.get(MODEL_KEY) or "").strip()
     if not model_key:
         raise wire.WireError(f"Missing header {MODEL_KEY!r} (the model to run the request on).")
     wire.check_model_key(model_key)
-    compress = (headers.get(COMPRESS) or "False").strip()
+    said = ZLIB if codec == wire.ZLIB else COMPRESS
+    compress = (headers.get(said) or "False").strip()
     if compress not in ("True", "False"):
-        raise wire.WireError(f"Header {COMPRESS!r} must be True or False, got {compress[:20]!r}.")
+        raise wire.WireError(f"Header {said!r} must be True or False, got {compress[:20]!r}.")
     session_id = (headers.get(SESSION_AS_READ) or "").strip()
     if session_id and not SID.fullmatch(session_id):
         raise wire.WireError(f"Header {SESSION!r} must be the id of this farm's Socket.IO socket, or empty.")
-    return wire.Envelope(model_key=model_key, session_id=session_id, compress=compress == "True")
+    return wire.Envelope(model_key=model_key, session_id=session_id, compress=compress == "True", codec=codec)

@@ -36,6 +36,8 @@ _MODEL_KEY = re.compile(r"^(?P<cls>[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-
 ALLOWED_MODEL_CLASS_PREFIX = "nnsight.modeling."
 MAX_MODEL_KEY_CHARS = 4096
 JOB_ID = re.compile(r"^[0-9a-f]{32}$")
+#: How a compressed payload is compressed: zstd (0.6 and later) or zlib (0.5).
+ZSTD, ZLIB = "zstd", "zlib"
 
 
 class WireError(Refused, ValueError):
@@ -52,6 +54,7 @@ class Envelope:
     session_id: str = ""
     compress: bool = False
     env: dict = field(default_factory=dict)
+    codec: str = ZSTD
 
 
 def parse_envelope(raw: Optional[str]) -> Envelope:

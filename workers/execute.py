@@ -127,9 +127,9 @@ def persistent_objects(model: Any, env: Optional[dict]) -> dict:
         baseline.take(model)  # the farm swapped the adapter: the tree as it now is is the one to keep
     kept = _PERSISTENT.get(model._module)
     if kept is LAYERED:
-        return model._remoteable_persistent_objects()
+        return adapter().persistent_objects(model)
     if kept is None:
-        kept = _PERSISTENT[model._module] = model._remoteable_persistent_objects()
+        kept = _PERSISTENT[model._module] = adapter().persistent_objects(model)
     return dict(kept)
 
 

@@ -15,6 +15,7 @@ import torch
 import zstandard
 
 from ndif_celery import wire
+from workers import adapters
 
 
 def encode(saved: dict, compress: bool) -> memoryview:
@@ -26,7 +27,9 @@ def encode(saved: dict, compress: bool) -> memoryview:
     size in its frame. Peak memory is the saved tensors plus one copy of the
     result, instead of the tensors, the raw bytes and the compressed bytes at
     once. A small one (most): the counting pass keeps its bytes, and is all.
+    A 0.5 client reads its result uncompressed, whatever its request was.
     """
+    compress = compress and adapters.current().RESULTS_COMPRESSED
     size = _CountingSink(keep=_SMALL)
     torch.save(saved, size, pickle_protocol=4)
     if size.kept is not None:

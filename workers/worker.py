@@ -283,6 +283,7 @@ class WorkerState:
             cached=memory.cached_repos(settings),
             started_at=time.time(),
             nnsight=nnsight.__version__,  # the client version it serves (policy.client_versions)
+            python=f"{sys.version_info.major}.{sys.version_info.minor}",  # a 0.5 payload runs on its own minor only
             # The quantizations nnsight refuses here, so the controller places them elsewhere.
             refused_formats={} if cuda.gpus_visible() else quantized.refused_formats(),
         )

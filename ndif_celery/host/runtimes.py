@@ -119,6 +119,10 @@ def _read(path: Path, version: str) -> Runtime:
 def add(home: Path, version: str, index_args: tuple = (), log=print) -> Runtime:
     """Make the runtime of ``version`` (see the module's doc); an existing good one is kept."""
     version = check_version(version)
+    try:
+        client_versions.check_served_at_all(version)
+    except client_versions.VersionRefused as exc:
+        raise RuntimeFailure(str(exc)) from None
     if version == main_version():
         raise RuntimeFailure(f"nnsight {version} is the farm's own: every worker runs it without a runtime")
     path = folder(home, version)
@@ -127,28 +131,10 @@ def add(home: Path, version: str, index_args: tuple = (), log=print) -> Runtime:
         if existing.ok:
             return existing
         shutil.rmtree(path)  # a broken add: start again
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        log(f"creating {path}")
-        _run([sys.executable, "-m", "venv", str(path)], "create the environment")
-        site_packages = _site_packages(Path(path / "bin" / "python"))
-        farm = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
-        # Executed at start-up: the farm's site folders (their own .pth files too), after this environment's.
-        (site_packages / "_ndif_farm.pth").write_text(
-            "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in farm) + "\n")
-        constraints = path / "constraints.txt"
-        constraints.write_text("".join(f"{name}=={metadata.version(name)}\n" for name in PINNED))
-        log(f"installing nnsight=={version} (holding {', '.join(f'{n} {metadata.version(n)}' for n in PINNED)})")
-        _run([str(path / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-              "-c", str(constraints), *index_args, f"nnsight=={version}"], f"install nnsight {version}",
-             timeout=INSTALL_TIMEOUT_S)
-        packages = _imported(path / "bin" / "python")
+        packages = build_environment(path, [f"nnsight=={version}"], index_args, log)
         if packages.get("nnsight") != version:
             raise RuntimeFailure(f"the environment imports nnsight {packages.get('nnsight')}, not {version}")
-        for name in PINNED:
-            if packages.get(name) != metadata.version(name):
-                raise RuntimeFailure(f"the environment imports {name} {packages.get(name)}, not the farm's "
-                                     f"{metadata.version(name)}")
         record = {"version": version, "python": packages.pop("python"), "packages": packages,
                   "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         (path / RECORD).write_text(json.dumps(record, indent=2) + "\n")
@@ -156,6 +142,36 @@ def add(home: Path, version: str, index_args: tuple = (), log=print) -> Runtime:
         shutil.rmtree(path, ignore_errors=True)  # nothing half-made stays to be mistaken for a runtime
         raise
     return _read(path, version)
+
+
+def build_environment(path: Path, requirements: list, index_args: tuple = (), log=print,
+                      drop: tuple = ()) -> dict:
+    """A virtual environment at ``path`` over the farm's packages (see the
+    module's doc) with ``requirements`` installed; what its interpreter
+    imports. ``drop``: packages pip brought along that break beside the
+    farm's torch, uninstalled before the check (the index's torchvision)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    log(f"creating {path}")
+    _run([sys.executable, "-m", "venv", str(path)], "create the environment")
+    site_packages = _site_packages(Path(path / "bin" / "python"))
+    farm = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    # Executed at start-up: the farm's site folders (their own .pth files too), after this environment's.
+    (site_packages / "_ndif_farm.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in farm) + "\n")
+    constraints = path / "constraints.txt"
+    constraints.write_text("".join(f"{name}=={metadata.version(name)}\n" for name in PINNED))
+    log(f"installing {' '.join(requirements)} (holding {', '.join(f'{n} {metadata.version(n)}' for n in PINNED)})")
+    _run([str(path / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "-q",
+          "-c", str(constraints), *index_args, *requirements], f"install {' '.join(requirements)}",
+         timeout=INSTALL_TIMEOUT_S)
+    if drop:
+        _run([str(path / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q", *drop], f"uninstall {' '.join(drop)}")
+    packages = _imported(path / "bin" / "python")
+    for name in PINNED:
+        if packages.get(name) != metadata.version(name):
+            raise RuntimeFailure(f"the environment imports {name} {packages.get(name)}, not the farm's "
+                                 f"{metadata.version(name)}")
+    return packages
 
 
 def remove(home: Path, version: str) -> Path:

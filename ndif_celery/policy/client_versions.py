@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 from packaging.version import InvalidVersion, Version
 
-from ndif_celery import socketio_wire
+from ndif_celery import socketio_wire, wire
 from ndif_celery.errors import Refused
 
 NNSIGHT_HEADER = "nnsight-version"
@@ -155,6 +155,64 @@ def protocol_of(version: str) -> str:
         return "" if Version(version) >= OWN_PROTOCOL_SINCE else socketio_wire.PROTOCOL
     except InvalidVersion:
         return ""
+
+
+#: The first version whose clients send their block as source. Older ones
+#: (0.5) send CPython bytecode, zlib'd: it runs only on their own Python minor.
+SOURCE_SINCE = Version("0.6.0")
+#: The oldest version this farm has an adapter for. 0.4 sends a graph, not code.
+OLDEST_SERVED = Version("0.5.0")
+
+
+def sends_bytecode(version: str) -> bool:
+    return _below(version, SOURCE_SINCE)
+
+
+def payload_codec(version: str) -> str:
+    """How an nnsight ``version``'s client compresses its payload (``wire.ZSTD`` or ``wire.ZLIB``)."""
+    return wire.ZLIB if sends_bytecode(version) else wire.ZSTD
+
+
+def _below(version: str, bound: Version) -> bool:
+    try:
+        return Version(version) < bound
+    except InvalidVersion:
+        return False
+
+
+def check_served_at_all(client_version: Optional[str]) -> None:
+    """A client older than any adapter: no runtime can serve it, so no operator step is offered."""
+    if client_version and _below(client_version, OLDEST_SERVED):
+        raise VersionRefused(
+            f"This farm does not serve nnsight {client_version}: clients before {OLDEST_SERVED} send their "
+            f"code as a graph this farm does not run. Install nnsight {OLDEST_SERVED} or later "
+            f"(`pip install --upgrade nnsight`)."
+        )
+
+
+def python_minors(workers: dict, version: str) -> set:
+    """The Python major.minor of each live worker of the ``version`` runtime."""
+    return {info["python"] for info in workers.values() if info.get("nnsight") == version and info.get("python")}
+
+
+def check_python_minor(client_version: Optional[str], client_python: Optional[str], minors: set) -> None:
+    """A bytecode payload (0.5) runs only on the Python minor that made it:
+    some live worker of that runtime must run the client's minor. The refusal
+    names the minors served and the operator's step to add another."""
+    if not client_version or not sends_bytecode(client_version):
+        return
+    minor = python_major_minor(client_python or "")
+    if minor in minors:
+        return
+    served_on = ", ".join(sorted(minors, key=Version)) or "none"
+    said = f"Python {minor}" if minor else "a Python version it did not say"
+    raise VersionRefused(
+        f"This farm serves nnsight {client_version} on Python {served_on} only, and your client runs {said}: "
+        f"an nnsight {client_version} request carries its code as Python bytecode, which runs only on the "
+        f"Python minor version that made it. Run your client on Python {served_on.split(', ')[0]}, or ask the "
+        f"farm's operator to add a runtime on your Python (`ndif-celery runtime add {client_version} "
+        f"--python /path/to/python{minor or '3.X'}`) and start a worker of it."
+    )
 
 
 def _order(version: str):

@@ -8,6 +8,9 @@ interface per minor:
 
 ``nnsight_08`` - the farm's own (0.8.x): the model by its key, the payload read
   under the request's env, the block run for its saves.
+``nnsight_05`` - the 0.5.x clients. The same keys as 0.6/0.7; the payload is
+  zlib'd bytecode (cloudpickle), run in a frame the adapter owns; results
+  go back uncompressed.
 ``nnsight_06_07`` - the 0.6.x and 0.7.0 clients. The model is keyed as their
   ``LanguageModel``. The payload is a pickled ``RequestModel`` of the compiled
   block and its tracer. The saves are what the tracer pushes back.
@@ -15,6 +18,7 @@ interface per minor:
 Each module gives:
 
 - ``load(model_key, **kwargs)``, for a canonical key from ``ndif_celery.policy.model_policy``;
+- ``persistent_objects(model)``: the payload's persistent ids on the model;
 - ``set_env(model, env)``;
 - ``deserialize(model, blob, compress, persistent)``;
 - ``run(prepared)``;
@@ -24,7 +28,8 @@ Each module gives:
 - ``unwind(model)``: cancel what a failed run left parked;
 - ``clean_traceback(tb)``;
 - ``unknown_module(error)``: the module path a payload named that this model lacks, or None;
-- ``COBATCH``: whether co-batching runs on it.
+- ``COBATCH``: whether co-batching runs on it;
+- ``RESULTS_COMPRESSED``: whether a compressed request's result is compressed too.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ def current() -> ModuleType:
         from . import nnsight_08 as adapter
     elif version >= Version("0.6.0"):
         from . import nnsight_06_07 as adapter
+    elif version >= Version("0.5.0"):
+        from . import nnsight_05 as adapter
     else:
-        raise RuntimeError(f"nnsight {nnsight.__version__} has no adapter on this farm (0.6 and later run)")
+        raise RuntimeError(f"nnsight {nnsight.__version__} has no adapter on this farm (0.5 and later run)")
     return adapter

@@ -11,7 +11,6 @@ is refused with a sentence.
 
 from __future__ import annotations
 
-import copyreg
 import json
 import pickle
 import re
@@ -24,7 +23,11 @@ from nnsight.schema.request import RequestModel
 
 from ndif_celery.policy import model_policy
 
+from . import cache_pickling
+
 COBATCH = False
+#: The client reads the result compressed when its request was.
+RESULTS_COMPRESSED = True
 
 
 class NotServed(Exception):
@@ -38,17 +41,7 @@ def _no_streaming(tracer: Any, block: Any) -> None:
 
 # Their server side of .local() streams a block back to the client over the socket; here it fails at once.
 StreamTracer.execute = _no_streaming
-
-
-def _rebuilt_through_init(cache: Any) -> tuple:
-    """A ``tracer.cache()`` result, pickled to be rebuilt by its ``__init__``: 0.6.3's
-    own unpickling of it asks its ``__getattr__`` for ``__setstate__`` before it
-    has any attribute, which recurses forever (its client cannot load it)."""
-    items = {key: dict.__getitem__(cache, key) for key in dict.keys(cache)}
-    return type(cache), (items, cache._path, cache._alias, cache._rename, cache._alias_paths)
-
-
-copyreg.pickle(Cache.CacheDict, _rebuilt_through_init)
+cache_pickling.register(Cache.CacheDict)
 
 _UNKNOWN_ID = re.compile(r"Unknown persistent id: (.+)")
 
@@ -61,6 +54,11 @@ def load(model_key: str, **kwargs) -> Any:
                          f"(task {model_policy.LANGUAGE_MODEL_TASK}, no trust_remote_code)")
     suffix = json.dumps({"repo_id": key.repo_id, "revision": key.revision or model_policy.DEFAULT_BRANCH})
     return RemoteableMixin.from_model_key(f"{model_policy.LANGUAGE_MODEL}:{suffix}", **kwargs)
+
+
+def persistent_objects(model: Any) -> dict:
+    """The payload's persistent ids (each module by path) on ``model``."""
+    return model._remoteable_persistent_objects()
 
 
 def set_env(model: Any, env: Optional[dict]) -> None:

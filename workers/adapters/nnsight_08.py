@@ -16,10 +16,17 @@ from ndif_celery.policy import client_versions
 
 # Co-batching reaches into nnsight's interleaver: built and tested on the farm's own version only.
 COBATCH = nnsight.__version__ == client_versions.MAIN
+#: The client reads the result compressed when its request was.
+RESULTS_COMPRESSED = True
 
 
 def load(model_key: str, **kwargs) -> Any:
     return Remotable.from_model_key(model_key, **kwargs)
+
+
+def persistent_objects(model: Any) -> dict:
+    """The payload's persistent ids (each module by path) on ``model``."""
+    return model._remoteable_persistent_objects()
 
 
 def set_env(model: Any, env: Optional[dict]) -> None:

@@ -1,9 +1,11 @@
-"""Real nnsight clients of other versions (0.6.3 and 0.7.0, each in its own
+"""Real nnsight clients of other versions (0.5.15, 0.6.3 and 0.7.0, each in its own
 environment made from the package index) against a farm that serves only its
 own nnsight: each is refused with a sentence naming its version and the
 versions served, shown by that client, blocking (after its Socket.IO socket
 was accepted) and not; ``nnsight.status()`` works from each; and each reads
-the status frames the farm writes for it without torch (``socketio_wire``)."""
+the status frames the farm writes for it without torch (``socketio_wire``).
+A 0.4 client, which no runtime can serve, reads that it is not served and
+why."""
 
 from __future__ import annotations
 
@@ -14,16 +16,28 @@ from ndif_celery.policy import client_versions
 from tests.support.clients import client_envs
 from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
-OLD = ("0.6.3", "0.7.0")
+OLD = ("0.5.15", "0.6.3", "0.7.0")
+
+#: These clients ask the hub for the repo's canonical id; the hub is out of reach here, and the id is the repo's.
+# 0.5 reads a module-level block's source with inspect: give this -c program's text a file's place.
+SOURCE_READABLE = """
+import linecache
+_SOURCE = sys.orig_argv[sys.orig_argv.index("-c") + 1]
+linecache.cache["<string>"] = (len(_SOURCE), None, _SOURCE.splitlines(keepends=True), "<string>")
+"""
+
+OFFLINE_REPO_ID = """
+import types
+import huggingface_hub
+huggingface_hub.HfApi.model_info = lambda self, repo_id, *args, **kwargs: types.SimpleNamespace(id=repo_id)
+"""
 
 TRACE = """
 import json, sys
 import nnsight
 from nnsight import CONFIG, LanguageModel
-from nnsight.modeling import huggingface
 CONFIG.API.HOST = sys.argv[1]
-# These clients ask the hub for the repo's canonical id; the hub is out of reach here, and the id is the repo's.
-huggingface.ID_CACHE[sys.argv[2]] = sys.argv[2]
+""" + SOURCE_READABLE + OFFLINE_REPO_ID + """
 model = LanguageModel(sys.argv[2])
 try:
     with model.trace(sys.argv[3], remote=True, blocking=sys.argv[4] == "blocking"):
@@ -38,7 +52,8 @@ import json, sys
 import nnsight
 from nnsight import CONFIG
 CONFIG.API.HOST = sys.argv[1]
-print(json.dumps({"version": nnsight.__version__, "status": nnsight.status()}, default=str))
+status = getattr(nnsight, "status", None) or nnsight.ndif_status  # 0.5 names it ndif_status
+print(json.dumps({"version": nnsight.__version__, "status": status()}, default=str))
 """
 
 
@@ -89,3 +104,31 @@ def test_the_older_client_reads_the_status_frames_the_farm_writes_without_torch(
                     ["j1", "QUEUED", "Loading org/a onto gpu0.", None, None],
                     ["j1", "RUNNING", "Your job has started running.", None, None],
                     ["j1", "COMPLETED", "Done.", ["http://farm/result/j1", 1234], None]], (version, said)
+
+
+# The 0.4 client configures its host without a scheme and speaks the same Socket.IO first.
+TRACE_04 = """
+import json, sys
+import nnsight
+from nnsight import CONFIG, LanguageModel
+host = sys.argv[1].removeprefix("http://")
+CONFIG.API.HOST, CONFIG.API.SSL = host, False
+""" + OFFLINE_REPO_ID + """
+model = LanguageModel(sys.argv[2])
+try:
+    with model.trace(sys.argv[3], remote=True):
+        out = model.transformer.h[0].output.save()
+    print(json.dumps({"version": nnsight.__version__, "ran": True}))
+except BaseException as error:
+    print(json.dumps({"version": nnsight.__version__, "error": type(error).__name__, "said": str(error)}))
+"""
+
+
+def test_a_04_client_reads_that_no_runtime_serves_it(fs_stack):
+    python = client_envs.client_only("nnsight-0.4.11", ["nnsight==0.4.11"], drop=("torchvision",))
+    said = client_envs.run(python, TRACE_04, fs_stack.url, REPO_ID, PROMPT)
+    assert said["version"] == "0.4.11" and "ran" not in said, said
+    assert said["error"] == "ConnectionError", said
+    assert said["said"] == (
+        "This farm does not serve nnsight 0.4.11: clients before 0.5.0 send their code as a graph this farm "
+        "does not run. Install nnsight 0.5.0 or later (`pip install --upgrade nnsight`).")

@@ -1,4 +1,4 @@
-"""Conformance cases for older nnsight clients (0.6.3 and 0.7.0).
+"""Conformance cases for older nnsight clients (0.5.15, 0.6.3 and 0.7.0).
 
 The farm serves each old client from a runtime with that client's own nnsight.
 A user of such a client must get from the farm exactly what the same client
@@ -46,7 +46,7 @@ from tests.support.clients import client_envs
 from tests.support.cases.tiny_model import PROMPTS
 
 #: Client versions this harness is written for.
-VERSIONS = ("0.6.3", "0.7.0")
+VERSIONS = ("0.5.15", "0.6.3", "0.7.0")
 
 #: Modes the script understands (see the module docstring).
 MODES = ("blocking", "non-blocking", "local-only", "simulate")
@@ -82,8 +82,9 @@ CASES = [
 #: Cases a version cannot express, and why. The script reports them as
 #: unsupported instead of running them.
 UNSUPPORTED = {
-    # Neither version has an operation-level skip: their OperationEnvoy has
+    # No version has an operation-level skip: their OperationEnvoy has
     # only .input/.inputs/.output/.source (skip exists on modules only).
+    "0.5.15": {"source_skip": "no .skip() on .source operations (OperationEnvoy) in nnsight 0.5.15"},
     "0.6.3": {"source_skip": "no .skip() on .source operations (OperationEnvoy) in nnsight 0.6.3"},
     "0.7.0": {"source_skip": "no .skip() on .source operations (OperationEnvoy) in nnsight 0.7.0"},
 }
@@ -108,7 +109,10 @@ import nnsight
 from nnsight import CONFIG, LanguageModel
 from nnsight.modeling import huggingface
 from nnsight.intervention.backends.remote import RemoteBackend
-from nnsight.intervention.backends.local_simulation import LocalSimulationBackend
+try:
+    from nnsight.intervention.backends.local_simulation import LocalSimulationBackend
+except ImportError:  # 0.5 has no local simulation
+    LocalSimulationBackend = None
 
 HOST, REPO, CASE_LIST, MODE = sys.argv[1:5]
 CASE = ""
@@ -125,7 +129,11 @@ import os
 if os.environ.get("CLIENT_API_KEY"):  # the farm's key for this run (auth on)
     CONFIG.API.APIKEY = os.environ["CLIENT_API_KEY"]
 # These clients ask the hub for the repo's canonical id; the hub is out of reach here, and the id is the repo's.
-huggingface.ID_CACHE[REPO] = REPO
+if hasattr(huggingface, "ID_CACHE"):
+    huggingface.ID_CACHE[REPO] = REPO
+else:  # 0.5 asks the hub at every request, with no cache to fill
+    import types
+    huggingface.HfApi.model_info = lambda self, repo_id, *args, **kwargs: types.SimpleNamespace(id=repo_id)
 
 
 # ---------------------------------------------------------------------------
@@ -390,7 +398,13 @@ def case_early_stop(model, remote, blocking):
     return {"h0": h0, "h1_mean": h1_mean}
 
 
+# 0.5 steps through a generation in a with block (``with tracer.iter[:]:``), 0.6 and later in a for loop.
+STEPS_IN_WITH_BLOCK = VERSION.startswith("0.5.")
+
+
 def case_generate_iter(model, remote, blocking):
+    if STEPS_IN_WITH_BLOCK:
+        return generate_iter_in_with_block(model, remote, blocking)
     prompt = PROMPT
     with model.generate(prompt, **GEN, **rk(model, remote, blocking)) as tracer:
         hiddens = nnsight.save([])
@@ -403,11 +417,38 @@ def case_generate_iter(model, remote, blocking):
     return {"hiddens": hiddens, "tokens": tokens, "ids": ids}
 
 
+def generate_iter_in_with_block(model, remote, blocking):
+    prompt = PROMPT
+    with model.generate(prompt, **GEN, **rk(model, remote, blocking)) as tracer:
+        hiddens = nnsight.save([])
+        tokens = nnsight.save([])
+        with tracer.iter[:]:
+            hiddens.append(model.transformer.h[0].output[:, -1])
+            tokens.append(model.lm_head.output[:, -1].argmax(dim=-1))
+        ids = tracer.result.save()
+    assert len(hiddens) == len(tokens) == GEN["max_new_tokens"], (len(hiddens), len(tokens))
+    return {"hiddens": hiddens, "tokens": tokens, "ids": ids}
+
+
 def case_generate_all(model, remote, blocking):
+    if STEPS_IN_WITH_BLOCK:
+        return generate_all_in_with_block(model, remote, blocking)
     prompt = PROMPT
     with model.generate(prompt, **GEN, **rk(model, remote, blocking)) as tracer:
         steps = nnsight.save([])
         for step in tracer.all():
+            model.transformer.h[2].output[:, -1] = 0  # an edit at every step
+            steps.append(model.lm_head.output[:, -1].max(dim=-1).values)
+        ids = tracer.result.save()
+    assert len(steps) == GEN["max_new_tokens"], len(steps)
+    return {"steps": steps, "ids": ids}
+
+
+def generate_all_in_with_block(model, remote, blocking):
+    prompt = PROMPT
+    with model.generate(prompt, **GEN, **rk(model, remote, blocking)) as tracer:
+        steps = nnsight.save([])
+        with tracer.all():
             model.transformer.h[2].output[:, -1] = 0  # an edit at every step
             steps.append(model.lm_head.output[:, -1].max(dim=-1).values)
         ids = tracer.result.save()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -32,6 +33,26 @@ def shared(version: str) -> runtimes.Runtime:
     with open(SHARED_HOME / f".lock-{version}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return runtimes.add(SHARED_HOME, version, log=lambda line: None)
+
+
+def client_only(name: str, requirements: list, drop: tuple = ()) -> Path:
+    """The interpreter of a client environment that serves no worker (a 0.4
+    client, or 0.5 with another cloudpickle): made as a runtime is, with
+    ``requirements``, once under :data:`SHARED_HOME` (the first process that
+    asks makes it; a failed make leaves nothing)."""
+    path = SHARED_HOME / "client-only" / name
+    SHARED_HOME.mkdir(parents=True, exist_ok=True)
+    with open(SHARED_HOME / f".lock-client-only-{name}", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "made").exists():
+            shutil.rmtree(path, ignore_errors=True)
+            try:
+                runtimes.build_environment(path, requirements, log=lambda line: None, drop=drop)
+            except BaseException:
+                shutil.rmtree(path, ignore_errors=True)
+                raise
+            (path / "made").write_text(" ".join(requirements) + "\n")
+    return path / "bin" / "python"
 
 
 def link_into(home: Path, runtime: runtimes.Runtime) -> None:
