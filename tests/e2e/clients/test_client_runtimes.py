@@ -1,4 +1,4 @@
-"""The real nnsight 0.6.3, 0.7.0 and 0.8.1 clients against one farm at the same time.
+"""The real nnsight 0.5.15, 0.6.3, 0.7.0 and 0.8.1 clients against one farm at the same time.
 
 One stack (auth on, jailed children from per-model zygotes) runs its own
 workers and, through ``NDIF_RUNTIMES``, one worker per runtime; each older
@@ -10,12 +10,16 @@ client runs the conformance cases written in its own API
 get exactly its local values: with a trusted key (the worker's own process)
 and with an untrusted one (a jailed child), all three clients at once.
 ``nnsight.status()`` and ``nnsight.compare()`` work from each client on its
-runtime's own port (``NDIF_RUNTIME_PORTS``).
+runtime's own port (``NDIF_RUNTIME_PORTS``). A 0.5 payload is bytecode: the
+0.5.15 client runs with the cloudpickle pip resolves today (3.1.3, whose code
+objects the farm repairs) and with 3.1.1, and one on a Python minor no worker
+runs reads why it is refused.
 """
 
 from __future__ import annotations
 
 import json
+import platform
 import threading
 
 import pytest
@@ -32,7 +36,7 @@ from tests.support.stacks.stack import Stack, offline_env
 from tests.support.stacks.stack_pool import AUTH_LIMITS_OFF
 from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
-OLD = ("0.6.3", "0.7.0")
+OLD = ("0.5.15", "0.6.3", "0.7.0")
 # The 0.8.1 client's cases that run beside the older clients' (every case runs on every
 # execution path in test_conformance_remote): reads, an edit inside .source, a session,
 # a generation step by step, gradients and a cache.
@@ -151,7 +155,7 @@ print(json.dumps({"version": nnsight.__version__, "status": nnsight.status(),
 """
 
 
-@pytest.mark.parametrize("version", OLD)
+@pytest.mark.parametrize("version", [version for version in OLD if version != "0.5.15"])
 def test_status_and_compare_on_the_runtimes_own_port(farm, version):
     said = client_envs.run(farm["pythons"][version], STATUS_AND_ENV, _port_url(farm, version), REPO_ID)
     assert said["version"] == version
@@ -177,7 +181,7 @@ def test_status_and_compare_from_the_farms_own_client(farm):
 
 def test_a_client_on_another_runtimes_port_is_told_where_to_go(farm):
     other = {"0.6.3": "0.7.0", "0.7.0": "0.6.3"}
-    version = OLD[0]
+    version = "0.6.3"
     said = old_client_cases.run_cases(farm["pythons"][version], _port_url(farm, other[version]), ["read_outputs"],
                                "blocking", env={"CLIENT_API_KEY": farm["keys"]["trusted"]})[-1]
     assert said.get("error") == "ConnectionError", said
@@ -243,3 +247,75 @@ def test_a_block_streamed_back_mid_job_is_refused_with_a_sentence(farm):
     assert "ran" not in said, said
     assert ("tracer.local() / session.local() (values sent to your machine in the middle of a job) is not served "
             "by this farm: save the values, and run that code after the session ends.") in said["said"], said
+
+
+STATUS_05 = """
+import json, sys, types
+import huggingface_hub
+import nnsight
+from nnsight import CONFIG
+CONFIG.API.HOST = sys.argv[1]
+huggingface_hub.HfApi.model_info = lambda self, repo_id, **kwargs: types.SimpleNamespace(id=repo_id)
+print(json.dumps({"version": nnsight.__version__, "status": nnsight.ndif_status(),
+                  "running": nnsight.is_model_running(sys.argv[2])}, default=str))
+"""
+
+
+def test_status_from_the_05_client_on_its_runtimes_port(farm):
+    # 0.5 has no /env and no compare(): its status and is_model_running read /status.
+    said = client_envs.run(farm["pythons"]["0.5.15"], STATUS_05, _port_url(farm, "0.5.15"), REPO_ID)
+    assert said["version"] == "0.5.15" and said["running"] is True, said
+    assert "RUNNING" in str(said["status"][REPO_ID]["state"]), said
+
+
+#: What a 0.5 payload must survive: the frame it is pushed into, sessions, generation, gradients, caches.
+BYTECODE_CASES = ["read_outputs", "zero_output", "session", "generate_iter", "gradients", "cache_modules",
+                  "invoke_isolation"]
+
+
+@pytest.mark.parametrize("who", ["trusted", "untrusted"])
+def test_a_05_client_with_cloudpickle_311_gets_its_local_values(farm, who):
+    python = client_envs.client_only("nnsight-0.5.15-cloudpickle-3.1.1", ["nnsight==0.5.15", "cloudpickle==3.1.1"])
+    shown = client_envs.run(python, "import cloudpickle, json; print(json.dumps({'v': cloudpickle.__version__}))")
+    assert shown["v"] == "3.1.1"
+    reports = old_client_cases.run_cases(python, farm["stack"].url, BYTECODE_CASES, "blocking",
+                                         env={"CLIENT_API_KEY": farm["keys"][who]})
+    assert [report["case"] for report in reports] == BYTECODE_CASES
+    for report in reports:
+        assert report.get("equal") is True and report["version"] == "0.5.15", json.dumps(report, default=str)[:6000]
+
+
+OTHER_MINOR = """
+import json, sys
+import nnsight
+from nnsight import CONFIG, LanguageModel
+from nnsight.intervention.backends import remote
+CONFIG.API.HOST, CONFIG.API.APIKEY = sys.argv[1], sys.argv[3]
+# The header this client sends from a Python 3.12 interpreter: sys.version there.
+remote.python_version = "3.12.1 (main, Jan  1 2026, 00:00:00) [GCC 12.2.0]"
+# 0.5 reads a module-level block's source with inspect: give this -c program's text a file's place.
+import linecache
+_SOURCE = sys.orig_argv[sys.orig_argv.index("-c") + 1]
+linecache.cache["<string>"] = (len(_SOURCE), None, _SOURCE.splitlines(keepends=True), "<string>")
+import types, huggingface_hub
+huggingface_hub.HfApi.model_info = lambda self, repo_id, *args, **kwargs: types.SimpleNamespace(id=repo_id)
+model = LanguageModel(sys.argv[2])
+try:
+    with model.trace("hello", remote=True):
+        out = model.transformer.h[0].output.save()
+    print(json.dumps({"ran": True}))
+except Exception as error:
+    print(json.dumps({"error": type(error).__name__, "said": str(error)}))
+"""
+
+
+def test_a_05_client_on_a_python_minor_no_worker_runs_reads_why(farm):
+    # Its bytecode would not run on this farm's 3.11: refused before the body is read, with the way out.
+    minor = ".".join(platform.python_version_tuple()[:2])
+    said = client_envs.run(farm["pythons"]["0.5.15"], OTHER_MINOR, farm["stack"].url, REPO_ID, farm["keys"]["trusted"])
+    assert said.get("error") == "ConnectionError", said
+    assert said["said"] == (
+        f"This farm serves nnsight 0.5.15 on Python {minor} only, and your client runs Python 3.12: an nnsight "
+        "0.5.15 request carries its code as Python bytecode, which runs only on the Python minor version that "
+        f"made it. Run your client on Python {minor}, or ask the farm's operator to add a runtime on your Python "
+        "(`ndif-celery runtime add 0.5.15 --python /path/to/python3.12`) and start a worker of it."), said

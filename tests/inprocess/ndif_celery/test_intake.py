@@ -381,3 +381,28 @@ def test_a_key_cannot_park_more_than_its_bound_in_redis(client, settings):
     assert len(queues.waiting(client, queue_for(MODEL_KEY))) == 3  # nothing queued for the refused one
     actions.kill(client, None, accepted[0].get_json()["id"], settings.job_ttl_s)
     assert submit(web, b"p" * 300_000).status_code == 200
+
+
+def test_a_05_payload_is_held_to_the_payload_limit_once_inflated(settings):
+    import dataclasses
+    import zlib
+
+    from ndif_celery import intake
+    from ndif_celery.errors import Refused
+
+    bounded = dataclasses.replace(settings, max_payload_bytes=1 << 20)
+    payload = b"x" * (1 << 19)
+    assert intake.check_payload(zlib.compress(payload), True, bounded, wire.ZLIB) == zlib.compress(payload)
+    # A zlib bomb: 64 MiB of zeros in about 64 KiB, under the limit as sent, far over it inflated.
+    bomb = zlib.compress(bytes(64 << 20), 9)
+    assert len(bomb) < bounded.max_payload_bytes
+    with pytest.raises(Refused, match="inflates to over 1048576 bytes") as caught:
+        intake.check_payload(bomb, True, bounded, wire.ZLIB)
+    assert caught.value.status == 413
+    with pytest.raises(Refused, match="not a valid zlib stream") as caught:
+        intake.check_payload(b"not zlib at all", True, bounded, wire.ZLIB)
+    assert caught.value.status == 400
+    with pytest.raises(Refused, match="cut short"):
+        intake.check_payload(zlib.compress(payload)[:-20], True, bounded, wire.ZLIB)
+    # Not declared compressed: the bytes as sent are the payload.
+    assert intake.check_payload(b"raw", False, bounded, wire.ZLIB) == b"raw"

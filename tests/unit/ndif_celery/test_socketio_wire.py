@@ -58,3 +58,14 @@ def test_a_session_id_that_is_no_socket_id_is_refused():
         socketio_wire.envelope({"nnsight-model-key": key, socketio_wire.SESSION_AS_READ: "ndif:queue:x"})
     with pytest.raises(wire.WireError, match="Unknown model class"):
         socketio_wire.envelope({"nnsight-model-key": 'os.system:{"repo_id": "org/a"}'})
+
+
+def test_a_05_envelope_reads_nnsight_zlib_and_not_the_06_header():
+    key = 'nnsight.modeling.language.LanguageModel:{"repo_id": "org/a", "revision": null}'
+    read = socketio_wire.envelope({"nnsight-model-key": key, "nnsight-zlib": "True"}, wire.ZLIB)
+    assert read.compress is True and read.codec == wire.ZLIB
+    # A 0.5 client's header means nothing to a 0.6 envelope, and the other way round.
+    assert socketio_wire.envelope({"nnsight-model-key": key, "nnsight-zlib": "True"}).compress is False
+    assert socketio_wire.envelope({"nnsight-model-key": key, "nnsight-compress": "True"}, wire.ZLIB).compress is False
+    with pytest.raises(wire.WireError, match="Header 'nnsight-zlib' must be True or False, got 'yes'"):
+        socketio_wire.envelope({"nnsight-model-key": key, "nnsight-zlib": "yes"}, wire.ZLIB)

@@ -194,6 +194,39 @@ def test_another_version_is_refused_naming_it_and_the_versions_served():
         "runtime add" not in said, said
 
 
+@pytest.mark.parametrize("version, bytecode, codec", [
+    ("0.5.0", True, "zlib"), ("0.5.15", True, "zlib"), ("0.6.0", False, "zstd"), ("0.6.3", False, "zstd"),
+    ("0.7.0", False, "zstd"), ("0.8.1", False, "zstd"), ("", False, "zstd")])
+def test_a_05_client_sends_bytecode_zlibd(version, bytecode, codec):
+    assert client_versions.sends_bytecode(version) is bytecode
+    assert client_versions.payload_codec(version) == codec
+
+
+def test_a_05_request_runs_only_where_a_worker_of_its_runtime_runs_its_python_minor():
+    workers = {"a": {"nnsight": "0.5.15", "python": "3.11"}, "b": {"nnsight": "0.5.14", "python": "3.12"},
+               "c": {"nnsight": "0.8.1", "python": "3.12"}}
+    minors = client_versions.python_minors(workers, "0.5.15")
+    assert minors == {"3.11"}
+    client_versions.check_python_minor("0.5.15", "3.11.9 (main) [GCC 12]", minors)
+    client_versions.check_python_minor("0.6.3", "3.12.1 (main) [GCC 12]", set())  # source: any minor
+    said = refusal(client_versions.check_python_minor, "0.5.15", "3.12.1 (main) [GCC 12]", minors)
+    assert said == (
+        "This farm serves nnsight 0.5.15 on Python 3.11 only, and your client runs Python 3.12: an nnsight 0.5.15 "
+        "request carries its code as Python bytecode, which runs only on the Python minor version that made it. "
+        "Run your client on Python 3.11, or ask the farm's operator to add a runtime on your Python "
+        "(`ndif-celery runtime add 0.5.15 --python /path/to/python3.12`) and start a worker of it.")
+    assert "a Python version it did not say" in refusal(client_versions.check_python_minor, "0.5.15", "", minors)
+
+
+@pytest.mark.parametrize("version", ["0.4.11", "0.3.7"])
+def test_a_client_older_than_any_adapter_is_told_no_runtime_serves_it(version):
+    said = refusal(client_versions.check_served_at_all, version)
+    assert said.startswith(f"This farm does not serve nnsight {version}: clients before 0.5.0") and \
+        "runtime add" not in said, said
+    for served in ("0.5.0", "0.8.1", "", None):
+        client_versions.check_served_at_all(served)
+
+
 def test_the_versions_served_are_the_farms_and_each_live_workers(redis_client, embedded_settings):
     from web.app import create_app
 
