@@ -16,15 +16,19 @@ nested in it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 import pickle
 import re
+import sys
 import types
 import zlib
 from typing import Any, Optional
 
 from nnsight.intervention import serialization
+from nnsight.intervention.tracing import base as tracing_base
 from nnsight.intervention.tracing.globals import Globals
 from nnsight.intervention.tracing.tracer import Cache
 from nnsight.modeling.mixins.remoteable import RemoteableMixin, StreamTracer
@@ -54,6 +58,21 @@ def _no_streaming(tracer: Any, block: Any) -> None:
 
 StreamTracer.execute = _no_streaming
 cache_pickling.register(Cache.CacheDict)
+
+
+@contextlib.contextmanager
+def _quiet():
+    """What a block's inner ``with`` prints while nnsight swaps trace functions,
+    dropped in memory: 0.5 writes it to ``os.devnull``, which a jailed child may not open."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout = sys.stderr = io.StringIO()
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
+tracing_base.suppress_all_output = _quiet
 
 
 def load(model_key: str, **kwargs) -> Any:
