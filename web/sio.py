@@ -18,6 +18,13 @@ The socket is ``WS /subscribe`` in another wire (``web/subscribe.py``):
   socket (a greenlet under gevent, a thread under gthread) writes each one as
   those clients read it: ``torch.save`` bytes of a dict, in one
   ``blocking_response`` event (``socketio_wire.frame``, no torch here).
+* **Spaced, LOG lines merged.** Those clients' python-socketio handles each
+  engine.io message in a thread of its own, and an event is two messages (its
+  header, then its bytes). When events follow closely, a client's threads can
+  take the next event's header for this one's bytes, and the client fails
+  (``a bytes-like object is required, not 'str'``). So the relay sends at
+  most one event per :data:`EVENT_SPACING_S`, and LOG lines that wait meanwhile
+  go as one LOG. This narrows the race; only the client can close it.
 * **Ends with its job.** After COMPLETED or ERROR nothing more is relayed.
   The client disconnects itself; the server does it after :data:`CLOSE_AFTER_S`
   if the client does not. A claimed socket has no fixed lifetime: its owner
@@ -85,6 +92,8 @@ IDLE_S = 60
 CLOSE_AFTER_S = 30
 #: How often the owner record's TTL is renewed (well inside ``subscribe.SESSION_OWNER_TTL_S``).
 RENEW_S = subscribe.IDLE_WAIT_S
+#: The least time between two events on one socket (see "Spaced" above).
+EVENT_SPACING_S = 0.05
 #: How soon an unclaimed socket's owner is read again when Redis could not answer.
 CLAIM_RETRY_S = 5.0
 #: The largest message a client may send: its CONNECT is a few bytes.
@@ -339,9 +348,10 @@ def _relay_statuses(server: ListeningServer, client: redis.Redis, sid: str, sock
             if box.lease is None:
                 box.lease = _lease(client, sid)
                 server.claimed(sid)
-            if _send(server, sid, box.frames.popleft()):
+            if _send(server, sid, _next_frame(box.frames)):
                 socket.ended = True
                 return
+            _wait(socket, EVENT_SPACING_S)
         if box.ended is not None and not socket.closed:  # ended while its frame was lost (see hub.ended_unheard)
             _send(server, sid, box.ended)
             socket.ended = True
@@ -349,6 +359,34 @@ def _relay_statuses(server: ListeningServer, client: redis.Redis, sid: str, sock
         wake_at = renewed + RENEW_S if look_at_claim is None else min(renewed + RENEW_S, look_at_claim)
         box.wake.wait(max(0.0, wake_at - time.monotonic()))
         box.wake.clear()
+
+
+def _next_frame(frames) -> bytes:
+    """The first waiting frame; a LOG with the LOG lines of its job right behind it joined in."""
+    frame = frames.popleft()
+    fields = _log_fields(frame)
+    if fields is None:
+        return frame
+    lines = [fields.get("description") or ""]
+    while frames:
+        following = _log_fields(frames[0])
+        if following is None or following.get("id") != fields.get("id"):
+            break
+        frames.popleft()
+        lines.append(following.get("description") or "")
+    if len(lines) == 1:
+        return frame
+    return wire.response_json(fields["id"], wire.LOG, "\n".join(lines)).encode()
+
+
+def _log_fields(frame: bytes) -> Optional[dict]:
+    if frame[:1] != b"{":
+        return None
+    try:
+        fields = json.loads(frame)
+    except ValueError:
+        return None
+    return fields if isinstance(fields, dict) and fields.get("status") == wire.LOG and "id" in fields else None
 
 
 def _send(server: socketio.Server, sid: str, frame: bytes) -> bool:

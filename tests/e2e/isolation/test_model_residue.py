@@ -1,13 +1,13 @@
 """What one user's block changes on a resident model never reaches the next user.
 
 One stack (auth on, untrusted keys jailed in forked children) runs the farm's
-own worker and a 0.7.0 runtime's. Key A's block changes what it can reach on
+own worker and a 0.7.0 and a 0.5.15 runtime's. Key A's block changes what it can reach on
 the resident model (``tests/support/cases/model_state.py``: the generation config,
 the config, the tokenizer and its native backend, a module's attribute and
 hooks, an envoy's slot). A later block of key B, on the same worker and the
 same resident model, reads every one of them as loaded, and a walk of all it
 can read matches a fresh load of the model. With the real 0.8.1 client on
-the farm's own runtime, and the real 0.7.0 client on its own.
+the farm's own runtime, and the real 0.7.0 and 0.5.15 clients on their own.
 
 Trusted keys run in the worker's process, where ``workers.baseline`` puts the
 model back after each request; untrusted keys run in a jailed child, and what
@@ -34,26 +34,29 @@ from tests.support.cases.tiny_model import PROMPT, REPO_ID, worker_loaded
 
 nnsight.register(model_state)  # its blocks' helpers run on the farm
 
-RUNTIME = "0.7.0"
+RUNTIMES = ("0.7.0", "0.5.15")
 WHO = {"trusted-a": True, "trusted-b": True, "untrusted-c": False, "untrusted-d": False}
 
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, hf_home):
     home = tmp_path_factory.mktemp("residue-farm")
-    runtime = client_envs.shared(RUNTIME)
-    client_envs.link_into(home, runtime)
+    pythons = {}
+    for version in RUNTIMES:
+        runtime = client_envs.shared(version)
+        client_envs.link_into(home, runtime)
+        pythons[version] = runtime.interpreter
     env = {**offline_env(hf_home), **AUTH_LIMITS_OFF, "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
-           "NDIF_ISOLATION": "fork", "NDIF_RUNTIMES": RUNTIME}
+           "NDIF_ISOLATION": "fork", "NDIF_RUNTIMES": ",".join(RUNTIMES)}
     stack = Stack(home, env=env)
     stack.start()
     try:
         stack.until(lambda: {info.get("nnsight") for info in stack.operator_farm()["cluster"]["workers"].values()}
-                    >= {RUNTIME, client_versions.MAIN}, "a worker of each runtime to register", timeout_s=180)
+                    >= {*RUNTIMES, client_versions.MAIN}, "a worker of each runtime to register", timeout_s=180)
         keys = {who: stack.cli("keys", "create", "--email", f"{who}@example.org", *(["--trusted"] if trusted else []),
                                check=True).stdout.strip().splitlines()[-1]
                 for who, trusted in WHO.items()}
-        yield {"stack": stack, "python": runtime.interpreter, "keys": keys}
+        yield {"stack": stack, "pythons": pythons, "keys": keys}
     finally:
         stack.discard()
 
@@ -106,7 +109,7 @@ def _changed_as_meant(seen: dict, expected: dict) -> None:
     assert seen["hooks"] == expected["hooks"] + 1 and seen["note"] and seen["vocab"] == expected["vocab"] + 2
 
 
-# -- the 0.7.0 client on its runtime ---------------------------------------------------------
+# -- the 0.7.0 and 0.5.15 clients on their runtimes -------------------------------------------
 
 PREAMBLE = """
 import json, linecache, sys
@@ -117,12 +120,14 @@ import nnsight
 PROMPT = __PROMPT__
 """
 
-# Blocks run one after another by one 0.7.0 client, each with its key ("read_back=KEY ..."): what each read.
+# Blocks run one after another by one older client, each with its key ("read_back=KEY ..."): what each read.
 OLD_CLIENT = PREAMBLE + """
+import types
+import huggingface_hub
 from nnsight import CONFIG, LanguageModel
-from nnsight.modeling import huggingface
 CONFIG.API.HOST = sys.argv[1]
-huggingface.ID_CACHE[sys.argv[2]] = sys.argv[2]
+# These clients ask the hub for the repo's canonical id; the hub is out of reach here, and the id is the repo's.
+huggingface_hub.HfApi.model_info = lambda self, repo_id, *args, **kwargs: types.SimpleNamespace(id=repo_id)
 __BLOCKS__
 model = LanguageModel(sys.argv[2])
 for step in sys.argv[3:]:
@@ -133,9 +138,9 @@ for step in sys.argv[3:]:
 # A fresh load exactly as the runtime's worker loads it (its adapter), and what a user reads off it.
 AS_LOADED = PREAMBLE + """
 sys.path.insert(0, sys.argv[1])
-from workers.adapters import nnsight_06_07
+from workers import adapters
 __BLOCKS__
-model = nnsight_06_07.load(sys.argv[2], dispatch=True)
+model = adapters.current().load(sys.argv[2], dispatch=True)
 print(json.dumps({"seen": what_a_user_reads(model), "state": readable_state(model)}))
 """
 
@@ -144,20 +149,25 @@ def _script(template: str) -> str:
     return template.replace("__PROMPT__", repr(PROMPT)).replace("__BLOCKS__", model_state.SOURCE)
 
 
+@pytest.fixture(scope="module", params=RUNTIMES)
+def runtime(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def runtime_as_loaded(farm):
+def runtime_as_loaded(farm, runtime):
     suffix = json.dumps({"repo_id": REPO_ID, "revision": model_policy.DEFAULT_BRANCH})
-    key = model_policy.parse_client_key(f"{model_policy.LANGUAGE_MODEL}:{suffix}", RUNTIME).key
-    return client_envs.run(farm["python"], _script(AS_LOADED), str(ROOT), key)
+    key = model_policy.parse_client_key(f"{model_policy.LANGUAGE_MODEL}:{suffix}", runtime).key
+    return client_envs.run(farm["pythons"][runtime], _script(AS_LOADED), str(ROOT), key)
 
 
-def _old_client_runs(farm, *steps: tuple) -> list:
-    return client_envs.run_all(farm["python"], _script(OLD_CLIENT), farm["stack"].url, REPO_ID,
+def _old_client_runs(farm, runtime: str, *steps: tuple) -> list:
+    return client_envs.run_all(farm["pythons"][runtime], _script(OLD_CLIENT), farm["stack"].url, REPO_ID,
                                *(f"{block}={farm['keys'][who]}" for block, who in steps), timeout_s=300)
 
 
-def test_the_runtimes_next_trusted_user_reads_the_model_as_loaded(farm, runtime_as_loaded):
-    changed, read = _old_client_runs(farm, ("change_everything", "trusted-a"), ("read_back", "trusted-b"))
+def test_the_runtimes_next_trusted_user_reads_the_model_as_loaded(farm, runtime, runtime_as_loaded):
+    changed, read = _old_client_runs(farm, runtime, ("change_everything", "trusted-a"), ("read_back", "trusted-b"))
     _changed_as_meant(changed["seen"], runtime_as_loaded["seen"])
     assert read["model"] == changed["model"], "the later request ran on another model: nothing was left to find"
     assert read["seen"] == runtime_as_loaded["seen"]
@@ -165,15 +175,15 @@ def test_the_runtimes_next_trusted_user_reads_the_model_as_loaded(farm, runtime_
 
 
 def _the_workers(state: dict) -> dict:
-    """A 0.6/0.7 block's ``model`` is its client's envoy, rebuilt from the payload
+    """A 0.5/0.6/0.7 block's ``model`` is its client's envoy, rebuilt from the payload
     for that request alone (its ``config`` and slots the client's); only the
     module tree and the tokenizer in it are the worker's (persistent ids)."""
     return {name: value for name, value in state.items() if name not in ("envoys", "config")}
 
 
-def test_the_runtimes_untrusted_users_changes_die_with_its_child(farm):
-    before, changed, read = _old_client_runs(farm, ("read_back", "untrusted-d"), ("change_everything", "untrusted-c"),
-                                             ("read_back", "untrusted-d"))
+def test_the_runtimes_untrusted_users_changes_die_with_its_child(farm, runtime):
+    before, changed, read = _old_client_runs(farm, runtime, ("read_back", "untrusted-d"),
+                                             ("change_everything", "untrusted-c"), ("read_back", "untrusted-d"))
     _changed_as_meant(changed["seen"], before["seen"])
     assert read["seen"] == before["seen"]
     _same_state(before["state"], read["state"])

@@ -191,3 +191,22 @@ def test_a_connect_while_redis_fails_is_refused(app, url, redis_client, monkeypa
         client.connect(url, socketio_path="/ws/socket.io", transports=["websocket"], wait_timeout=pace.bound(10))
     client.disconnect()
     assert not redis_client.keys("ndif:session:*")
+
+
+def test_log_lines_that_wait_go_as_one_event_in_order(connect, redis_client, monkeypatch):
+    # Spaced wide here, so the lines published together all wait behind the first.
+    monkeypatch.setattr(sio, "EVENT_SPACING_S", 1.0)
+    client = connect()
+    sid = client.sid
+    lines = [f"line {n}" for n in range(6)]
+    pipe = redis_client.pipeline()
+    for line in lines:
+        pipe.publish(jobs.session_channel(sid), wire.response_json("job1", wire.LOG, line))
+    pipe.publish(jobs.session_channel(sid), wire.response_json("job1", wire.COMPLETED, "Done.", "http://farm/r"))
+    pipe.execute()
+    events = [received(client)]
+    while events[-1]["status"] != "COMPLETED":
+        events.append(received(client))
+    logs = [event["description"] for event in events if event["status"] == "LOG"]
+    assert "\n".join(logs).split("\n") == lines, logs
+    assert len(events) <= 3, events  # the first line, the rest as one, the end
