@@ -308,6 +308,7 @@ def status_document(client: redis.Redis, operator: bool = False) -> dict:
             "last_seen": info.get("last_seen"),
             "metrics_port": info.get("metrics_port"),
             "nnsight": info.get("nnsight") or client_versions.MAIN,
+            "python": info.get("python"),  # its interpreter's major.minor: where a 0.5 payload can run
         }
     return {"deployments": entries, "cluster": {"workers": cluster}}
 
