@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import nnsight
@@ -12,7 +13,7 @@ from nnsight.tracing import globals as nnsight_globals
 from nnsight.tracing.tracer import _saves, dec, inc
 from nnsight.tracing.util import clean_traceback  # noqa: F401 - the adapter's interface
 
-from ndif_celery.policy import client_versions
+from ndif_celery.policy import client_versions, model_policy
 
 # Co-batching reaches into nnsight's interleaver: built and tested on the farm's own version only.
 COBATCH = nnsight.__version__ == client_versions.MAIN
@@ -21,6 +22,11 @@ RESULTS_COMPRESSED = True
 
 
 def load(model_key: str, **kwargs) -> Any:
+    """The key as the client wrote it: a runtime's deployment (0.8.0) drops the
+    farm's runtime field, which nnsight would pass on to the model's class."""
+    key = model_policy.parse(model_key)
+    if key.nnsight:
+        model_key = dataclasses.replace(key, nnsight="").key
     return Remotable.from_model_key(model_key, **kwargs)
 
 

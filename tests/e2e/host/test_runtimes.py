@@ -54,9 +54,10 @@ def test_a_runtime_is_added_checked_and_listed_beside_the_farms_own(home):
 def test_what_is_not_a_runtime_is_refused_by_name(home):
     assert "is the farm's own" in _cli(home, "add", metadata.version("nnsight"), ok=False).stderr
     assert "one exact nnsight release such as 0.7.0, got '0.7'" in _cli(home, "add", "0.7", ok=False).stderr
-    failed = _cli(home, "add", "0.0.999", ok=False).stderr
-    assert "could not install nnsight 0.0.999" in failed
-    assert not (home / "runtimes" / "nnsight-0.0.999").exists(), "nothing half-made is left"
+    assert "Install nnsight 0.5.0 or later" in _cli(home, "add", "0.4.11", ok=False).stderr
+    failed = _cli(home, "add", "0.5.999", ok=False).stderr
+    assert "could not install nnsight==0.5.999" in failed
+    assert not (home / "runtimes" / "nnsight-0.5.999").exists(), "nothing half-made is left"
     broken = home / "runtimes" / "nnsight-0.6.3"
     broken.mkdir(parents=True)
     assert "BROKEN" in _cli(home, "list").stdout
