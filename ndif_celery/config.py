@@ -155,8 +155,10 @@ def _web_worker_class(name: str, raw: str) -> str:
     return value
 
 
-# One exact nnsight release, as a runtime is named (ndif_celery.host.runtimes checks the same).
+# One exact nnsight release, as a runtime is named (ndif_celery.host.runtimes checks the same);
+# a runtime on another Python minor adds it (0.5.15+py3.12).
 _RELEASE = re.compile(r"\d+\.\d+\.\d+(?:\.post\d+)?")
+_RUNTIME_NAME = re.compile(r"\d+\.\d+\.\d+(?:\.post\d+)?(?:\+py\d+\.\d+)?")
 
 
 def _runtime_ports(name: str, raw: str) -> dict:
@@ -176,11 +178,12 @@ def _runtime_ports(name: str, raw: str) -> dict:
 
 
 def _versions(name: str, raw: str) -> tuple:
-    """``0.7.0,0.6.3``: exact nnsight releases, each once."""
+    """``0.7.0,0.5.15+py3.12``: runtimes by name (an exact nnsight release), each once."""
     versions = tuple(dict.fromkeys(part.strip() for part in raw.split(",") if part.strip()))
     for version in versions:
-        if not _RELEASE.fullmatch(version):
-            raise ValueError(f"{name} lists exact nnsight releases such as 0.7.0, got {version!r}")
+        if not _RUNTIME_NAME.fullmatch(version):
+            raise ValueError(f"{name} lists runtimes by their exact nnsight release such as 0.7.0 "
+                             f"(0.5.15+py3.12 on another Python), got {version!r}")
     return versions
 
 

@@ -137,7 +137,8 @@ def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mappi
     The rules are ``policy.client_versions``. The live workers are read only
     for a version other than the farm's own. NDIF_MIN_NNSIGHT_VERSION is
     checked first, so a client below it reads NDIF's own sentence. Returns the
-    runtime that serves the client: its version, or "" for the farm's own."""
+    runtime that serves the client: its version (with its Python minor for a
+    bytecode client's runtime on another minor), or "" for the farm's own."""
     reported = headers.get(client_versions.NNSIGHT_HEADER)
     if reported:
         client_versions.check_nnsight(reported, settings.min_nnsight_version)
@@ -153,8 +154,9 @@ def check_runtime(client: redis.Redis, settings: config.Settings, headers: Mappi
     client_versions.check_runtime(reported, client_versions.MAIN,
                                   lambda: client_versions.served(live(), client_versions.MAIN), added_here)
     if reported and client_versions.sends_bytecode(reported):
-        client_versions.check_python_minor(reported, headers.get(client_versions.PYTHON_HEADER),
-                                           client_versions.python_minors(live(), reported))
+        said = headers.get(client_versions.PYTHON_HEADER)
+        client_versions.check_python_minor(reported, said, client_versions.python_minors(live(), reported))
+        return client_versions.runtime_for(live(), reported, said)
     return client_versions.as_runtime(reported)
 
 
@@ -166,7 +168,7 @@ def check_protocol(headers: Mapping[str, str], runtime: str) -> str:
     spoken = socketio_wire.PROTOCOL if socketio_wire.speaks(headers) else ""
     expected = client_versions.protocol_of(runtime or client_versions.MAIN)
     if spoken != expected:
-        version = runtime or client_versions.MAIN
+        version = client_versions.release_of(runtime) or client_versions.MAIN
         flag = (socketio_wire.ZLIB if client_versions.payload_codec(version) == wire.ZLIB
                 else socketio_wire.COMPRESS)
         said = (f"its envelope in the {socketio_wire.MODEL_KEY} and {flag} headers" if expected

@@ -40,7 +40,7 @@ def _settings():
 
 def _added_runtimes() -> set:
     """The runtimes added on this web's host: a refused client is told whether to add one or start its worker."""
-    return {runtime.version for runtime in runtimes.listing(_settings().home)}
+    return {client_versions.release_of(runtime.version) for runtime in runtimes.listing(_settings().home)}
 
 
 @bp.get("/ping")
@@ -54,10 +54,10 @@ def submit():
     identity = identify()
     # The key, the client's nnsight, its limits and the body's size are checked before the body is read.
     runtime = intake.check_runtime(_redis(), _settings(), request.headers, _added_runtimes)
-    pinned = port_runtime()
-    if pinned and pinned != (runtime or client_versions.MAIN):
+    pinned, release = port_runtime(), client_versions.release_of(runtime) or client_versions.MAIN
+    if pinned and pinned != release:
         raise Refused(f"This port serves nnsight {pinned} clients, and yours is nnsight "
-                      f"{runtime or client_versions.MAIN}: use the farm's API port ({_settings().api_port}).", 400)
+                      f"{release}: use the farm's API port ({_settings().api_port}).", 400)
     with uploads.reading(_redis(), _settings(), identity):
         if socketio_wire.speaks(request.headers):  # a 0.6/0.7 client: the payload is the body
             data, blob = None, request.get_data(cache=False)

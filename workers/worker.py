@@ -267,6 +267,14 @@ class WorkerState:
 
     # --- the worker's life --------------------------------------------------------
 
+    def runtime_name(self, version: str) -> str:
+        """The runtime this worker serves: its nnsight, named with its Python
+        minor when it was started as such a runtime (``0.5.15+py3.12``)."""
+        said = self.settings.worker_nnsight
+        if said and client_versions.release_of(said) == version and client_versions.MINOR_LABEL in said:
+            return client_versions.runtime_name(version, f"{sys.version_info.major}.{sys.version_info.minor}")
+        return version
+
     def ready(self) -> None:
         """Import the heavy stack, register, start the heartbeat, the controller and the ledger's drainer."""
         settings = self.settings
@@ -282,7 +290,7 @@ class WorkerState:
             memory_bytes=memory.budget_bytes(settings),
             cached=memory.cached_repos(settings),
             started_at=time.time(),
-            nnsight=nnsight.__version__,  # the client version it serves (policy.client_versions)
+            nnsight=self.runtime_name(nnsight.__version__),  # the runtime it serves (policy.client_versions)
             python=f"{sys.version_info.major}.{sys.version_info.minor}",  # a 0.5 payload runs on its own minor only
             # The quantizations nnsight refuses here, so the controller places them elsewhere.
             refused_formats={} if cuda.gpus_visible() else quantized.refused_formats(),
@@ -290,7 +298,7 @@ class WorkerState:
         self.info["metrics_port"] = metrics.start(
             settings.worker_metrics_host, settings.worker_metrics_port, lambda: len(self.models.keys())
         )
-        runtime = client_versions.as_runtime(nnsight.__version__)
+        runtime = client_versions.as_runtime(self.info["nnsight"])
         self.redis.set(registry.env_key(runtime), json.dumps(local_env()))
         for repo in self.info["cached"]:  # which revisions name the same weights, before any is loaded
             registry.record_refs(self.redis, repo, memory.cached_refs(repo))

@@ -15,12 +15,14 @@ def runtime() -> None:
 
 @runtime.command("add")
 @click.argument("version")
-def runtime_add(version: str) -> None:
+@click.option("--python", "python", default=None, metavar="PATH",
+              help="Build it on this interpreter: a 0.5 client's bytecode runs only on its own Python minor.")
+def runtime_add(version: str, python: str) -> None:
     """Install nnsight VERSION into its own environment under NDIF_HOME, check it imports, record it."""
     from ndif_celery.host import runtimes
 
     try:
-        made = runtimes.add(settings().home, version, log=lambda line: click.echo(line, err=True))
+        made = runtimes.add(settings().home, version, log=lambda line: click.echo(line, err=True), python=python)
     except runtimes.RuntimeFailure as exc:
         raise click.ClickException(str(exc)) from None
     packages = made.packages or {}

@@ -40,6 +40,8 @@ RECORD = "runtime.json"
 #: What the farm holds the runtime to: the same tensors, from the same wheels.
 PINNED = ("torch", "transformers")
 _VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+)?$")
+#: A runtime's name: its release, and the Python minor when not the farm's (``0.5.15+py3.12``).
+_NAME = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+)?(?:\+py\d+\.\d+)?$")
 INSTALL_TIMEOUT_S = 900
 
 
@@ -81,15 +83,26 @@ def check_version(version: str) -> str:
     return version
 
 
-def folder(home: Path, version: str) -> Path:
-    return Path(home) / FOLDER / f"nnsight-{check_version(version)}"
+def check_name(name: str) -> str:
+    """A runtime's name as ``add`` made it: a release, with ``+pyX.Y`` on another Python minor."""
+    name = (name or "").strip()
+    if not _NAME.match(name):
+        raise RuntimeFailure(f"a runtime is named by an nnsight release such as 0.7.0 (0.5.15+py3.12 on another "
+                             f"Python), got {name[:40]!r}")
+    return name
+
+
+def folder(home: Path, name: str) -> Path:
+    return Path(home) / FOLDER / f"nnsight-{check_name(name)}"
 
 
 def find(home: Path, version: str) -> Runtime:
     """The recorded runtime of ``version``; a clear error when there is none or it is broken."""
     path = folder(home, version)
     if not path.is_dir():
-        raise RuntimeFailure(f"no nnsight {version} runtime on this host; add it with `ndif-celery runtime add {version}`")
+        release, _, minor = version.partition(client_versions.MINOR_LABEL)
+        how = f"{release} --python /path/to/python{minor}" if minor else release
+        raise RuntimeFailure(f"no nnsight {version} runtime on this host; add it with `ndif-celery runtime add {how}`")
     runtime = _read(path, version)
     if not runtime.ok:
         raise RuntimeFailure(f"the nnsight {version} runtime at {path} is broken (its add did not finish); "
@@ -103,7 +116,7 @@ def listing(home: Path) -> list[Runtime]:
     runtimes = []
     for path in sorted(root.glob("nnsight-*")) if root.is_dir() else []:
         version = path.name.removeprefix("nnsight-")
-        if _VERSION.match(version):
+        if _NAME.match(version):
             runtimes.append(_read(path, version))
     return runtimes
 
@@ -116,23 +129,37 @@ def _read(path: Path, version: str) -> Runtime:
     return Runtime(version, path, record.get("python"), record.get("packages"), record.get("created_at"))
 
 
-def add(home: Path, version: str, index_args: tuple = (), log=print) -> Runtime:
-    """Make the runtime of ``version`` (see the module's doc); an existing good one is kept."""
+def add(home: Path, version: str, index_args: tuple = (), log=print, python: Optional[str] = None) -> Runtime:
+    """Make the runtime of ``version`` (see the module's doc); an existing good one is kept.
+
+    ``python``: another interpreter to build it on. On the farm's own Python
+    minor it changes nothing. On another minor the runtime is named for it
+    (``0.5.15+py3.12``) and holds its own copy of the farm (no ``.pth``: the
+    farm's compiled packages are not that Python's); only a 0.5 client needs one."""
     version = check_version(version)
     try:
         client_versions.check_served_at_all(version)
     except client_versions.VersionRefused as exc:
         raise RuntimeFailure(str(exc)) from None
+    minor = _minor_of(python) if python else _own_minor()
+    name = version if minor == _own_minor() else client_versions.runtime_name(version, minor)
+    if name != version and not client_versions.sends_bytecode(version):
+        raise RuntimeFailure(f"nnsight {version} clients send source, which runs on any Python: add it on the "
+                             f"farm's own Python ({_own_minor()}), without --python")
     if version == main_version():
         raise RuntimeFailure(f"nnsight {version} is the farm's own: every worker runs it without a runtime")
-    path = folder(home, version)
+    path = folder(home, name)
     if path.is_dir():
-        existing = _read(path, version)
+        existing = _read(path, name)
         if existing.ok:
             return existing
         shutil.rmtree(path)  # a broken add: start again
     try:
-        packages = build_environment(path, [f"nnsight=={version}"], index_args, log)
+        if name == version:
+            packages = build_environment(path, [f"nnsight=={version}"], index_args, log)
+        else:
+            packages = build_environment(path, [f"nnsight=={version}", _farm_requirement()], index_args, log,
+                                         python=python)
         if packages.get("nnsight") != version:
             raise RuntimeFailure(f"the environment imports nnsight {packages.get('nnsight')}, not {version}")
         record = {"version": version, "python": packages.pop("python"), "packages": packages,
@@ -141,23 +168,48 @@ def add(home: Path, version: str, index_args: tuple = (), log=print) -> Runtime:
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)  # nothing half-made stays to be mistaken for a runtime
         raise
-    return _read(path, version)
+    return _read(path, name)
+
+
+def _own_minor() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _minor_of(python: str) -> str:
+    """The major.minor of the interpreter at ``python``, asked of it."""
+    try:
+        out = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeFailure(f"cannot run the interpreter {python!r}: {exc}") from None
+    if out.returncode != 0 or not re.fullmatch(r"\d+\.\d+", out.stdout.strip()):
+        raise RuntimeFailure(f"{python!r} is not a Python interpreter: {_last_line(out.stderr or out.stdout)}")
+    return out.stdout.strip()
+
+
+def _farm_requirement() -> str:
+    """This package as pip installs it elsewhere: the source tree it runs from, else its release."""
+    tree = Path(__file__).resolve().parents[2]
+    return str(tree) if (tree / "setup.cfg").is_file() else f"ndif-celery=={metadata.version('ndif-celery')}"
 
 
 def build_environment(path: Path, requirements: list, index_args: tuple = (), log=print,
-                      drop: tuple = ()) -> dict:
+                      drop: tuple = (), python: Optional[str] = None) -> dict:
     """A virtual environment at ``path`` over the farm's packages (see the
     module's doc) with ``requirements`` installed; what its interpreter
     imports. ``drop``: packages pip brought along that break beside the
-    farm's torch, uninstalled before the check (the index's torchvision)."""
+    farm's torch, uninstalled before the check (the index's torchvision).
+    ``python``: another interpreter; its environment sees none of the farm's
+    packages and installs its own, held to the same torch and transformers."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    log(f"creating {path}")
-    _run([sys.executable, "-m", "venv", str(path)], "create the environment")
-    site_packages = _site_packages(Path(path / "bin" / "python"))
-    farm = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
-    # Executed at start-up: the farm's site folders (their own .pth files too), after this environment's.
-    (site_packages / "_ndif_farm.pth").write_text(
-        "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in farm) + "\n")
+    log(f"creating {path}" + (f" on {python}" if python else ""))
+    _run([python or sys.executable, "-m", "venv", str(path)], "create the environment")
+    if not python:
+        site_packages = _site_packages(Path(path / "bin" / "python"))
+        farm = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+        # Executed at start-up: the farm's site folders (their own .pth files too), after this environment's.
+        (site_packages / "_ndif_farm.pth").write_text(
+            "import site; " + "; ".join(f"site.addsitedir({p!r})" for p in farm) + "\n")
     constraints = path / "constraints.txt"
     constraints.write_text("".join(f"{name}=={metadata.version(name)}\n" for name in PINNED))
     log(f"installing {' '.join(requirements)} (holding {', '.join(f'{n} {metadata.version(n)}' for n in PINNED)})")

@@ -59,7 +59,7 @@ def known(service: str) -> bool:
 def runtime_of(service: str) -> Optional[str]:
     """The runtime a ``worker-nnsight<version>`` service serves; None for any other service."""
     if service.startswith(RUNTIME_WORKER):
-        return runtimes.check_version(service[len(RUNTIME_WORKER):])
+        return runtimes.check_name(service[len(RUNTIME_WORKER):])
     return None
 
 

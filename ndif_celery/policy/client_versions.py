@@ -112,10 +112,39 @@ def as_runtime(version: str) -> str:
     return "" if not version or version == MAIN else version
 
 
+#: A runtime built on another Python minor than the farm's is named for both:
+#: ``0.5.15+py3.12`` (a PEP 440 local label, so it still sorts and compares as 0.5.15).
+MINOR_LABEL = "+py"
+
+
+def runtime_name(version: str, minor: str) -> str:
+    """The runtime of nnsight ``version`` on Python ``minor`` (not the farm's own minor)."""
+    return f"{version}{MINOR_LABEL}{minor}"
+
+
+def release_of(runtime: str) -> str:
+    """The nnsight release a runtime serves: ``0.5.15`` for ``0.5.15+py3.12``."""
+    return runtime.split(MINOR_LABEL, 1)[0]
+
+
 def served(workers: dict, main: str) -> set:
     """The nnsight versions the farm runs: its own, and each live worker's
     (``nnsight`` in its registry entry: a worker of another runtime)."""
-    return {main} | {info["nnsight"] for info in workers.values() if info.get("nnsight")}
+    return {main} | {release_of(info["nnsight"]) for info in workers.values() if info.get("nnsight")}
+
+
+def runtime_for(workers: dict, version: str, client_python: Optional[str]) -> str:
+    """The live runtime that serves a ``version`` client on its Python minor.
+
+    Only a bytecode payload (0.5) cares: it goes to a runtime whose workers
+    run the client's minor, the plain ``version`` first. Any other client
+    goes to its version's plain runtime."""
+    if not sends_bytecode(version):
+        return as_runtime(version)
+    minor = python_major_minor(client_python or "")
+    names = {info["nnsight"] for info in workers.values()
+             if release_of(info.get("nnsight") or "") == version and info.get("python") == minor}
+    return version if version in names or not names else sorted(names)[0]
 
 
 def check_runtime(client_version: Optional[str], main: str, served_now: Callable[[], set],
@@ -192,7 +221,8 @@ def check_served_at_all(client_version: Optional[str]) -> None:
 
 def python_minors(workers: dict, version: str) -> set:
     """The Python major.minor of each live worker of the ``version`` runtime."""
-    return {info["python"] for info in workers.values() if info.get("nnsight") == version and info.get("python")}
+    return {info["python"] for info in workers.values()
+            if release_of(info.get("nnsight") or "") == version and info.get("python")}
 
 
 def check_python_minor(client_version: Optional[str], client_python: Optional[str], minors: set) -> None:

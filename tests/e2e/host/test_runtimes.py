@@ -12,6 +12,7 @@ from importlib import metadata
 
 import pytest
 
+from tests.support.clients import client_envs
 from tests.support.stacks.stack import ROOT
 
 OLD = "0.7.0"
@@ -68,3 +69,15 @@ def test_a_runtime_is_removed(home):
     assert f"nnsight {OLD}: removed" in _cli(home, "remove", OLD).stdout
     assert [r["version"] for r in json.loads(_cli(home, "list", "--json").stdout)] == [metadata.version("nnsight")]
     assert "no nnsight 0.7.0 runtime on this host" in _cli(home, "remove", OLD, ok=False).stderr
+
+
+def test_another_interpreter_is_asked_its_minor_and_used_only_for_a_bytecode_client(home):
+    assert "cannot run the interpreter '/nonexistent/python3.12'" in _cli(
+        home, "add", "0.5.15", "--python", "/nonexistent/python3.12", ok=False).stderr
+    assert "is not a Python interpreter" in _cli(home, "add", "0.5.15", "--python", "/bin/false", ok=False).stderr
+    other = client_envs.other_python()
+    if other is None:
+        pytest.skip("no interpreter of another Python minor on this host")
+    said = _cli(home, "add", "0.6.3", "--python", other, ok=False).stderr
+    assert "nnsight 0.6.3 clients send source, which runs on any Python" in said, said
+    assert not list((home / "runtimes").glob("nnsight-0.6.3*")), "nothing is made"

@@ -11,11 +11,14 @@ offline model cache, and prints a JSON line of what happened.
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
+from typing import Optional
 
 from ndif_celery.host import runtimes
 from tests.support.paths import OUT_DIR
@@ -24,15 +27,15 @@ from tests.support.paths import OUT_DIR
 SHARED_HOME = OUT_DIR / "clients"
 
 
-def shared(version: str) -> runtimes.Runtime:
-    """The runtime of ``version`` under :data:`SHARED_HOME`, made by the first
-    pytest process that asks (the others wait on a lock) and kept between runs:
-    it serves as a client's environment and, linked into a stack's home, as a
-    worker's runtime."""
+def shared(version: str, python: Optional[str] = None) -> runtimes.Runtime:
+    """The runtime of ``version`` under :data:`SHARED_HOME` (on ``python``, if
+    given), made by the first pytest process that asks (the others wait on a
+    lock) and kept between runs: it serves as a client's environment and,
+    linked into a stack's home, as a worker's runtime."""
     SHARED_HOME.mkdir(parents=True, exist_ok=True)
-    with open(SHARED_HOME / f".lock-{version}", "w") as lock:
+    with open(SHARED_HOME / f".lock-{version}{'-' + Path(python).parent.parent.name if python else ''}", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return runtimes.add(SHARED_HOME, version, log=lambda line: None)
+        return runtimes.add(SHARED_HOME, version, log=lambda line: None, python=python)
 
 
 def client_only(name: str, requirements: list, drop: tuple = ()) -> Path:
@@ -53,6 +56,21 @@ def client_only(name: str, requirements: list, drop: tuple = ()) -> Path:
                 raise
             (path / "made").write_text(" ".join(requirements) + "\n")
     return path / "bin" / "python"
+
+
+def other_python() -> Optional[str]:
+    """An interpreter of another Python minor than this one on this host (pyenv's,
+    or ``python3.X`` on the PATH), or None."""
+    found = [shutil.which(f"python3.{minor}") or "" for minor in (12, 10, 13)]  # newest first, one below
+    found += sorted(glob.glob(os.path.expanduser("~/.pyenv/versions/3.1*/bin/python3")),
+                    key=lambda path: "/3.12." not in path)
+    for python in filter(None, found):
+        said = subprocess.run([python, "-c", "import sys; print(sys.version_info[1])"],
+                              capture_output=True, text=True, timeout=60)
+        if said.returncode == 0 and said.stdout.strip().isdigit() and \
+                int(said.stdout) >= 10 and int(said.stdout) != sys.version_info.minor:
+            return python
+    return None
 
 
 def link_into(home: Path, runtime: runtimes.Runtime) -> None:

@@ -241,3 +241,30 @@ def test_the_versions_served_are_the_farms_and_each_live_workers(redis_client, e
     assert client_versions.served(registry.live_workers(redis_client), client_versions.MAIN) == {client_versions.MAIN, "0.7.0"}
     response = _submit(web, headers)
     assert response.status_code != 400 or "does not serve" not in response.get_json()["detail"], response.get_json()
+
+
+def test_a_05_request_goes_to_the_runtime_of_its_python_minor(redis_client, embedded_settings):
+    from ndif_celery import intake
+
+    now = time.time()
+    registry.register_worker(redis_client, {"name": "on311", "pid": 1, "nnsight": "0.5.15", "python": "3.11",
+                                            "last_seen": now})
+    registry.register_worker(redis_client, {"name": "on312", "pid": 2, "nnsight": "0.5.15+py3.12",
+                                            "python": "3.12", "last_seen": now})
+
+    def routed(nnsight: str, python: str) -> str:
+        return intake.check_runtime(redis_client, embedded_settings,
+                                    {"nnsight-version": nnsight, "python-version": f"{python} (main) [GCC 12]"})
+
+    assert routed("0.5.15", "3.11.7") == "0.5.15"
+    assert routed("0.5.15", "3.12.1") == "0.5.15+py3.12"
+    said = refusal(routed, "0.5.15", "3.13.0")
+    assert said.startswith("This farm serves nnsight 0.5.15 on Python 3.11, 3.12 only, and your client runs "
+                           "Python 3.13"), said
+    # A source payload runs on any minor: a 0.6 client ignores the minor runtimes.
+    assert client_versions.runtime_for(registry.live_workers(redis_client), "0.6.3", "3.12.1") == "0.6.3"
+    assert client_versions.served(registry.live_workers(redis_client), client_versions.MAIN) == {
+        client_versions.MAIN, "0.5.15"}
+    # Only the minor's own runtime is live: the plain one is not required.
+    registry.unregister_worker(redis_client, "on311")
+    assert routed("0.5.15", "3.12.1") == "0.5.15+py3.12"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ndif_celery import config
@@ -45,7 +47,13 @@ def test_each_runtime_of_ndif_runtimes_gets_a_worker_of_its_own(tmp_path):
 
 
 def test_ndif_runtimes_takes_exact_releases_only(tmp_path):
-    with pytest.raises(ValueError, match="NDIF_RUNTIMES lists exact nnsight releases such as 0.7.0, got '0.7'"):
-        config.load({"NDIF_HOME": str(tmp_path), "NDIF_RUNTIMES": "0.7"})
+    for wrong in ("0.7", "0.5.15+py3", "0.5.15+cpu"):
+        with pytest.raises(ValueError, match=f"NDIF_RUNTIMES lists runtimes by their exact nnsight release such as "
+                                             f"0.7.0 .* got '{re.escape(wrong)}'"):
+            config.load({"NDIF_HOME": str(tmp_path), "NDIF_RUNTIMES": wrong})
+    said = config.load({"NDIF_HOME": str(tmp_path), "NDIF_RUNTIMES": "0.5.15,0.5.15+py3.12"})
+    assert said.runtimes == ("0.5.15", "0.5.15+py3.12")
+    assert [s for s in services.default_services(said) if s.startswith("worker-")] == [
+        "worker-nnsight0.5.15", "worker-nnsight0.5.15+py3.12"]
     with pytest.raises(ValueError, match="NDIF_RUNTIME_PORTS lists VERSION=PORT pairs"):
         config.load({"NDIF_HOME": str(tmp_path), "NDIF_RUNTIME_PORTS": "0.7.0:8007"})
