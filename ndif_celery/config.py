@@ -148,6 +148,17 @@ def _float_dtype(name: str, raw: str) -> str:
 WEB_WORKER_CLASSES = ("gevent", "gthread")
 
 
+LAUNCHERS = ("slurm",)
+
+
+def _launcher(name: str, raw: str) -> str:
+    value = raw.strip().lower()
+    if value and value not in LAUNCHERS:
+        raise ValueError(f"{name} names a cluster scheduler this farm launches workers on ({', '.join(LAUNCHERS)}), "
+                         f"got {raw!r}")
+    return value
+
+
 def _web_worker_class(name: str, raw: str) -> str:
     value = raw.strip().lower()
     if value not in WEB_WORKER_CLASSES:
@@ -381,6 +392,9 @@ VARIABLES: tuple = (
     Var("NDIF_ALERT_WEBHOOK_URL", "alert_webhook_url", "", _stripped, "where the beat POSTs a probe's alert and its resolution"),
     Var("NDIF_USAGE_TOP_KEYS", "usage_top_keys", 10, _int, "keys with their own `ndif_usage_*` series; the rest are `other`"),
     # The farm: workers, placement, replicas.
+    Var("NDIF_UP_WORKER", "up_worker", True, _bool,
+        "`ndif-celery up` starts a worker of the farm's own nnsight (false: the workers come from elsewhere, "
+        "e.g. NDIF_LAUNCHER)"),
     Var("NDIF_WORKER_GPUS", "worker_gpus", "", _text, "GPUs of the worker `ndif-celery up` starts (unset: all visible)"),
     Var("NDIF_WORKER_NAME", "worker_name", "", _text, "name of the worker `ndif-celery up` starts; unique per farm",
         shown="`gpu<ids>@<host>`, or `cpu@<host>`"),
@@ -391,6 +405,27 @@ VARIABLES: tuple = (
         "the part of the measured memory budget a worker takes (`up` splits it between its workers)"),
     Var("NDIF_WORKER_NNSIGHT", "worker_nnsight", "", _stripped,
         "the nnsight runtime a worker runs (`ndif-celery runtime add`; docs/versions.md)", shown="the farm's own"),
+    Var("NDIF_WORKER_IDLE_EXIT_S", "worker_idle_exit_s", 0.0, _float,
+        "a worker leaves the farm after this long with nothing to run (0: never; a launched worker gets "
+        "NDIF_LAUNCH_IDLE_S)"),
+    # Elastic workers: a cluster's scheduler starts them while jobs wait (ndif_celery.farm.elastic; docs/deploy.md).
+    Var("NDIF_LAUNCHER", "launcher", "", _launcher,
+        "the cluster scheduler the beat asks for a worker when jobs wait: `slurm` (unset: none)", shown="none"),
+    Var("NDIF_LAUNCH_AFTER_S", "launch_after_s", 30.0, _positive_float,
+        "a model's oldest job waits this long, with no launched worker on its way, before one is launched"),
+    Var("NDIF_LAUNCH_MAX_WORKERS", "launch_max_workers", 2, _non_negative,
+        "most launched workers at once, pending ones included (0: launch none)"),
+    Var("NDIF_LAUNCH_IDLE_S", "launch_idle_s", 300.0, _positive_float,
+        "a launched worker leaves after this long with nothing to run, and its allocation ends"),
+    Var("NDIF_LAUNCH_GPUS", "launch_gpus", 1, _non_negative, "GPUs a launched worker asks for (0: a CPU worker)"),
+    Var("NDIF_SLURM_PARTITION", "slurm_partition", "", _stripped,
+        "the SLURM partition launched workers run in", shown="the cluster's default"),
+    Var("NDIF_SLURM_ACCOUNT", "slurm_account", "", _stripped, "the SLURM account launched workers are charged to",
+        shown="the submitting user's default"),
+    Var("NDIF_SLURM_TIME_LIMIT", "slurm_time_limit", "04:00:00", _stripped,
+        "a launched worker's time limit (`sbatch --time`); it leaves warm 2 minutes before"),
+    Var("NDIF_SLURM_SCRIPT", "slurm_script", str(Path(__file__).resolve().parents[1] / "deploy/slurm/ndif-worker.sbatch"),
+        _path, "the batch script a launch submits", shown="`deploy/slurm/ndif-worker.sbatch` of this checkout"),
     # 0 = torch's default (every core); see docs/performance.md.
     Var("NDIF_TORCH_THREADS", "torch_threads", 0, _int, "intra-op threads of a worker's torch (0: measured per model at load)"),
     # Co-batching trusted requests of one model into one forward (workers.cobatch; docs/cobatching.md).

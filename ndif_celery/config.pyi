@@ -52,6 +52,10 @@ def _float_dtype(name: str, raw: str) -> str: ...
 
 WEB_WORKER_CLASSES: tuple[str, ...]
 
+LAUNCHERS: tuple[str, ...]
+
+def _launcher(name: str, raw: str) -> str: ...
+
 def _web_worker_class(name: str, raw: str) -> str: ...
 
 _RELEASE: re.Pattern[str]
@@ -205,6 +209,8 @@ class Settings:
     """NDIF_ALERT_WEBHOOK_URL: where the beat POSTs a probe's alert and its resolution"""
     usage_top_keys: int
     """NDIF_USAGE_TOP_KEYS: keys with their own `ndif_usage_*` series; the rest are `other`"""
+    up_worker: bool
+    """NDIF_UP_WORKER: `ndif-celery up` starts a worker of the farm's own nnsight (false: the workers come from elsewhere, e.g. NDIF_LAUNCHER)"""
     worker_gpus: str
     """NDIF_WORKER_GPUS: GPUs of the worker `ndif-celery up` starts (unset: all visible)"""
     worker_name: str
@@ -215,6 +221,26 @@ class Settings:
     """NDIF_WORKER_MEMORY_SHARE: the part of the measured memory budget a worker takes (`up` splits it between its workers)"""
     worker_nnsight: str
     """NDIF_WORKER_NNSIGHT: the nnsight runtime a worker runs (`ndif-celery runtime add`; docs/versions.md)"""
+    worker_idle_exit_s: float
+    """NDIF_WORKER_IDLE_EXIT_S: a worker leaves the farm after this long with nothing to run (0: never; a launched worker gets NDIF_LAUNCH_IDLE_S)"""
+    launcher: str
+    """NDIF_LAUNCHER: the cluster scheduler the beat asks for a worker when jobs wait: `slurm` (unset: none)"""
+    launch_after_s: float
+    """NDIF_LAUNCH_AFTER_S: a model's oldest job waits this long, with no launched worker on its way, before one is launched"""
+    launch_max_workers: int
+    """NDIF_LAUNCH_MAX_WORKERS: most launched workers at once, pending ones included (0: launch none)"""
+    launch_idle_s: float
+    """NDIF_LAUNCH_IDLE_S: a launched worker leaves after this long with nothing to run, and its allocation ends"""
+    launch_gpus: int
+    """NDIF_LAUNCH_GPUS: GPUs a launched worker asks for (0: a CPU worker)"""
+    slurm_partition: str
+    """NDIF_SLURM_PARTITION: the SLURM partition launched workers run in"""
+    slurm_account: str
+    """NDIF_SLURM_ACCOUNT: the SLURM account launched workers are charged to"""
+    slurm_time_limit: str
+    """NDIF_SLURM_TIME_LIMIT: a launched worker's time limit (`sbatch --time`); it leaves warm 2 minutes before"""
+    slurm_script: Path
+    """NDIF_SLURM_SCRIPT: the batch script a launch submits"""
     torch_threads: int
     """NDIF_TORCH_THREADS: intra-op threads of a worker's torch (0: measured per model at load)"""
     fair_turns: bool

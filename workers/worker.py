@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -90,6 +91,8 @@ class WorkerState:
         self.controller: Optional[Controller] = None
         self.drainer: Optional[ledger.Drainer] = None
         self._ledger_engine = None  # opened by the first cleanup that prunes the ledger
+        self.idle_since = time.monotonic()  # NDIF_WORKER_IDLE_EXIT_S: nothing ran or waited since
+        self.leaving = False
 
     # --- jobs -------------------------------------------------------------------
 
@@ -185,8 +188,26 @@ class WorkerState:
             time.sleep(registry.HEARTBEAT_S)
             try:
                 self.heartbeat()
+                self.leave_if_idle(time.monotonic())
             except Exception:  # noqa: BLE001 - a broker blip must not kill the heartbeat
                 log.warning("heartbeat failed", exc_info=True)
+
+    def leave_if_idle(self, now: float) -> bool:
+        """A launched worker (``NDIF_WORKER_IDLE_EXIT_S``) leaves when nothing ran
+        for that long and nothing waits for its models: its allocation ends with
+        it (``ndif_celery.farm.elastic``). Leaving is Celery's warm shutdown."""
+        limit = self.settings.worker_idle_exit_s
+        if not limit or self.leaving:
+            return False
+        if self.slot.job_id or self.deliveries.delivering() or any(map(self.job_waiting, self.models.keys())):
+            self.idle_since = now
+            return False
+        if now - self.idle_since < limit:
+            return False
+        log.info("idle for %.0f s (NDIF_WORKER_IDLE_EXIT_S): leaving the farm", now - self.idle_since)
+        self.leaving = True
+        os.kill(os.getpid(), signal.SIGTERM)
+        return True
 
     # --- deployments (sent by the controller to this worker's own queue) ---------
 

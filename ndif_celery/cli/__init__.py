@@ -5,7 +5,7 @@
 ``checks`` - ``version`` and ``doctor``, apart for their imports: sqlalchemy, the
   result stores, huggingface_hub.
 ``farm`` - the farm, from any host that reaches its broker: ``deploy``, ``scale``,
-  ``evict``, ``queue``, ``kill``, ``jobs``, ``deployments``, ``export``.
+  ``evict``, ``queue``, ``kill``, ``jobs``, ``deployments``, ``export``, ``launches``.
 ``ops`` - operations over time: ``schedule``, ``usage``, ``probes``, ``audit``.
 ``keys`` - ``keys create|list|revoke``.
 ``runtimes`` - ``runtime add|list|remove``: this host's other nnsight versions.
@@ -27,7 +27,7 @@ import click
 
 # Command name -> the module that defines it; any other name is host's.
 _ELSEWHERE = {"deploy": "farm", "scale": "farm", "evict": "farm", "queue": "farm", "kill": "farm",
-              "jobs": "farm", "deployments": "farm", "export": "farm",
+              "jobs": "farm", "deployments": "farm", "export": "farm", "launches": "farm",
               "schedule": "ops", "usage": "ops", "probes": "ops", "audit": "ops",
               "keys": "keys", "runtime": "runtimes", "version": "checks", "doctor": "checks"}
 

@@ -16,11 +16,12 @@ from typing import Optional
 import click
 import redis as redis_py
 
+from ndif_celery import wire
 from ndif_celery.celery_app import make_app
 from ndif_celery.farm import actions
 from ndif_celery.farm import capacity
 from ndif_celery.policy import held_formats, model_policy
-from ndif_celery.state import jobs, queues, registry
+from ndif_celery.state import jobs, launches, queues, registry
 
 from .common import echo_rows, from_ledger, settings
 
@@ -315,4 +316,56 @@ def export(output: Optional[str]) -> None:
         click.echo(f"left out: {line}", err=True)
 
 
-COMMANDS = [deploy, scale, evict, queue, kill, jobs_command, deployments_command, export]
+@click.group("launches", invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the launches as JSON.")
+@click.pass_context
+def launches_command(ctx: click.Context, as_json: bool) -> None:
+    """Workers launched through the cluster's scheduler (NDIF_LAUNCHER): pending and why, running, ended."""
+    if ctx.invoked_subcommand is not None:
+        return
+    _, client, _ = connect()
+    rows = sorted(launches.read(client).values(), key=lambda row: row["submitted_at"])
+    if not as_json and launches.paused(client):
+        click.echo("launching is paused (ndif-celery launches resume)")
+    echo_rows(rows, as_json, _launch_line, empty="no launches")
+
+
+def _launch_line(row: dict) -> str:
+    said = f" ({row['reason']})" if row.get("reason") else ""
+    worker = f" as {row['worker']}" if row.get("worker") else ""
+    return (f"{row['launcher']} {row['id']:<14} {row['state']:<8}{said}{worker} for "
+            f"{wire.repo_id(row['model_key'])}{' nnsight ' + row['nnsight'] if row.get('nnsight') else ''}")
+
+
+@launches_command.command("pause")
+def launches_pause() -> None:
+    """Launch no more workers; those launched stay until idle."""
+    _, client, _ = connect()
+    client.set(launches.PAUSED, "1")
+    click.echo("launching paused: jobs wait for the workers there are")
+
+
+@launches_command.command("resume")
+def launches_resume() -> None:
+    _, client, _ = connect()
+    client.delete(launches.PAUSED)
+    click.echo("launching resumed")
+
+
+@launches_command.command("cancel")
+@click.argument("launch_id")
+def launches_cancel(launch_id: str) -> None:
+    """End one launch now (its worker stops mid-job: the watchdog sends the job again)."""
+    from ndif_celery.farm import launchers
+
+    current, client, _ = connect()
+    if launch_id not in launches.read(client):
+        raise click.ClickException(f"no launch {launch_id} on record (ndif-celery launches)")
+    try:
+        launchers.for_settings(current).cancel(launch_id)
+    except (launchers.LaunchRefused, ValueError) as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"launch {launch_id}: cancelled")
+
+
+COMMANDS = [deploy, scale, evict, queue, kill, jobs_command, deployments_command, export, launches_command]

@@ -1,4 +1,4 @@
-"""The farm's control: which worker holds which model, operator actions, the beat's watchdog.
+"""The farm's control: which worker holds which model, operator actions, the beat's watchdog, elastic workers.
 
 None of it imports torch. Bottom first:
 
@@ -20,4 +20,8 @@ None of it imports torch. Bottom first:
   deliveries and tells jobs nobody serves. It lives in the beat so it keeps
   looking when every worker is dead. Not ``workers.job.deadline``'s
   ``DeadlineWatchdog``, a worker's own thread that ends its job at the limit.
+``launchers`` - how to ask a cluster's scheduler for a worker: ``SlurmLauncher``
+  submits, reads and cancels batch jobs. Another scheduler is another class.
+``elastic`` - ``Elastic``, a thread of ``ndif-celery beat`` with ``NDIF_LAUNCHER`` set.
+  It launches a worker when a model's jobs wait, and follows each launch.
 """

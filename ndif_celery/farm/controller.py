@@ -37,7 +37,7 @@ from typing import Optional
 
 from ndif_celery import config, messages, statuses, wire
 from ndif_celery.celery_app import EVICT_MODEL, LOAD_MODEL, worker_queue
-from ndif_celery.farm import deployments, schedules
+from ndif_celery.farm import deployments, elastic, schedules
 from ndif_celery.monitoring import probes
 from ndif_celery.notices import Notices
 from ndif_celery.policy import client_versions
@@ -269,6 +269,9 @@ class Controller(threading.Thread):
                 why = "; ".join(f"on {worker}: {failure['reason']}" for worker, failure in sorted(failed_on.items()))
                 return self.cannot(fail_queue, f"Could not deploy {repo}: it failed to load {why}", model_key,
                                    failed=True, at=max(failure["at"] for failure in failed_on.values()))
+            if fail_queue is not None and elastic.may_launch(self.redis, self.settings):
+                # Its jobs wait for a launched worker (ndif_celery.farm.elastic) instead of failing.
+                return self.cannot(None, f"Could not deploy {repo} yet: {error}; a worker will be launched.", model_key)
             return self.cannot(fail_queue, f"Could not deploy {repo}: {error}.", model_key)
         self.notices.cleared(model_key, f"{repo} can be placed again")
         log.info("placing %s (%d bytes) on %s, evicting %s", repo, size, chosen.worker, chosen.evict or "nothing")

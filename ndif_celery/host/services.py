@@ -45,9 +45,10 @@ def default_services(settings: config.Settings) -> list[str]:
 
     Redis only when no ``NDIF_REDIS_URL`` names one; it starts first because
     everything else talks to it, and so stops last. A worker per runtime of
-    ``NDIF_RUNTIMES`` after the farm's own. Flower unless ``NDIF_FLOWER_PORT`` is 0.
+    ``NDIF_RUNTIMES`` after the farm's own (none with ``NDIF_UP_WORKER`` off). Flower
+    unless ``NDIF_FLOWER_PORT`` is 0.
     """
-    workers = ["worker", *(f"{RUNTIME_WORKER}{version}" for version in settings.runtimes)]
+    workers = [*(["worker"] if settings.up_worker else []), *(f"{RUNTIME_WORKER}{version}" for version in settings.runtimes)]
     services = ["web", *workers, "beat"] + (["flower"] if settings.flower_port else [])
     return (["redis"] + services) if settings.embedded_redis else services
 

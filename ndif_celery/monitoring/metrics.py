@@ -40,7 +40,7 @@ from typing import Optional
 import redis
 
 from ndif_celery.accounts import ledger
-from ndif_celery.state import queues, registry
+from ndif_celery.state import launches, queues, registry
 
 REQUESTS = "ndif:metrics:requests"
 JOBS = "ndif:metrics:jobs"
@@ -285,6 +285,17 @@ def worker_replacements(raw: dict):
     return family
 
 
+def launch_states(known: dict):
+    """Workers launched through the cluster's scheduler, by state (``ndif_celery.farm.elastic``)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    family = GaugeMetricFamily("ndif_launches", "Workers launched through the cluster's scheduler "
+                               "(NDIF_LAUNCHER), by state; ended ones stay listed 10 minutes.", labels=["state"])
+    for state in launches.STATES:
+        family.add_metric([state], sum(1 for launch in known.values() if launch["state"] == state))
+    return family
+
+
 def probe_ok(rows: list):
     """``ndif_probe_ok``: whether each deployment's last probe answered right."""
     return _probe_gauge("ndif_probe_ok", "1 when the last health probe of the deployment answered correct "
@@ -385,6 +396,7 @@ class FarmCollector:
         yield deployment_states(self.redis, workers)
         yield ledger_pending(pending)
         yield worker_replacements(replacements)
+        yield launch_states(launches.read(self.redis))
         yield from self.probe_families()
         if self.per_key:
             yield from self.usage_families()

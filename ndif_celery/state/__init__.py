@@ -18,6 +18,8 @@ name and read them one way. Bottom first:
   stored results, and what its jobs park in Redis.
 ``leases`` - ``Lease``, a key one holder at a time renews, so one copy of a thread
   leads. The controller, the ledger's drainer, the watchdog and the probes use it.
+``launches`` - the record of each worker launched through a cluster's scheduler
+  (``ndif_celery.farm.elastic``): its state and the scheduler's reason.
 ``expiry`` - the sweep the beat schedules for results and job state past
   ``NDIF_JOB_TTL_S``, and the "has expired" answer a late poll gets.
 

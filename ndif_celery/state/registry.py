@@ -43,6 +43,7 @@ import redis
 from ndif_celery import wire
 from ndif_celery.policy import client_versions
 from ndif_celery.policy import model_policy
+from ndif_celery.state import launches
 
 WORKERS = "ndif:workers"
 DEPLOYMENTS = "ndif:deployments"
@@ -259,7 +260,7 @@ def status_document(client: redis.Redis, operator: bool = False) -> dict:
     ``/status`` is open, so the public document names no job: a running job's
     id is a handle on its status and result (with auth off, all it takes).
     ``operator=True`` (the CLI, the admin dashboard) adds each worker's
-    ``current_job``."""
+    ``current_job`` and the launches (``state.launches``)."""
     workers = live_workers(client)
     deployments = live_deployments(client, workers)
     wishes = desired(client)
@@ -310,7 +311,10 @@ def status_document(client: redis.Redis, operator: bool = False) -> dict:
             "nnsight": info.get("nnsight") or client_versions.MAIN,
             "python": info.get("python"),  # its interpreter's major.minor: where a 0.5 payload can run
         }
-    return {"deployments": entries, "cluster": {"workers": cluster}}
+    document = {"deployments": entries, "cluster": {"workers": cluster}}
+    if operator:  # workers asked of the cluster's scheduler (ndif_celery.farm.elastic)
+        document["cluster"]["launches"] = sorted(launches.read(client).values(), key=lambda row: row["submitted_at"])
+    return document
 
 
 def runtime_status(document: dict, runtime: str) -> dict:

@@ -1,0 +1,101 @@
+"""Elastic workers on a real one-node SLURM cluster (``tests/support/stacks/slurm.py``).
+
+The farm runs no worker of its own (``NDIF_UP_WORKER=0``) and launches them
+through ``sbatch`` (``NDIF_LAUNCHER=slurm``, ``deploy/slurm/ndif-worker.sbatch``):
+jobs that wait make it submit a worker, which joins, runs them with the
+client's local values, leaves when idle, and its allocation ends; the next
+burst launches again. A launch SLURM refuses ends the jobs with SLURM's words.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.support.cases import conformance
+from tests.support.clients.remote import client_pointed_at
+from tests.support.stacks import slurm
+from tests.support.stacks.stack import Stack, offline_env
+
+IDLE_S = 12
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    why = slurm.missing()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the SLURM tests: {why}")
+        pytest.skip(why)
+    cluster = slurm.SlurmCluster(tmp_path_factory.mktemp("slurm")).start()
+    yield cluster
+    cluster.stop()
+
+
+def _farm(home, hf_home, cluster, **env) -> Stack:
+    return Stack(home, env={**offline_env(hf_home), **cluster.env, "NDIF_UP_WORKER": "0", "NDIF_LAUNCHER": "slurm",
+                            "NDIF_LAUNCH_AFTER_S": "2", "NDIF_LAUNCH_IDLE_S": str(IDLE_S), "NDIF_LAUNCH_GPUS": "0",
+                            "NDIF_LAUNCH_MAX_WORKERS": "1", "NDIF_SLURM_TIME_LIMIT": "00:15:00", **env})
+
+
+@pytest.fixture(scope="module")
+def farm(cluster, tmp_path_factory, hf_home):
+    stack = _farm(tmp_path_factory.mktemp("slurm-farm"), hf_home, cluster)
+    stack.start()
+    yield stack
+    stack.discard()
+
+
+def _launches(stack) -> list:
+    return json.loads(stack.cli("launches", "--json", check=True).stdout)
+
+
+def _burst(stack, model, local_results, tmp_path) -> None:
+    with client_pointed_at(stack.url):
+        for case in (conformance.case_read_outputs, conformance.case_generate_iter):
+            conformance.assert_same(case(model, lambda m: {"remote": True}, tmp_path), local_results(case))
+
+
+def _left(stack, cluster) -> None:
+    """The launched worker left when idle: SLURM lists nothing, the farm no worker, the launch ENDED."""
+    stack.until(lambda: not cluster.queue(), "the idle worker's allocation to end", timeout_s=IDLE_S + 90)
+    stack.until(lambda: not stack.operator_farm()["cluster"]["workers"], "the worker to leave the registry",
+                timeout_s=30)
+    stack.until(lambda: all(row["state"] == "ENDED" for row in _launches(stack)), "the launch to be seen ENDED",
+                timeout_s=30)
+
+
+def test_waiting_jobs_launch_a_worker_that_leaves_when_idle_and_again(farm, cluster, model, local_results, tmp_path):
+    assert not farm.operator_farm()["cluster"]["workers"], "the farm starts with no worker"
+    assert _launches(farm) == []
+    _burst(farm, model, local_results, tmp_path)
+    first = _launches(farm)
+    assert len(first) == 1 and first[0]["state"] == "RUNNING", first
+    assert first[0]["worker"].startswith(f"slurm{first[0]['id']}@"), first
+    assert [line.split("|")[1:] for line in cluster.queue()] == [["ndif-worker", "RUNNING"]]
+    metrics = farm.cli("launches", check=True).stdout
+    assert f"slurm {first[0]['id']}" in metrics and "RUNNING" in metrics
+    _left(farm, cluster)
+    # A second burst launches again.
+    _burst(farm, model, local_results, tmp_path)
+    second = [row for row in _launches(farm) if row["id"] != first[0]["id"]]
+    assert len(second) == 1 and second[0]["worker"].startswith(f"slurm{second[0]['id']}@"), second
+    _left(farm, cluster)
+
+
+def test_a_launch_slurm_refuses_ends_the_jobs_with_slurms_reason(cluster, tmp_path, hf_home, model):
+    stack = _farm(tmp_path / "home", hf_home, cluster, NDIF_SLURM_PARTITION="nosuch")
+    stack.start()
+    try:
+        with client_pointed_at(stack.url), pytest.raises(Exception) as raised:
+            with model.trace(conformance.PROMPT, remote=True):
+                model.output.logits.save()
+        assert "Could not launch a worker for" in str(raised.value), raised.value
+        assert "Invalid partition name specified" in str(raised.value), raised.value
+        rows = _launches(stack)
+        assert [row["state"] for row in rows] == ["REFUSED"] and "Invalid partition" in rows[0]["reason"], rows
+        assert not cluster.queue()
+    finally:
+        stack.discard()
