@@ -113,7 +113,7 @@ class SlurmLauncher:
         env["NDIF_REDIS_URL"] = self.settings.redis_url
         # The worker runs the farm's own CLI, beside this interpreter.
         cli = Path(sys.executable).parent / "ndif-celery"
-        env.setdefault("NDIF_CELERY", str(cli) if cli.exists() else "ndif-celery")
+        env.setdefault("FARM_CLI", str(cli) if cli.exists() else "ndif-celery")
         try:
             return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=SCHEDULER_TIMEOUT_S)
         except FileNotFoundError:

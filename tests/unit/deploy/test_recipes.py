@@ -67,6 +67,7 @@ def test_the_cli_parser_used_here_rejects_what_the_cli_rejects():
 RECIPE_FILES = [
     COMPOSE_FILE, DOCKERFILE, ENV_EXAMPLE, PROCFILE, ROOT / "docs" / "deploy.md",
     *sorted(SYSTEMD.glob("*.service")), *sorted(SYSTEMD.glob("*.target")),
+    ROOT / "deploy" / "slurm" / "ndif-worker.sbatch", *sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml")),
 ]
 
 
