@@ -165,6 +165,11 @@ def page_data(client: redis.Redis) -> dict:
             "metrics_port": info.get("metrics_port") or "off",
             "last_seen": _ago(info.get("last_seen")),
         })
+    launched = [{  # workers asked of the cluster's scheduler (ndif_celery.farm.elastic)
+        "id": f"{row['launcher']} {row['id']}", "state": row["state"], "reason": row.get("reason") or "",
+        "model": wire.repo_id(row["model_key"]), "worker": row.get("worker") or "-",
+        "submitted": _ago(row.get("submitted_at")),
+    } for row in farm["cluster"].get("launches", [])]
     schedule = [{
         "id": row["id"], "model": row["repo"], "start": schedules.iso(row["start"]), "end": schedules.iso(row["end"]),
         "replicas": row["replicas"], "state": row["state"],
@@ -198,7 +203,7 @@ def page_data(client: redis.Redis) -> dict:
     return {
         "wanted": wanted_rows(client), "history": model_history(client), "calendar": charts.calendar(
             schedules.entries(client), time.time()),
-        "deployments": deployments, "queues": waiting, "workers": workers, "jobs": recent, "ledger_note": note,
+        "deployments": deployments, "queues": waiting, "workers": workers, "launches": launched, "jobs": recent, "ledger_note": note,
         "with_probes": with_probes,
         "schedule": schedule, "probes": health, "usage": spent, "usage_note": usage_note, "usage_days": USAGE_DAYS,
         "totals": totals, "flower_url": _settings().flower_url,

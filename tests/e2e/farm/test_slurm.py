@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+import httpx
 import pytest
 
 from tests.support.cases import conformance
@@ -75,8 +76,12 @@ def test_waiting_jobs_launch_a_worker_that_leaves_when_idle_and_again(farm, clus
     assert len(first) == 1 and first[0]["state"] == "RUNNING", first
     assert first[0]["worker"].startswith(f"slurm{first[0]['id']}@"), first
     assert [line.split("|")[1:] for line in cluster.queue()] == [["ndif-worker", "RUNNING"]]
-    metrics = farm.cli("launches", check=True).stdout
-    assert f"slurm {first[0]['id']}" in metrics and "RUNNING" in metrics
+    listed = farm.cli("launches", check=True).stdout
+    assert f"slurm {first[0]['id']}" in listed and "RUNNING" in listed and first[0]["worker"] in listed
+    # Seen where an operator looks: /metrics and the dashboard.
+    assert 'ndif_launches{state="RUNNING"} 1.0' in httpx.get(f"{farm.url}/metrics", timeout=10).text
+    page = httpx.get(f"{farm.url}/dashboard", timeout=10).text
+    assert f"slurm {first[0]['id']}" in page and first[0]["worker"] in page
     _left(farm, cluster)
     # A second burst launches again.
     _burst(farm, model, local_results, tmp_path)
