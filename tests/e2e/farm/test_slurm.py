@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 
 import httpx
 import pytest
@@ -87,6 +89,53 @@ def test_waiting_jobs_launch_a_worker_that_leaves_when_idle_and_again(farm, clus
     _burst(farm, model, local_results, tmp_path)
     second = [row for row in _launches(farm) if row["id"] != first[0]["id"]]
     assert len(second) == 1 and second[0]["worker"].startswith(f"slurm{second[0]['id']}@"), second
+    _left(farm, cluster)
+
+
+def rows_joined(rows: dict) -> str:
+    """The worker of the launch that is still running."""
+    return next(row["worker"] for row in rows.values() if row["state"] == "RUNNING")
+
+
+def _slow_first_time(model, marker: str):
+    """A trace whose first run holds its worker for minutes, and any later run does not."""
+    with model.trace(conformance.PROMPT, remote=True):
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(300)
+        hidden = model.transformer.h[0].output.save()
+    return hidden
+
+
+def test_a_time_limit_reached_mid_job_sends_the_job_to_the_next_worker(farm, cluster, model, tmp_path):
+    with model.trace(conformance.PROMPT):
+        expected = model.transformer.h[0].output.save()
+    marker = str(tmp_path / "first-run-started")
+    done: dict = {}
+
+    def client():
+        with client_pointed_at(farm.url):
+            try:
+                done["hidden"] = _slow_first_time(model, marker)
+            except BaseException as error:  # noqa: BLE001 - reported below
+                done["error"] = error
+
+    thread = threading.Thread(target=client)
+    thread.start()
+    running = farm.until(lambda: [row for row in _launches(farm) if row["state"] == "RUNNING" and row.get("worker")
+                                  and os.path.exists(marker)], "the job to run on a launched worker", timeout_s=180)
+    launch = running[0]
+    # The allocation's time is up: SLURM warns the worker (its warm shutdown waits for the job), then kills it.
+    assert cluster.run("scontrol", "update", f"JobId={launch['id']}", "TimeLimit=1").returncode == 0
+    thread.join(timeout=600)
+    assert not thread.is_alive() and "error" not in done, done
+    assert conformance.same(done["hidden"], expected)
+    rows = {row["id"]: row for row in _launches(farm)}
+    assert rows[launch["id"]]["state"] == "ENDED" and "TIMEOUT" in rows[launch["id"]]["reason"], rows
+    assert len(rows) == 2, "the job went to a worker launched after the first was killed"
+    last = farm.until(lambda: json.loads(farm.cli("jobs", "--json", "--limit", "1", check=True).stdout),
+                      "the job's ledger row", timeout_s=30)[0]
+    assert (last["outcome"], last["attempt"]) == ("COMPLETED", 2) and last["worker"] == rows_joined(rows), last
     _left(farm, cluster)
 
 
