@@ -9,10 +9,12 @@ burst launches again. A launch SLURM refuses ends the jobs with SLURM's words.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -153,3 +155,97 @@ def test_a_launch_slurm_refuses_ends_the_jobs_with_slurms_reason(cluster, tmp_pa
         assert not cluster.queue()
     finally:
         stack.discard()
+
+
+# --- the beat's decisions, ticked by hand against the same cluster and a real Redis ----------
+
+
+@pytest.fixture
+def ticked(cluster, redis_client, embedded_settings, tmp_path, monkeypatch):
+    """``make(script_body, **settings) -> Elastic``: the beat's thread, not started, whose
+    launches run ``script_body`` as their batch script on the test cluster."""
+    from ndif_celery.farm import elastic, launchers
+
+    monkeypatch.setenv("SLURM_CONF", cluster.env["SLURM_CONF"])
+
+    def make(script_body: str, **changes):
+        script = tmp_path / "launch.sbatch"
+        script.write_text(f"#!/bin/bash\n{script_body}\n")
+        settings = dataclasses.replace(embedded_settings, home=tmp_path, launcher="slurm", launch_after_s=0.5,
+                                       launch_max_workers=1, launch_gpus=0, slurm_script=script, **changes)
+        return elastic.Elastic(settings, redis_client, launchers.SlurmLauncher(settings), name="test")
+
+    yield make
+    cluster.run("scancel", "--full", f"--partition={cluster.partition}")
+
+
+def _wait(client, app, seconds: float):
+    from ndif_celery.celery_app import queue_for
+    from ndif_celery.farm import actions
+    from ndif_celery.state import jobs, queues, registry
+
+    key = actions.model_key_for("slurm/waiting")
+    job = jobs.Job(id=uuid.uuid4().hex, model_key=key, received_at=time.time() - seconds)
+    client.sadd(registry.QUEUES, queue_for(key))
+    client.lpush(*queues.job_message(app, job))
+    return job
+
+
+def _said(client, job) -> dict:
+    from ndif_celery.state import jobs
+
+    return json.loads(client.get(jobs.status_key(job.id)))
+
+
+def test_paused_launching_launches_nothing_and_says_so(ticked, redis_client, embedded_settings, cluster):
+    from ndif_celery.celery_app import make_app
+    from ndif_celery.state import launches
+
+    beat = ticked("sleep 300")
+    redis_client.set(launches.PAUSED, "1")
+    job = _wait(redis_client, make_app(embedded_settings), 5)
+    beat.tick()
+    assert cluster.queue() == [] and launches.read(redis_client) == {}
+    assert "launching workers is paused by the farm's operator" in _said(redis_client, job)["description"]
+    redis_client.delete(launches.PAUSED)
+    beat.tick()
+    assert len(cluster.queue()) == 1 and "A worker is being launched for your job" in _said(redis_client, job)["description"]
+
+
+def test_at_the_cap_a_waiting_job_is_told_and_no_worker_more_is_launched(ticked, redis_client, embedded_settings,
+                                                                         cluster):
+    from ndif_celery.celery_app import make_app
+    from ndif_celery.state import launches, registry
+
+    beat = ticked("sleep 300")
+    app = make_app(embedded_settings)
+    first = _wait(redis_client, app, 5)
+    beat.tick()
+    [launch_id] = launches.read(redis_client)
+    # Its worker joins, and is busy: a job waiting now may not launch a second (NDIF_LAUNCH_MAX_WORKERS=1).
+    registry.register_worker(redis_client, {"name": f"slurm{launch_id}@node", "pid": 1, "last_seen": time.time()})
+    beat.tick()
+    assert launches.read(redis_client)[launch_id]["worker"] == f"slurm{launch_id}@node"
+    assert "the farm has launched as many workers as it may (1)" in _said(redis_client, first)["description"]
+    assert len(cluster.queue()) == 1
+
+
+def test_a_launch_that_ends_before_its_worker_joins_ends_the_jobs_instead_of_launching_again(
+        ticked, redis_client, embedded_settings, cluster):
+    from ndif_celery.celery_app import make_app
+    from ndif_celery.state import launches
+
+    beat = ticked("echo 'cannot start here' >&2; exit 3")
+    job = _wait(redis_client, make_app(embedded_settings), 5)
+    beat.tick()
+    [launch_id] = launches.read(redis_client)
+    deadline = time.monotonic() + 60
+    while launches.read(redis_client)[launch_id]["state"] != "ENDED":
+        assert time.monotonic() < deadline, launches.read(redis_client)
+        time.sleep(0.5)
+        beat.tick()
+    said = _said(redis_client, job)
+    assert said["status"] == "ERROR", said
+    assert f"slurm job {launch_id} ended before it joined the farm: FAILED" in said["description"], said
+    assert f"slurm-{launch_id}.log" in said["description"]
+    assert len(launches.read(redis_client)) == 1, "not launched again"
