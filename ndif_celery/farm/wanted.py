@@ -22,7 +22,7 @@ import redis
 
 from ndif_celery import wire
 from ndif_celery.policy import model_policy
-from ndif_celery.state import registry
+from ndif_celery.state import launches, registry
 
 from . import schedules
 from .actions import model_key_for
@@ -39,6 +39,7 @@ def rows(client: redis.Redis, now: Optional[float] = None) -> list[dict]:
     held: dict[str, list] = {}
     for entry in registry.live_deployments(client):
         held.setdefault(entry["model_key"], []).append(entry)
+    coming = {launch["model_key"]: launch for launch in launches.alive(launches.read(client)) if not launch.get("worker")}
     out = []
     for model_key in sorted(set(wishes) | set(held), key=lambda key: (wire.repo_id(key), key)):
         wish = wishes.get(model_key)
@@ -67,7 +68,8 @@ def rows(client: redis.Redis, now: Optional[float] = None) -> list[dict]:
             "running": running,
             "loading": loading,
             "state": state,
-            "reason": (unmet or {}).get("reason") if state in (UNMET, FAILED, LOADING) and unmet else None,
+            "reason": _why_not(unmet if state in (UNMET, FAILED, LOADING) else None,
+                               coming.get(model_key) if state in (UNMET, LOADING) else None),
             "since": (unmet or {}).get("at") if unmet and state != MET else None,
         })
     for window in schedules.entries(client, now):
@@ -79,6 +81,16 @@ def rows(client: redis.Redis, now: Optional[float] = None) -> list[dict]:
                 "since": None,
             })
     return out
+
+
+def _why_not(unmet: Optional[dict], launch: Optional[dict]) -> Optional[str]:
+    """The controller's reason, and the worker being launched for the model (``farm.elastic``)."""
+    said = [unmet["reason"]] if unmet else []
+    if launch is not None:
+        waits = f" ({launch['reason']})" if launch.get("reason") else ""
+        said.append(f"a worker is being launched: {launch['launcher']} job {launch['id']} is "
+                    f"{launch['state'].lower()}{waits}")
+    return "; ".join(said) or None
 
 
 def _source(wish: Optional[dict]) -> str:

@@ -307,6 +307,14 @@ def test_wanted_rows_say_source_target_running_and_why_not(redis_client, app):
     assert rows["org/b"]["reason"] == "no live worker can take another replica of it"
     assert (rows["org/c"]["source"], rows["org/c"]["target"], rows["org/c"]["state"]) == ("request", None, "met")
     assert (rows["org/d"]["source"], rows["org/d"]["state"]) == ("schedule", "scheduled")
+    # A worker launched for org/b (ndif_celery.farm.elastic), not joined yet: "why not" says so.
+    from ndif_celery.state import launches
+
+    launches.write(redis_client, {"id": "812", "launcher": "slurm", "state": "PENDING", "reason": "Resources",
+                                  "model_key": b, "nnsight": "", "submitted_at": time.time()})
+    assert {row["model"]: row for row in wanted.rows(redis_client)}["org/b"]["reason"] == (
+        "no live worker can take another replica of it; a worker is being launched: slurm job 812 is pending "
+        "(Resources)")
 
 
 # --- a wish whose load failed ------------------------------------------------------------
