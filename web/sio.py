@@ -20,11 +20,14 @@ The socket is ``WS /subscribe`` in another wire (``web/subscribe.py``):
   ``blocking_response`` event (``socketio_wire.frame``, no torch here).
 * **Spaced, LOG lines merged.** Those clients' python-socketio handles each
   engine.io message in a thread of its own, and an event is two messages (its
-  header, then its bytes). When events follow closely, a client's threads can
-  take the next event's header for this one's bytes, and the client fails
-  (``a bytes-like object is required, not 'str'``). So the relay sends at
-  most one event per :data:`EVENT_SPACING_S`, and LOG lines that wait meanwhile
-  go as one LOG. This narrows the race; only the client can close it.
+  header, then its bytes). When they follow closely, a client's threads can
+  run out of order: the bytes are read before the header that announces them,
+  or the next event's header is taken for this one's bytes, and the client
+  fails (``a bytes-like object is required, not 'str'``). So an event's bytes
+  follow its header after :data:`ATTACHMENT_GAP_S`, the relay sends at most one
+  event per :data:`EVENT_SPACING_S`, and LOG lines that wait meanwhile go as
+  one LOG. The gaps make the race need a thread held back that long; only the
+  client can close it.
 * **Ends with its job.** After COMPLETED or ERROR nothing more is relayed.
   The client disconnects itself; the server does it after :data:`CLOSE_AFTER_S`
   if the client does not. A claimed socket has no fixed lifetime: its owner
@@ -94,6 +97,8 @@ CLOSE_AFTER_S = 30
 RENEW_S = subscribe.IDLE_WAIT_S
 #: The least time between two events on one socket (see "Spaced" above).
 EVENT_SPACING_S = 0.05
+#: Between an event's header and its bytes (see the module's doc): a thread start's worth, many times over.
+ATTACHMENT_GAP_S = 0.05
 #: How soon an unclaimed socket's owner is read again when Redis could not answer.
 CLAIM_RETRY_S = 5.0
 #: The largest message a client may send: its CONNECT is a few bytes.
@@ -169,6 +174,18 @@ class ListeningServer(socketio.Server):
         if start:  # in the process that serves (after gunicorn's fork)
             self.start_background_task(self._reap)
         return super()._handle_eio_connect(eio_sid, environ)
+
+    def emit_spaced(self, event: str, data, sid: str) -> None:
+        """``emit(event, data, to=sid)``, a binary event's attachments each
+        :data:`ATTACHMENT_GAP_S` after what precedes them (see the module's doc)."""
+        eio_sid = self.manager.eio_sid_from_sid(sid, "/")
+        if eio_sid is None:
+            return  # disconnected meanwhile
+        encoded = self.packet_class(socketio.packet.EVENT, namespace="/", data=[event, data]).encode()
+        for index, part in enumerate(encoded if isinstance(encoded, list) else [encoded]):
+            if index:
+                self.sleep(ATTACHMENT_GAP_S)
+            self.eio.send(eio_sid, part)
 
     def _handle_eio_message(self, eio_sid, data):
         kind = data[:1] if isinstance(data, str) else None
@@ -389,7 +406,7 @@ def _log_fields(frame: bytes) -> Optional[dict]:
     return fields if isinstance(fields, dict) and fields.get("status") == wire.LOG and "id" in fields else None
 
 
-def _send(server: socketio.Server, sid: str, frame: bytes) -> bool:
+def _send(server: ListeningServer, sid: str, frame: bytes) -> bool:
     """Emit one published status as those clients read it; whether it was final."""
     if frame[:1] != b"{":  # an inline result, pickled: never published for these jobs
         log.warning("socket.io: session %s: dropped a binary frame (%d bytes)", sid, len(frame))
@@ -401,7 +418,7 @@ def _send(server: socketio.Server, sid: str, frame: bytes) -> bool:
     except (ValueError, KeyError, TypeError, AttributeError):
         log.warning("socket.io: session %s: dropped a frame it could not translate: %.200r", sid, frame)
         return False
-    server.emit(EVENT, translated, to=sid)
+    server.emit_spaced(EVENT, translated, sid)
     return fields["status"] in wire.TERMINAL
 
 

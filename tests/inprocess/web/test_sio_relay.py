@@ -210,3 +210,28 @@ def test_log_lines_that_wait_go_as_one_event_in_order(connect, redis_client, mon
     logs = [event["description"] for event in events if event["status"] == "LOG"]
     assert "\n".join(logs).split("\n") == lines, logs
     assert len(events) <= 3, events  # the first line, the rest as one, the end
+
+
+def test_an_events_bytes_follow_its_header_after_a_gap(connect, redis_client, monkeypatch):
+    # The old clients start a thread per engine.io message: bytes sent right behind
+    # their header can be read first. Timed as the server sends them.
+    import engineio
+
+    sent = []
+    original = engineio.Server.send
+
+    def timed(self, sid, data):
+        sent.append((time.monotonic(), data))
+        return original(self, sid, data)
+
+    monkeypatch.setattr(engineio.Server, "send", timed)
+    client = connect()
+    publish(redis_client, client.sid, wire.QUEUED, "Queued.")
+    publish(redis_client, client.sid, wire.COMPLETED, "Done.", "http://farm/r")
+    assert [event["status"] for event in (received(client), received(client))] == ["QUEUED", "COMPLETED"]
+    headers = [n for n, (_, data) in enumerate(sent) if isinstance(data, str) and data.startswith("51-")]
+    assert len(headers) == 2, sent
+    for n in headers:
+        (at, _), (following_at, following) = sent[n], sent[n + 1]
+        assert isinstance(following, bytes), "the header's attachment comes next"
+        assert following_at - at >= sio.ATTACHMENT_GAP_S, following_at - at
