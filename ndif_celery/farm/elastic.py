@@ -123,8 +123,7 @@ class Elastic(threading.Thread):
             if lost is not None:
                 self.fail(queue, model_key, f"Could not start a worker for {wire.repo_id(model_key)}: "
                                             f"{self.launcher.name} job {lost['id']} ended before it joined the farm"
-                                            f"{': ' + lost['reason'] if lost.get('reason') else ''} (its log: "
-                                            f"{self.settings.home / 'logs' / ('slurm-' + lost['id'] + '.log')}).")
+                                            f"{': ' + lost['reason'] if lost.get('reason') else ''}.")
                 continue
             live = launches.alive(known)
             coming = [launch for launch in live if not launch.get("worker") and launch.get("nnsight", "") == runtime]
@@ -151,9 +150,9 @@ class Elastic(threading.Thread):
         except launchers.LaunchRefused as refused:
             reason = f"Could not launch a worker for {repo}: {self.launcher.name} refused it: {refused}"
             log.warning("%s", reason)
-            launches.write(self.redis, {"id": f"refused-{now:.0f}", "launcher": self.launcher.name, "state": launches.REFUSED,
-                               "reason": str(refused), "model_key": model_key, "nnsight": runtime,
-                               "submitted_at": now, "ended_at": now})
+            launches.write(self.redis, {"id": f"refused-{now:.0f}", "launcher": self.launcher.name,
+                                        "state": launches.REFUSED, "reason": str(refused), "model_key": model_key,
+                                        "nnsight": runtime, "submitted_at": now, "ended_at": now})
             self.fail(queue, model_key, reason)
             return None
         log.info("launched %s %s for %s", self.launcher.name, launch_id, repo)

@@ -20,6 +20,9 @@ from ndif_celery.state.launches import ENDED, PENDING, RUNNING
 
 #: The name every launched worker's job carries: the launcher lists its own by it.
 JOB_NAME = "ndif-worker"
+#: The states squeue may still list a job in after it ended.
+FINISHED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
+                      "DEADLINE", "OUT_OF_MEMORY", "SPECIAL_EXIT"})
 SCHEDULER_TIMEOUT_S = 30.0
 
 
@@ -61,10 +64,9 @@ class SlurmLauncher:
         settings = self.settings
         if not Path(settings.slurm_script).is_file():
             raise LaunchRefused(f"NDIF_SLURM_SCRIPT {settings.slurm_script} is not a file")
-        logs = settings.home / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
+        self._log("").parent.mkdir(parents=True, exist_ok=True)
         argv = ["sbatch", "--parsable", f"--job-name={JOB_NAME}", f"--time={settings.slurm_time_limit}",
-                f"--output={logs / 'slurm-%j.log'}"]
+                f"--output={self._log('%j')}"]
         if settings.slurm_partition:
             argv.append(f"--partition={settings.slurm_partition}")
         if settings.slurm_account:
@@ -89,9 +91,9 @@ class SlurmLauncher:
         for line in out.stdout.splitlines():
             job_id, _, rest = line.strip().partition("|")
             state, _, reason = rest.partition("|")
-            listed[job_id] = LaunchState(PENDING if state == "PENDING" else RUNNING if state in
-                                         ("RUNNING", "CONFIGURING", "COMPLETING") else ENDED,
-                                         "" if reason in ("None", "(null)") else reason)
+            if state not in FINISHED:  # squeue lists a finished job for a moment: scontrol says how
+                listed[job_id] = LaunchState(PENDING if state == "PENDING" else RUNNING,
+                                             "" if reason in ("None", "(null)") else reason)
         return {job_id: listed.get(job_id) or self._ended(job_id) for job_id in launch_ids}
 
     def cancel(self, launch_id: str) -> None:
@@ -100,11 +102,15 @@ class SlurmLauncher:
             raise LaunchRefused(_said(out) or f"scancel exited {out.returncode}")
 
     def _ended(self, job_id: str) -> LaunchState:
+        """How it ended, as SLURM remembers it (``MinJobAge``), and where its log is."""
         out = self._run(["scontrol", "show", "job", job_id, "--oneliner"])
         fields = dict(part.split("=", 1) for part in out.stdout.split() if "=" in part)
         state, reason = fields.get("JobState", ""), fields.get("Reason", "")
         said = " ".join(part for part in (state, "" if reason in ("None", "(null)") else reason) if part)
-        return LaunchState(ENDED, said)
+        return LaunchState(ENDED, f"{said or 'ended'} (its log: {self._log(job_id)})")
+
+    def _log(self, job_id: str) -> Path:
+        return self.settings.home / "logs" / f"slurm-{job_id}.log"
 
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
         env = {k: v for k, v in os.environ.items() if k not in ("NDIF_WORKER_NAME", "NDIF_WORKER_GPUS")}

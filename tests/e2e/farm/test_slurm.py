@@ -39,6 +39,15 @@ def cluster(tmp_path_factory):
     cluster.stop()
 
 
+@pytest.fixture(autouse=True)
+def empty_queue_after(cluster):
+    """Each test leaves SLURM's queue empty, whatever it asserted: the next one counts on it."""
+    yield
+    if cluster.queue():
+        cluster.run("scancel", "--full", f"--partition={cluster.partition}")
+        cluster.until_empty()
+
+
 def _farm(home, hf_home, cluster, **env) -> Stack:
     return Stack(home, env={**offline_env(hf_home), **cluster.env, "NDIF_UP_WORKER": "0", "NDIF_LAUNCHER": "slurm",
                             "NDIF_LAUNCH_AFTER_S": "2", "NDIF_LAUNCH_IDLE_S": str(IDLE_S), "NDIF_LAUNCH_GPUS": "0",
@@ -65,7 +74,7 @@ def _burst(stack, model, local_results, tmp_path) -> None:
 
 def _left(stack, cluster) -> None:
     """The launched worker left when idle: SLURM lists nothing, the farm no worker, the launch ENDED."""
-    stack.until(lambda: not cluster.queue(), "the idle worker's allocation to end", timeout_s=IDLE_S + 90)
+    cluster.until_empty(timeout_s=IDLE_S + 90)
     stack.until(lambda: not stack.operator_farm()["cluster"]["workers"], "the worker to leave the registry",
                 timeout_s=30)
     stack.until(lambda: all(row["state"] == "ENDED" for row in _launches(stack)), "the launch to be seen ENDED",
@@ -114,6 +123,7 @@ def test_a_time_limit_reached_mid_job_sends_the_job_to_the_next_worker(farm, clu
         expected = model.transformer.h[0].output.save()
     marker = str(tmp_path / "first-run-started")
     done: dict = {}
+    before = {row["id"] for row in _launches(farm)}
 
     def client():
         with client_pointed_at(farm.url):
@@ -125,14 +135,15 @@ def test_a_time_limit_reached_mid_job_sends_the_job_to_the_next_worker(farm, clu
     thread = threading.Thread(target=client)
     thread.start()
     running = farm.until(lambda: [row for row in _launches(farm) if row["state"] == "RUNNING" and row.get("worker")
-                                  and os.path.exists(marker)], "the job to run on a launched worker", timeout_s=180)
+                                  and row["id"] not in before and os.path.exists(marker)],
+                         "the job to run on a launched worker", timeout_s=180)
     launch = running[0]
     # The allocation's time is up: SLURM warns the worker (its warm shutdown waits for the job), then kills it.
     assert cluster.run("scontrol", "update", f"JobId={launch['id']}", "TimeLimit=1").returncode == 0
     thread.join(timeout=600)
     assert not thread.is_alive() and "error" not in done, done
     assert conformance.same(done["hidden"], expected)
-    rows = {row["id"]: row for row in _launches(farm)}
+    rows = {row["id"]: row for row in _launches(farm) if row["id"] not in before}
     assert rows[launch["id"]]["state"] == "ENDED" and "TIMEOUT" in rows[launch["id"]]["reason"], rows
     assert len(rows) == 2, "the job went to a worker launched after the first was killed"
     last = farm.until(lambda: json.loads(farm.cli("jobs", "--json", "--limit", "1", check=True).stdout),

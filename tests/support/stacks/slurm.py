@@ -105,6 +105,14 @@ class SlurmCluster:
         out = self.run("squeue", "--noheader", "--format=%i|%j|%T")
         return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
+    def until_empty(self, timeout_s: float = 90) -> None:
+        """Until ``squeue`` lists nothing (an allocation ended, jobs cancelled)."""
+        deadline = time.monotonic() + timeout_s
+        while self.queue():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"SLURM still lists {self.queue()} after {timeout_s:.0f} s\n{self.logs()}")
+            time.sleep(0.5)
+
     def logs(self) -> str:
         return "\n".join(f"==> {path.name} <==\n{path.read_text(errors='replace')[-3000:]}"
                          for path in sorted((self.folder / "log").glob("*.log")))
