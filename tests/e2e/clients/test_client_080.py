@@ -20,8 +20,6 @@ from tests.support.cases import conformance
 from tests.support.cases.tiny_model import REPO_ID
 from tests.support.clients import client_envs
 from tests.support.paths import ROOT
-from tests.support.stacks.stack import Stack, offline_env
-from tests.support.stacks.stack_pool import AUTH_LIMITS_OFF
 
 VERSION = "0.8.0"
 
@@ -49,27 +47,17 @@ for case in conformance.CASES:
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, hf_home):
-    home = tmp_path_factory.mktemp("farm-080")
     runtime = client_envs.shared(VERSION)
-    client_envs.link_into(home, runtime)
-    env = {**offline_env(hf_home), **AUTH_LIMITS_OFF, "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
-           "NDIF_ISOLATION": "zygote", "NDIF_RUNTIMES": VERSION}
-    stack = Stack(home, env=env)
-    stack.start()
-    try:
-        stack.until(lambda: VERSION in {info.get("nnsight") for info in stack.operator_farm()["cluster"]["workers"].values()},
-                    "the 0.8.0 runtime's worker to register", timeout_s=180)
+    with client_envs.runtimes_stack(tmp_path_factory.mktemp("farm-080"), hf_home, [runtime],
+                                    {"NDIF_ISOLATION": "zygote"}) as stack:
         yield {"stack": stack, "python": runtime.interpreter}
-    finally:
-        stack.discard()
 
 
 @pytest.mark.parametrize("who", ["trusted", "untrusted"])
 def test_every_conformance_case_equals_the_080_clients_local_run(farm, who):
     stack = farm["stack"]
     email = f"{who}-080@example.org"
-    key = stack.cli("keys", "create", "--email", email, *(("--trusted",) if who == "trusted" else ()),
-                    check=True).stdout.strip().splitlines()[-1]
+    key = stack.create_key(email, trusted=who == "trusted")
     reports = client_envs.run_all(farm["python"], CASES_BOTH_WAYS, stack.url, str(ROOT), REPO_ID,
                                   timeout_s=900, env={"CLIENT_API_KEY": key})
     assert [report["case"] for report in reports] == [conformance.case_id(case) for case in conformance.CASES]

@@ -32,8 +32,6 @@ from tests.support.cases import conformance
 from tests.support.cases import old_client_cases
 from tests.support.clients.remote import client_pointed_at
 from tests.support.stacks.servers import free_ports
-from tests.support.stacks.stack import Stack, offline_env
-from tests.support.stacks.stack_pool import AUTH_LIMITS_OFF
 from tests.support.cases.tiny_model import PROMPT, REPO_ID
 
 OLD = ("0.5.15", "0.6.3", "0.7.0")
@@ -46,30 +44,14 @@ MAIN_CASES = (conformance.case_read_outputs, conformance.case_source_edit, confo
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, hf_home):
-    home = tmp_path_factory.mktemp("runtimes-farm")
-    pythons = {}
-    for version in OLD:
-        runtime = client_envs.shared(version)
-        client_envs.link_into(home, runtime)
-        pythons[version] = runtime.interpreter
+    runtimes = [client_envs.shared(version) for version in OLD]
     ports = dict(zip(OLD, free_ports(len(OLD))))
-    env = {**offline_env(hf_home), **AUTH_LIMITS_OFF, "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
-           "NDIF_ISOLATION": "zygote", "NDIF_RUNTIMES": ",".join(OLD),
+    env = {"NDIF_ISOLATION": "zygote",
            "NDIF_RUNTIME_PORTS": ",".join(f"{version}={port}" for version, port in ports.items())}
-    stack = Stack(home, env=env)
-    stack.start()
-    try:
-        stack.until(lambda: {info.get("nnsight") for info in stack.operator_farm()["cluster"]["workers"].values()}
-                    >= {*OLD, client_versions.MAIN}, "a worker of each runtime to register", timeout_s=180)
-        keys = {who: _key(stack, f"{who}@example.org", *(("--trusted",) if who == "trusted" else ()))
-                for who in ("trusted", "untrusted")}
-        yield {"stack": stack, "pythons": pythons, "ports": ports, "keys": keys}
-    finally:
-        stack.discard()
-
-
-def _key(stack, email: str, *flags: str) -> str:
-    return stack.cli("keys", "create", "--email", email, *flags, check=True).stdout.strip().splitlines()[-1]
+    with client_envs.runtimes_stack(tmp_path_factory.mktemp("runtimes-farm"), hf_home, runtimes, env) as stack:
+        keys = {who: stack.create_key(f"{who}@example.org", trusted=who == "trusted") for who in ("trusted", "untrusted")}
+        yield {"stack": stack, "pythons": {runtime.version: runtime.interpreter for runtime in runtimes},
+               "ports": ports, "keys": keys}
 
 
 def _port_url(farm, version: str) -> str:

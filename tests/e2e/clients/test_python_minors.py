@@ -24,8 +24,6 @@ import redis
 from ndif_celery.accounts import ledger
 from tests.support.cases import old_client_cases
 from tests.support.clients import client_envs
-from tests.support.stacks.stack import Stack, offline_env
-from tests.support.stacks.stack_pool import AUTH_LIMITS_OFF
 
 VERSION = "0.5.15"
 CASES = ["read_outputs", "zero_output", "source_edit", "generate_iter", "gradients", "session"]
@@ -50,29 +48,18 @@ def farm(tmp_path_factory, hf_home):
         pytest.skip(f"the farm's torch {metadata.version('torch')} has no build for {other} from this host's "
                     f"package index ({why}); a runtime on another minor needs it")
     runtimes = [client_envs.shared(VERSION), client_envs.shared(VERSION, python=other)]
-    home = tmp_path_factory.mktemp("minors-farm")
-    for runtime in runtimes:
-        client_envs.link_into(home, runtime)
     names = [runtime.version for runtime in runtimes]
     assert names[1].startswith(f"{VERSION}+py") and names[1] != f"{VERSION}+py{sys.version_info[0]}.{sys.version_info[1]}"
-    env = {**offline_env(hf_home), **AUTH_LIMITS_OFF, "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
-           "NDIF_ISOLATION": "zygote", "NDIF_RUNTIMES": ",".join(names)}
-    stack = Stack(home, env=env)
-    stack.start()
-    try:
-        stack.until(lambda: {info.get("nnsight") for info in stack.operator_farm()["cluster"]["workers"].values()}
-                    >= set(names), "a worker of each runtime to register", timeout_s=300)
+    with client_envs.runtimes_stack(tmp_path_factory.mktemp("minors-farm"), hf_home, runtimes,
+                                    {"NDIF_ISOLATION": "zygote"}, timeout_s=300) as stack:
         yield {"stack": stack, "runtimes": runtimes}
-    finally:
-        stack.discard()
 
 
 @pytest.mark.parametrize("who", ["trusted", "untrusted"])
 def test_each_minor_runs_on_its_own_runtime_exact_to_its_local_run(farm, who):
     stack = farm["stack"]
     email = f"{who}-minors@example.org"
-    key = stack.cli("keys", "create", "--email", email, *(("--trusted",) if who == "trusted" else ()),
-                    check=True).stdout.strip().splitlines()[-1]
+    key = stack.create_key(email, trusted=who == "trusted")
     for runtime in farm["runtimes"]:
         reports = old_client_cases.run_cases(runtime.interpreter, stack.url, CASES, "blocking",
                                              env={"CLIENT_API_KEY": key})

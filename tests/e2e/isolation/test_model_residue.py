@@ -21,15 +21,12 @@ import json
 import nnsight
 import pytest
 
-from ndif_celery.policy import client_versions
 from ndif_celery.policy import model_policy
 from tests.support.clients import client_envs
 from tests.support.cases import model_state
 from tests.support.cases.model_state import CHANGED, change_everything, differences, read_back
 from tests.support.paths import ROOT
 from tests.support.clients.remote import client_pointed_at
-from tests.support.stacks.stack import Stack, offline_env
-from tests.support.stacks.stack_pool import AUTH_LIMITS_OFF
 from tests.support.cases.tiny_model import PROMPT, REPO_ID, worker_loaded
 
 nnsight.register(model_state)  # its blocks' helpers run on the farm
@@ -40,25 +37,12 @@ WHO = {"trusted-a": True, "trusted-b": True, "untrusted-c": False, "untrusted-d"
 
 @pytest.fixture(scope="module")
 def farm(tmp_path_factory, hf_home):
-    home = tmp_path_factory.mktemp("residue-farm")
-    pythons = {}
-    for version in RUNTIMES:
-        runtime = client_envs.shared(version)
-        client_envs.link_into(home, runtime)
-        pythons[version] = runtime.interpreter
-    env = {**offline_env(hf_home), **AUTH_LIMITS_OFF, "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
-           "NDIF_ISOLATION": "fork", "NDIF_RUNTIMES": ",".join(RUNTIMES)}
-    stack = Stack(home, env=env)
-    stack.start()
-    try:
-        stack.until(lambda: {info.get("nnsight") for info in stack.operator_farm()["cluster"]["workers"].values()}
-                    >= {*RUNTIMES, client_versions.MAIN}, "a worker of each runtime to register", timeout_s=180)
-        keys = {who: stack.cli("keys", "create", "--email", f"{who}@example.org", *(["--trusted"] if trusted else []),
-                               check=True).stdout.strip().splitlines()[-1]
-                for who, trusted in WHO.items()}
-        yield {"stack": stack, "pythons": pythons, "keys": keys}
-    finally:
-        stack.discard()
+    runtimes = [client_envs.shared(version) for version in RUNTIMES]
+    with client_envs.runtimes_stack(tmp_path_factory.mktemp("residue-farm"), hf_home, runtimes,
+                                    {"NDIF_ISOLATION": "fork"}) as stack:
+        keys = {who: stack.create_key(f"{who}@example.org", trusted=trusted) for who, trusted in WHO.items()}
+        yield {"stack": stack, "pythons": {runtime.version: runtime.interpreter for runtime in runtimes},
+               "keys": keys}
 
 
 # -- the farm's own client (0.8.1) ---------------------------------------------------------

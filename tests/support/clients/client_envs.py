@@ -10,6 +10,7 @@ offline model cache, and prints a JSON line of what happened.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import glob
 import json
@@ -79,6 +80,29 @@ def link_into(home: Path, runtime: runtimes.Runtime) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     if not target.exists():
         target.symlink_to(runtime.path, target_is_directory=True)
+
+
+@contextlib.contextmanager
+def runtimes_stack(home: Path, hf_home: Path, runtimes: list, env: Optional[dict] = None, timeout_s: float = 180):
+    """A stack with keys required whose workers serve ``runtimes`` (``NDIF_RUNTIMES``,
+    each linked into ``home``) beside the farm's own: started, a worker of each
+    registered, discarded after."""
+    from ndif_celery.policy import client_versions
+    from tests.support.stacks.stack import Stack, offline_env
+    from tests.support.stacks.stack_pool import AUTH_LIMITS_OFF
+
+    for runtime in runtimes:
+        link_into(home, runtime)
+    names = {runtime.version for runtime in runtimes}
+    stack = Stack(home, env={**offline_env(hf_home), **AUTH_LIMITS_OFF, "NDIF_AUTH": "1", "NDIF_AUTH_CACHE_S": "0",
+                             "NDIF_RUNTIMES": ",".join(runtime.version for runtime in runtimes), **(env or {})})
+    stack.start()
+    try:
+        stack.until(lambda: {info.get("nnsight") for info in stack.operator_farm()["cluster"]["workers"].values()}
+                    >= names | {client_versions.MAIN}, "a worker of each runtime to register", timeout_s=timeout_s)
+        yield stack
+    finally:
+        stack.discard()
 
 
 def run(python: Path, script: str, *args: str, timeout_s: float = 180, env: dict | None = None) -> dict:

@@ -104,6 +104,11 @@ class Stack:
             raise StackFailed(self._report(f"`ndif-celery {' '.join(args)}` exited {result.returncode}", result))
         return result
 
+    def create_key(self, email: str, trusted: bool = False) -> str:
+        """A new API key for ``email`` (``ndif-celery keys create``)."""
+        made = self.cli("keys", "create", "--email", email, *(["--trusted"] if trusted else []), check=True)
+        return made.stdout.strip().splitlines()[-1]
+
     def start(self, timeout: float = 180) -> "Stack":
         """``up --detach``: returns once the stack is ready, else raises with every log."""
         timeout = pace.bound(timeout)
