@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Optional
 from urllib.parse import urlsplit
 
 from .policy import held_formats
-from .policy.client_versions import parse_minimum
+from .policy.client_versions import RELEASE, RUNTIME_NAME, parse_minimum
 from .policy.jail_layers import parse_disable, parse_require
 
 MiB = 1024 * 1024
@@ -166,10 +166,6 @@ def _web_worker_class(name: str, raw: str) -> str:
     return value
 
 
-# One exact nnsight release, as a runtime is named (ndif_celery.host.runtimes checks the same);
-# a runtime on another Python minor adds it (0.5.15+py3.12).
-_RELEASE = re.compile(r"\d+\.\d+\.\d+(?:\.post\d+)?")
-_RUNTIME_NAME = re.compile(r"\d+\.\d+\.\d+(?:\.post\d+)?(?:\+py\d+\.\d+)?")
 
 
 def _runtime_ports(name: str, raw: str) -> dict:
@@ -180,7 +176,7 @@ def _runtime_ports(name: str, raw: str) -> dict:
             continue
         version, _, port = part.partition("=")
         version = version.strip()
-        if not _RELEASE.fullmatch(version) or not port.strip().isdigit():
+        if not RELEASE.fullmatch(version) or not port.strip().isdigit():
             raise ValueError(f"{name} lists VERSION=PORT pairs such as 0.7.0=8007, got {part!r}")
         if not 0 < int(port) < 65536 or int(port) in ports.values():
             raise ValueError(f"{name}: port {port.strip()} is not a free TCP port number of its own")
@@ -192,7 +188,7 @@ def _versions(name: str, raw: str) -> tuple:
     """``0.7.0,0.5.15+py3.12``: runtimes by name (an exact nnsight release), each once."""
     versions = tuple(dict.fromkeys(part.strip() for part in raw.split(",") if part.strip()))
     for version in versions:
-        if not _RUNTIME_NAME.fullmatch(version):
+        if not RUNTIME_NAME.fullmatch(version):
             raise ValueError(f"{name} lists runtimes by their exact nnsight release such as 0.7.0 "
                              f"(0.5.15+py3.12 on another Python), got {version!r}")
     return versions

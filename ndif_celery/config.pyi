@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 from urllib.parse import urlsplit
 from .policy import held_formats
-from .policy.client_versions import parse_minimum
+from .policy.client_versions import RELEASE, RUNTIME_NAME, parse_minimum
 from .policy.jail_layers import parse_disable, parse_require
 
 MiB: int
@@ -57,10 +57,6 @@ LAUNCHERS: tuple[str, ...]
 def _launcher(name: str, raw: str) -> str: ...
 
 def _web_worker_class(name: str, raw: str) -> str: ...
-
-_RELEASE: re.Pattern[str]
-
-_RUNTIME_NAME: re.Pattern[str]
 
 def _runtime_ports(name: str, raw: str) -> dict: ...
 

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Optional, Protocol
 
 from ndif_celery import config
 from ndif_celery.state.launches import ENDED, PENDING, RUNNING
@@ -74,7 +74,7 @@ class SlurmLauncher:
         if settings.launch_gpus:
             argv.append(f"--gpus={settings.launch_gpus}")
         argv += [str(settings.slurm_script), *worker_args]
-        out = self._run(argv)
+        out = self._run(argv, self._worker_env())
         if out.returncode != 0:
             raise LaunchRefused(_said(out) or f"sbatch exited {out.returncode}")
         return out.stdout.strip().split(";")[0]
@@ -92,8 +92,7 @@ class SlurmLauncher:
             job_id, _, rest = line.strip().partition("|")
             state, _, reason = rest.partition("|")
             if state not in FINISHED:  # squeue lists a finished job for a moment: scontrol says how
-                listed[job_id] = LaunchState(PENDING if state == "PENDING" else RUNNING,
-                                             "" if reason in ("None", "(null)") else reason)
+                listed[job_id] = LaunchState(PENDING if state == "PENDING" else RUNNING, _reason(reason))
         return {job_id: listed.get(job_id) or self._ended(job_id) for job_id in launch_ids}
 
     def cancel(self, launch_id: str) -> None:
@@ -106,13 +105,14 @@ class SlurmLauncher:
         out = self._run(["scontrol", "show", "job", job_id, "--oneliner"])
         fields = dict(part.split("=", 1) for part in out.stdout.split() if "=" in part)
         state, reason = fields.get("JobState", ""), fields.get("Reason", "")
-        said = " ".join(part for part in (state, "" if reason in ("None", "(null)") else reason) if part)
+        said = " ".join(part for part in (state, _reason(reason)) if part)
         return LaunchState(ENDED, f"{said or 'ended'} (its log: {self._log(job_id)})")
 
     def _log(self, job_id: str) -> Path:
         return self.settings.home / "logs" / f"slurm-{job_id}.log"
 
-    def _run(self, argv: list[str]) -> subprocess.CompletedProcess:
+    def _worker_env(self) -> dict:
+        """What a launched worker starts with: ``sbatch`` exports its own environment to the job."""
         env = {k: v for k, v in os.environ.items() if k not in ("NDIF_WORKER_NAME", "NDIF_WORKER_GPUS")}
         env["NDIF_WORKER_IDLE_EXIT_S"] = repr(self.settings.launch_idle_s)
         env["NDIF_HOME"] = str(self.settings.home)
@@ -120,6 +120,9 @@ class SlurmLauncher:
         # The worker runs the farm's own CLI, beside this interpreter.
         cli = Path(sys.executable).parent / "ndif-celery"
         env.setdefault("FARM_CLI", str(cli) if cli.exists() else "ndif-celery")
+        return env
+
+    def _run(self, argv: list[str], env: Optional[dict] = None) -> subprocess.CompletedProcess:
         try:
             return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=SCHEDULER_TIMEOUT_S)
         except FileNotFoundError:
@@ -127,6 +130,11 @@ class SlurmLauncher:
                                 f"commands are") from None
         except subprocess.TimeoutExpired:
             raise LaunchRefused(f"{argv[0]} gave no answer within {SCHEDULER_TIMEOUT_S:.0f} s") from None
+
+
+def _reason(raw: str) -> str:
+    """SLURM's reason field, empty where it has none."""
+    return "" if raw in ("None", "(null)") else raw
 
 
 def _said(out: subprocess.CompletedProcess) -> str:

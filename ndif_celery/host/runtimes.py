@@ -39,9 +39,6 @@ FOLDER = "runtimes"
 RECORD = "runtime.json"
 #: What the farm holds the runtime to: the same tensors, from the same wheels.
 PINNED = ("torch", "transformers")
-_VERSION = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+)?$")
-#: A runtime's name: its release, and the Python minor when not the farm's (``0.5.15+py3.12``).
-_NAME = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+)?(?:\+py\d+\.\d+)?$")
 INSTALL_TIMEOUT_S = 900
 
 
@@ -78,7 +75,7 @@ def main_version() -> str:
 def check_version(version: str) -> str:
     """An exact release such as 0.7.0: runtimes are per exact version, never a range."""
     version = (version or "").strip()
-    if not _VERSION.match(version):
+    if not client_versions.RELEASE.fullmatch(version):
         raise RuntimeFailure(f"a runtime is one exact nnsight release such as 0.7.0, got {version[:40]!r}")
     return version
 
@@ -86,7 +83,7 @@ def check_version(version: str) -> str:
 def check_name(name: str) -> str:
     """A runtime's name as ``add`` made it: a release, with ``+pyX.Y`` on another Python minor."""
     name = (name or "").strip()
-    if not _NAME.match(name):
+    if not client_versions.RUNTIME_NAME.fullmatch(name):
         raise RuntimeFailure(f"a runtime is named by an nnsight release such as 0.7.0 (0.5.15+py3.12 on another "
                              f"Python), got {name[:40]!r}")
     return name
@@ -116,7 +113,7 @@ def listing(home: Path) -> list[Runtime]:
     runtimes = []
     for path in sorted(root.glob("nnsight-*")) if root.is_dir() else []:
         version = path.name.removeprefix("nnsight-")
-        if _NAME.match(version):
+        if client_versions.RUNTIME_NAME.fullmatch(version):
             runtimes.append(_read(path, version))
     return runtimes
 

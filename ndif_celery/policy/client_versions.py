@@ -115,6 +115,10 @@ def as_runtime(version: str) -> str:
 #: A runtime built on another Python minor than the farm's is named for both:
 #: ``0.5.15+py3.12`` (a PEP 440 local label, so it still sorts and compares as 0.5.15).
 MINOR_LABEL = "+py"
+#: One exact nnsight release (``fullmatch``): what a runtime is added as.
+RELEASE = re.compile(r"\d+\.\d+\.\d+(?:\.post\d+)?")
+#: A runtime's name (``fullmatch``): its release, with the minor label on another Python minor.
+RUNTIME_NAME = re.compile(rf"{RELEASE.pattern}(?:{re.escape(MINOR_LABEL)}\d+\.\d+)?")
 
 
 def runtime_name(version: str, minor: str) -> str:
